@@ -1,0 +1,1 @@
+"""The CDC daemon: one logical slot streamed into Kafka, exactly once."""

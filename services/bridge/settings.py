@@ -1,0 +1,103 @@
+"""The bridge daemon's settings (file + ``SLOTBRIDGE_*`` environment)."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+
+from services.common.settings import ServiceSettings
+
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class BridgeSettings(ServiceSettings):
+    """Where to read, where to write, and how hard to batch.
+
+    ``source_dsn`` is a libpq connection string; list several hosts
+    (``host=a,b target_session_attrs=read-write``) to follow a promotion. TLS options
+    (``sslmode``, ``sslrootcert`` ...) go in the DSN and reach libpq unchanged. The
+    password may instead come from ``source_password`` or libpq's own ``PGPASSWORD``/
+    ``PGPASSFILE`` so it never sits in a file.
+    """
+
+    source_dsn: str = Field(description="libpq connection string of the source database")
+    source_password: SecretStr | None = None
+    slot_name: str = "slotbridge"
+    publication_name: str = "slotbridge"
+    tables: list[str] | None = Field(
+        default=None, description="schema.table names to publish; all tables when unset",
+    )
+    create_publication: bool = True
+    streaming: Literal["parallel", "on", "off"] = "parallel"
+    two_phase: bool = True
+    snapshot_mode: Literal["initial", "never", "initial_only"] = "initial"
+
+    kafka_bootstrap: str = Field(description="Kafka bootstrap servers, host:port[,host:port]")
+    kafka_config: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra librdkafka settings (security.protocol, ssl.*, sasl.mechanism ...)",
+    )
+    kafka_sasl_password: SecretStr | None = None
+    topic_prefix: str = "slotbridge"
+    progress_topic: str = "__slotbridge_progress"
+    topic_partitions: int = Field(default=1, ge=1)
+    topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")
+    kafka_transaction_timeout_ms: int = Field(default=300_000, ge=1_000)
+
+    spool_dir: Path = Path(tempfile.gettempdir()) / "slotbridge-spool"
+    spool_memory_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=0,
+        description="bytes of one transaction kept in memory before it spills to spool_dir",
+    )
+    batch_max_events: int = Field(default=20_000, ge=1)
+    batch_max_ms: int = Field(default=200, ge=1)
+    status_interval_s: float = Field(default=10.0, gt=0)
+    max_row_bytes: int = Field(
+        default=100 * 1024 * 1024, ge=1024,
+        description="a change record larger than this stops the bridge with a clear error",
+    )
+
+    http_host: str = "0.0.0.0"
+    http_port: int = Field(default=9187, ge=0, le=65535, description="0 disables the server")
+    log_format: Literal["json", "text"] = "json"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("slot_name", "publication_name")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not _IDENT.match(value):
+            raise ValueError(
+                "must be a lower-case PostgreSQL identifier (a-z, 0-9, _; at most 63 chars)"
+            )
+        return value
+
+    @field_validator("topic_prefix", "progress_topic")
+    @classmethod
+    def _topic(cls, value: str) -> str:
+        if not _TOPIC.match(value):
+            raise ValueError("must be a valid Kafka topic name (letters, digits, '.', '_', '-')")
+        return value
+
+    @field_validator("tables")
+    @classmethod
+    def _qualified(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            for name in value:
+                if name.count(".") != 1:
+                    raise ValueError(f"table {name!r} must be written schema.table")
+        return value
+
+    @property
+    def origin_name(self) -> str:
+        """The replication origin that records this slot's published progress."""
+        return f"slotbridge_{self.slot_name}"
+
+    @property
+    def transactional_id(self) -> str:
+        """One id per slot: a second bridge on the same slot fences the first."""
+        return f"slotbridge-{self.slot_name}"

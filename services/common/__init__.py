@@ -1,0 +1,1 @@
+"""What the bridge and the failover service share: LSNs, connections, settings, HTTP, logs."""

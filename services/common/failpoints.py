@@ -1,0 +1,52 @@
+"""Named failure injection points, switched on by the ``SLOTBRIDGE_FAILPOINTS`` variable.
+
+Crash tests must hit each window of the publish -> commit -> advance -> confirm sequence
+on purpose, not by luck. The variable holds ``name=action`` pairs separated by commas:
+
+    SLOTBRIDGE_FAILPOINTS="after_kafka_commit=kill"      # SIGKILL ourselves right there
+    SLOTBRIDGE_FAILPOINTS="before_origin_advance=3*kill"  # on the third time through
+    SLOTBRIDGE_FAILPOINTS="before_kafka_commit=error"     # raise FailpointError
+
+Without the variable ``failpoint()`` costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class FailpointError(RuntimeError):
+    pass
+
+
+def _parse(spec: str) -> dict[str, tuple[int, str]]:
+    points: dict[str, tuple[int, str]] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, action = item.partition("=")
+        count, star, what = action.partition("*")
+        if star:
+            points[name] = (int(count), what)
+        else:
+            points[name] = (1, action or "kill")
+    return points
+
+
+_POINTS = _parse(os.environ.get("SLOTBRIDGE_FAILPOINTS", ""))
+_HITS: dict[str, int] = {}
+
+
+def failpoint(name: str) -> None:
+    """Fire the named failpoint if it is armed and this is the chosen pass."""
+    if not _POINTS:
+        return
+    armed = _POINTS.get(name)
+    if armed is None:
+        return
+    hits = _HITS[name] = _HITS.get(name, 0) + 1
+    nth, action = armed
+    if hits != nth:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise FailpointError(f"failpoint {name} fired")

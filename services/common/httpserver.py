@@ -1,0 +1,62 @@
+"""The small HTTP server every daemon runs: /healthz, /readyz and Prometheus /metrics.
+
+Liveness and readiness are callables the daemon supplies, returning ``(ok, reason)``, so
+the server itself knows nothing of slots or standbys. It runs in a daemon thread and
+never touches a secret: metrics are whatever the registry holds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+Probe = Callable[[], tuple[bool, str]]
+
+
+class HealthServer:
+    def __init__(self, host: str, port: int, live: Probe, ready: Probe,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        probes = {"/healthz": live, "/readyz": ready}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                elif path in probes:
+                    ok, reason = probes[path]()
+                    body = json.dumps({"ok": ok, "reason": reason}).encode()
+                    self._send(200 if ok else 503, "application/json", body)
+                else:
+                    self._send(404, "text/plain", b"not found\n")
+
+            def _send(self, code: int, ctype: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return  # probes every few seconds would drown the daemon's own log
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http",
+                                        daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,55 @@
+"""Structured logging: one JSON object per line (or plain text for humans at a terminal).
+
+Callers pass context as ``extra={"fields": {...}}`` or through ``log_event``; the JSON
+formatter puts those keys at the top level so log pipelines can index them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.getMessage()}"
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict) and fields:
+            base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        if record.exc_info:
+            base += "\n" + self.formatException(record.exc_info)
+        return base
+
+
+def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # librdkafka and psycopg chatter is not the operator's business at INFO.
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
+    logger.log(level, msg, extra={"fields": fields})

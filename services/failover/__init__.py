@@ -1,0 +1,1 @@
+"""Failover readiness checks, the watch daemon and the promote runbook."""

@@ -1,0 +1,1 @@
+"""The embedded local stack: PostgreSQL primary/standby/subscriber and a KRaft Kafka broker."""

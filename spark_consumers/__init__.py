@@ -1,0 +1,1 @@
+"""Spark Structured Streaming jobs: Kafka change topics to typed Delta tables."""
