@@ -1,0 +1,205 @@
+"""Turns the pgoutput message stream into whole committed transactions, in commit order.
+
+Three shapes of transaction arrive:
+- regular: Begin, changes, Commit - contiguous;
+- streamed (``streaming on/parallel``): chunks between Stream Start/Stop, interleaved
+  with other transactions, ended by Stream Commit or Stream Abort (of the whole thing or
+  of one subtransaction);
+- prepared (``two_phase``): Begin Prepare ... Prepare (or a streamed one ended by Stream
+  Prepare), then much later Commit Prepared or Rollback Prepared.
+
+Only control messages are decoded here; data messages (relations, changes) are kept as
+raw payloads in a per-transaction ``Spool`` and decoded once, when published. Streamed
+data messages carry their (sub)transaction id in bytes 1-4, which is all a Stream Abort of
+a subtransaction needs to drop exactly that subtransaction's changes at replay.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.bridge import messages as m
+from services.bridge.spool import Spool
+
+_XID = struct.Struct("!I")
+# Message types that belong to a transaction's content (everything else is control).
+DATA_TYPES = frozenset(b"RYIUDTM")
+
+
+class AssemblyError(Exception):
+    """The stream broke the protocol's ordering rules; the session must restart."""
+
+
+@dataclass(slots=True)
+class Transaction:
+    """A transaction whose fate is sealed: its changes are ready to publish."""
+
+    xid: int
+    commit_lsn: int
+    end_lsn: int
+    commit_ts: int  # microseconds since 2000-01-01, as sent
+    spool: Spool
+    streamed: bool  # payloads carry an xid prefix
+    aborted_subxids: frozenset[int]
+    gid: str | None = None  # set for a two-phase transaction
+    prepare_lsn: int | None = None
+
+
+@dataclass(slots=True)
+class _Open:
+    xid: int
+    spool: Spool
+    streamed: bool
+    aborted: set[int]
+    final_lsn: int = 0
+    commit_ts: int = 0
+
+
+SpoolFactory = Callable[[str], Spool]
+
+
+class Assembler:
+    def __init__(self, decode: Callable[[bytes], m.Message], new_spool: SpoolFactory,
+                 on_prepared: Callable[[str, int], None] = lambda gid, lsn: None,
+                 on_rolled_back: Callable[[str], None] = lambda gid: None) -> None:
+        """``on_prepared``/``on_rolled_back`` tell the confirm tracker which PREPAREs must
+        hold back the slot's confirmed position until they are published or dropped."""
+        self._decode = decode
+        self._new_spool = new_spool
+        self._on_prepared = on_prepared
+        self._on_rolled_back = on_rolled_back
+        self._current: _Open | None = None  # the open regular or begin-prepare transaction
+        self._streams: dict[int, _Open] = {}  # streamed transactions by top-level xid
+        self._in_stream: _Open | None = None
+        self._prepared: dict[str, tuple[_Open, int]] = {}  # gid -> (txn, prepare_lsn)
+        self._orphans: list[tuple[int, bytes]] = []  # relation/type outside a transaction
+
+    @property
+    def idle(self) -> bool:
+        """No transaction is open, streaming or prepared: confirming WAL end loses nothing."""
+        return self._current is None and not self._streams and not self._prepared
+
+    def feed(self, lsn: int, payload: bytes) -> Transaction | None:
+        """Take one message; return a transaction when this message sealed one."""
+        kind = payload[0]
+        if kind in DATA_TYPES:
+            self._data(lsn, payload)
+            return None
+        msg = self._decode(payload)
+        match msg:
+            case m.Begin(final_lsn=final_lsn, commit_ts=ts, xid=xid):
+                self._open_regular(xid, final_lsn, ts)
+            case m.Commit(commit_lsn=commit_lsn, end_lsn=end_lsn, commit_ts=ts):
+                txn = self._take_current("Commit")
+                return self._seal(txn, commit_lsn, end_lsn, ts)
+            case m.StreamStart(xid=xid):
+                if self._in_stream is not None:
+                    raise AssemblyError("Stream Start inside a stream block")
+                self._in_stream = self._streams.get(xid) or self._start_stream(xid)
+            case m.StreamStop():
+                self._in_stream = None
+            case m.StreamCommit(xid=xid, commit_lsn=commit_lsn, end_lsn=end_lsn, commit_ts=ts):
+                txn = self._take_stream(xid, "Stream Commit")
+                return self._seal(txn, commit_lsn, end_lsn, ts)
+            case m.StreamAbort(xid=xid, subxid=subxid):
+                self._stream_abort(xid, subxid)
+            case m.BeginPrepare(xid=xid, prepare_lsn=prepare_lsn, prepare_ts=ts):
+                self._open_regular(xid, prepare_lsn, ts)
+            case m.Prepare(gid=gid, prepare_lsn=prepare_lsn):
+                self._prepared[gid] = (self._take_current("Prepare"), prepare_lsn)
+                self._on_prepared(gid, prepare_lsn)
+            case m.StreamPrepare(xid=xid, gid=gid, prepare_lsn=prepare_lsn):
+                self._prepared[gid] = (self._take_stream(xid, "Stream Prepare"), prepare_lsn)
+                self._on_prepared(gid, prepare_lsn)
+            case m.CommitPrepared(gid=gid, commit_lsn=commit_lsn, end_lsn=end_lsn, commit_ts=ts):
+                entry = self._prepared.pop(gid, None)
+                if entry is None:
+                    # Its content went by before our start position: the caller decides
+                    # (already published, or a gap it must refuse to paper over).
+                    return Transaction(0, commit_lsn, end_lsn, ts, self._new_spool(f"gid-{gid}"),
+                                       False, frozenset(), gid, None)
+                txn, prepare_lsn = entry
+                sealed = self._seal(txn, commit_lsn, end_lsn, ts)
+                sealed.gid, sealed.prepare_lsn = gid, prepare_lsn
+                return sealed
+            case m.RollbackPrepared(gid=gid):
+                entry = self._prepared.pop(gid, None)
+                if entry is not None:
+                    entry[0].spool.discard()
+                self._on_rolled_back(gid)
+            case m.Origin():
+                pass  # we publish every origin's changes; the name is not part of a record
+            case _:
+                raise AssemblyError(f"unexpected message {type(msg).__name__}")
+        return None
+
+    def discard_all(self) -> None:
+        """Drop every buffered transaction (the session ends; the slot will resend them)."""
+        spools = [t.spool for t in self._streams.values()]
+        spools += [t.spool for t, _ in self._prepared.values()]
+        if self._current is not None:
+            spools.append(self._current.spool)
+        for spool in spools:
+            spool.discard()
+        self._current, self._in_stream = None, None
+        self._streams.clear()
+        self._prepared.clear()
+
+    def _data(self, lsn: int, payload: bytes) -> None:
+        target = self._in_stream or self._current
+        if target is None:
+            if payload[0] in b"RY":
+                self._orphans.append((lsn, payload))
+                return
+            raise AssemblyError(f"change message {chr(payload[0])!r} outside a transaction")
+        target.spool.append(lsn, payload)
+
+    def _open_regular(self, xid: int, final_lsn: int, ts: int) -> None:
+        if self._current is not None:
+            raise AssemblyError(f"Begin of {xid} while {self._current.xid} is still open")
+        self._current = self._adopt_orphans(
+            _Open(xid, self._new_spool(f"txn-{xid}"), False, set(), final_lsn, ts))
+
+    def _start_stream(self, xid: int) -> _Open:
+        txn = self._streams[xid] = self._adopt_orphans(
+            _Open(xid, self._new_spool(f"stream-{xid}"), True, set()))
+        return txn
+
+    def _adopt_orphans(self, txn: _Open) -> _Open:
+        for lsn, payload in self._orphans:
+            # A streamed transaction's payloads carry an xid; give orphans the top xid.
+            txn.spool.append(lsn, payload[:1] + _XID.pack(txn.xid) + payload[1:]
+                             if txn.streamed else payload)
+        self._orphans.clear()
+        return txn
+
+    def _take_current(self, what: str) -> _Open:
+        if self._current is None:
+            raise AssemblyError(f"{what} without an open transaction")
+        txn, self._current = self._current, None
+        return txn
+
+    def _take_stream(self, xid: int, what: str) -> _Open:
+        txn = self._streams.pop(xid, None)
+        if txn is None:
+            raise AssemblyError(f"{what} for unknown streamed transaction {xid}")
+        if self._in_stream is txn:
+            self._in_stream = None
+        return txn
+
+    def _stream_abort(self, xid: int, subxid: int) -> None:
+        if xid == subxid:
+            txn = self._streams.pop(xid, None)
+            if txn is not None:
+                txn.spool.discard()
+            return
+        txn = self._streams.get(xid)
+        if txn is not None:
+            txn.aborted.add(subxid)
+
+    @staticmethod
+    def _seal(txn: _Open, commit_lsn: int, end_lsn: int, ts: int) -> Transaction:
+        return Transaction(txn.xid, commit_lsn, end_lsn, ts, txn.spool, txn.streamed,
+                           frozenset(txn.aborted))

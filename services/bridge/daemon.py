@@ -1,0 +1,353 @@
+"""The bridge daemon: one session per connection, restarted with backoff until stopped.
+
+A session: preflight the source, make sure publication, slot and origin exist, fence
+older producers, compute the high-water mark, then run the socket loop (this thread)
+next to the publisher thread. Any error ends the session; the next one starts again from
+what PostgreSQL and Kafka durably hold, so a restart can neither lose nor duplicate.
+
+Errors that a retry cannot fix (bad settings, wrong server, a gap) end the daemon with
+one line and a non-zero exit; so does any error before the first session streamed,
+because at start-up a failure is far more often a typo than an outage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+import psycopg
+from confluent_kafka import KafkaException
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential
+
+from services.bridge.assembler import Assembler, AssemblyError
+from services.bridge.decoder import DecodeError, PgOutputDecoder
+from services.bridge.events import EventBuilder, KnownVersion, RelationCatalog, RowTooLarge
+from services.bridge.metrics import BridgeMetrics
+from services.bridge.progress import (
+    ConfirmTracker,
+    OriginStore,
+    ProgressError,
+    ServerIdentity,
+    check_identity,
+    high_water,
+    read_kafka_progress,
+    read_topic,
+)
+from services.bridge.publisher import GapError, Publisher, TxnQueue
+from services.bridge.settings import BridgeSettings
+from services.bridge.sink import FencedError, KafkaSink, SinkError, kafka_client_config
+from services.bridge.source import (
+    check_slot,
+    ensure_publication,
+    preflight,
+    slot_state,
+    table_facts,
+    warn_keyless_tables,
+)
+from services.bridge.spool import Spool, SpoolStats, clear_spool_dir
+from services.bridge.stream import ReplicationConnection, StreamError
+from services.common.failpoints import failpoint
+from services.common.httpserver import HealthServer
+from services.common.logs import log_event
+from services.common.lsn import format_lsn
+from services.common.pg import SourceError, connect, with_password
+
+log = logging.getLogger(__name__)
+
+# Errors a new session can get past (the server or broker went away, a walsender of our
+# previous session still holds the slot ...). Everything else is fatal.
+TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
+             ProgressError)
+FATAL = (FencedError, GapError, RowTooLarge, DecodeError)
+_QUEUE_BYTES = 64 * 1024 * 1024
+_STATS_EVERY_S = 10.0
+
+
+class SlotBusy(SourceError):
+    """The slot is in use by another walsender (often our own previous session's)."""
+
+
+@dataclass
+class _Health:
+    streaming: bool = False
+    last_loop: float = 0.0
+    error: str = ""
+
+
+class Bridge:
+    def __init__(self, settings: BridgeSettings) -> None:
+        self.settings = settings
+        self.spool_stats = SpoolStats()
+        self.metrics = BridgeMetrics(settings.slot_name, self.spool_stats)
+        self._stop = threading.Event()
+        self._health = _Health(last_loop=time.monotonic())
+        self._streamed_once = False
+        self._dsn = with_password(
+            settings.source_dsn,
+            settings.source_password.get_secret_value() if settings.source_password else None)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        """Run until SIGTERM/SIGINT or a fatal error; returns the process exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        server = None
+        if self.settings.http_port:
+            server = HealthServer(self.settings.http_host, self.settings.http_port, self._live,
+                                  self._ready, self.metrics.registry).start()
+        try:
+            for attempt in Retrying(retry=retry_if_exception(self._retryable),
+                                    wait=wait_exponential(multiplier=0.5, max=30),
+                                    stop=stop_never, before_sleep=self._before_retry,
+                                    reraise=True):
+                with attempt:
+                    self._session()
+            return 0
+        except SourceError as exc:
+            log_event(log, logging.ERROR, str(exc))
+            return 2
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            log_event(log, logging.ERROR, _one_line(exc), error=type(exc).__name__)
+            return 1
+        finally:
+            if server is not None:
+                server.stop()
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        log_event(log, logging.INFO, "stopping", signal=signal.Signals(signum).name)
+        self._stop.set()
+
+    def _retryable(self, exc: BaseException) -> bool:
+        if self._stop.is_set() or isinstance(exc, FATAL):
+            return False
+        if isinstance(exc, SlotBusy):
+            return True
+        return self._streamed_once and isinstance(exc, (*TRANSIENT, SourceError))
+
+    def _before_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        self.metrics.reconnects.inc()
+        self._health.error = _one_line(exc) if exc else ""
+        sleep = state.next_action.sleep if state.next_action else 0
+        log_event(log, logging.WARNING, "session ended, reconnecting",
+                  error=self._health.error, attempt=state.attempt_number,
+                  retry_in_s=round(sleep, 1))
+        self._stop.wait(sleep)
+
+    def _live(self) -> tuple[bool, str]:
+        stale = time.monotonic() - self._health.last_loop
+        # A session being set up (snapshot, slot creation) may take long; a wedged socket
+        # loop must still be noticed.
+        return (stale < 120, f"main loop last ran {stale:.0f}s ago")
+
+    def _ready(self) -> tuple[bool, str]:
+        if self._health.streaming:
+            return True, "streaming"
+        return False, self._health.error or "not streaming yet"
+
+    # -- one session -----------------------------------------------------------------
+
+    def _session(self) -> None:
+        s = self.settings
+        sql = connect(self._dsn)
+        repl: ReplicationConnection | None = None
+        sink: KafkaSink | None = None
+        publisher: Publisher | None = None
+        assembler: Assembler | None = None
+        try:
+            preflight(sql, s)
+            ensure_publication(sql, s)
+            warn_keyless_tables(sql, s.publication_name)
+            repl = ReplicationConnection(self._dsn)
+            system = repl.identify_system()
+            identity = ServerIdentity(system.system_identifier, system.timeline)
+            self._ensure_slot(sql, repl, system.dbname)
+            origin = OriginStore(sql, s.origin_name)
+            origin.ensure()
+
+            sink = KafkaSink(s)
+            sink.start()  # fences a killed predecessor; must precede reading progress
+            builder = EventBuilder(
+                RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
+                                self._known_versions(f"{s.topic_prefix}.schema")),
+                s.topic_prefix, system.dbname, s.max_row_bytes)
+            sink.ensure_topics({s.progress_topic: True, builder.schema_topic: True,
+                                builder.transaction_topic: False})
+            kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic,
+                                                 s.slot_name)
+            check_identity(identity, kafka_progress, s.slot_name)
+            mark = high_water(origin.progress(), kafka_progress)
+            log_event(log, logging.INFO, "session starting", slot=s.slot_name,
+                      system=identity.system_identifier, timeline=identity.timeline,
+                      high_water=format_lsn(mark))
+
+            spool_dir = s.spool_dir / s.slot_name
+            clear_spool_dir(spool_dir)
+            parallel = s.streaming == "parallel"
+            tracker = ConfirmTracker(0)
+            queue = TxnQueue(_QUEUE_BYTES)
+            replay = PgOutputDecoder(4, parallel_abort=parallel)
+            publisher = Publisher(
+                settings=s, sink=sink, origin=origin, builder=builder, tracker=tracker,
+                identity=identity, high_water=mark, queue=queue,
+                decode=lambda payload, streamed: replay.decode(payload, streamed),
+                metrics=self.metrics)
+            control = PgOutputDecoder(4, parallel_abort=parallel)
+            assembler = Assembler(
+                control.decode,
+                lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
+                on_prepared=tracker.prepared, on_rolled_back=tracker.finished)
+            publisher.start()
+            options = {"proto_version": "4", "publication_names": f'"{s.publication_name}"',
+                       "streaming": s.streaming, "messages": "true"}
+            if s.two_phase:
+                options["two_phase"] = "on"
+            repl.start(s.slot_name, 0, options)
+            self._streamed_once = True
+            self._health.streaming, self._health.error = True, ""
+            self.metrics.streaming.set(1)
+            log_event(log, logging.INFO, "streaming", slot=s.slot_name,
+                      publication=s.publication_name)
+            self._loop(sql, repl, assembler, queue, publisher, tracker)
+            # Clean stop: let the publisher commit what it holds, then confirm it.
+            publisher.stop()
+            publisher.join()
+            if publisher.error is not None:
+                raise publisher.error
+            repl.send_status(tracker.confirmable(), tracker.confirmable())
+            log_event(log, logging.INFO, "stopped cleanly",
+                      confirmed=format_lsn(tracker.confirmable()))
+        finally:
+            self._health.streaming = False
+            self.metrics.streaming.set(0)
+            if publisher is not None and publisher.is_alive():
+                publisher.stop()
+                publisher.join(30)
+            if assembler is not None:
+                assembler.discard_all()
+            if sink is not None:
+                sink.close()
+            if repl is not None:
+                repl.close()
+            sql.close()
+
+    def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
+                     repl: ReplicationConnection, dbname: str) -> None:
+        s = self.settings
+        state = slot_state(sql, s.slot_name)
+        if state is None:
+            created = repl.create_slot(s.slot_name, two_phase=s.two_phase, export_snapshot=False)
+            log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
+                      consistent_point=format_lsn(created.consistent_point), db=dbname)
+            return
+        check_slot(state, s.slot_name)
+        if state.active_pid is not None:
+            raise SlotBusy(f"slot {s.slot_name} is in use by process {state.active_pid}; "
+                           "is another bridge running on it?")
+        if not state.failover:
+            repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
+            log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
+
+    def _known_versions(self, schema_topic: str) -> dict[tuple[str, str], KnownVersion]:
+        """Table versions already announced, so a restart reuses instead of re-minting."""
+        known: dict[tuple[str, str], KnownVersion] = {}
+        for _key, value in read_topic(kafka_client_config(self.settings), schema_topic):
+            if value is None:
+                continue
+            rec = json.loads(value)
+            ident = rec["replica_identity"]
+            fingerprint = (ident, *(
+                (c["name"], c["type_oid"], c["type_modifier"], ident == "f" or c["key"])
+                for c in rec["columns"]))
+            name = (rec["schema"], rec["table"])
+            if name not in known or known[name].version < rec["version"]:
+                known[name] = KnownVersion(rec["version"], fingerprint)
+        return known
+
+    def _loop(self, sql: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
+              assembler: Assembler, queue: TxnQueue, publisher: Publisher,
+              tracker: ConfirmTracker) -> None:
+        s = self.settings
+        received = 0  # highest WAL position seen
+        queued_end = 0  # end LSN of the last sealed transaction handed to the publisher
+        idle_end = 0  # a keepalive's WAL end, confirmable when nothing is in flight
+        sent = 0
+        last_status = 0.0
+        next_stats = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            self._health.last_loop = now
+            if publisher.error is not None:
+                raise publisher.error
+            reply = False
+            if queue.full:
+                self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
+            else:
+                for kind, a, b, payload in repl.messages(0.1):
+                    if kind == "w":
+                        received = max(received, b)
+                        txn = assembler.feed(a, payload)  # type: ignore[arg-type]
+                        if txn is not None:
+                            queue.put(txn)
+                            queued_end = txn.end_lsn
+                    else:
+                        received = max(received, a)
+                        idle_end = a
+                        reply = reply or bool(payload)
+                        break
+                    if queue.full:
+                        break
+            confirm = tracker.confirmable()
+            if assembler.idle and tracker.published_lsn >= queued_end and idle_end > confirm:
+                # Nothing in flight: every change before the keepalive's WAL end has been
+                # received and published (or was not ours), so the slot may move past it.
+                confirm = idle_end
+            if confirm > sent or reply or now - last_status >= s.status_interval_s:
+                confirm = max(confirm, sent)
+                repl.send_status(received, confirm)
+                if confirm > sent:
+                    failpoint("after_slot_confirm")
+                sent, last_status = confirm, now
+                self.metrics.confirmed_lsn.set(confirm)
+            self.metrics.lag_bytes.set(max(0, received - tracker.published_lsn)
+                                       if tracker.published_lsn < queued_end else 0)
+            self.metrics.lag_seconds.set(
+                _lag_seconds(publisher.last_commit_ts) if tracker.published_lsn < queued_end
+                else 0)
+            if now >= next_stats:
+                self._slot_stats(sql)
+                next_stats = now + _STATS_EVERY_S
+
+    def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:
+        names = ("spill_txns", "spill_count", "spill_bytes", "stream_txns", "stream_count",
+                 "stream_bytes", "total_txns", "total_bytes")
+        with sql.cursor() as cur:
+            cur.execute(f"SELECT {', '.join(names)} FROM pg_stat_replication_slots "
+                        "WHERE slot_name = %s", (self.settings.slot_name,))
+            row = cur.fetchone()
+        if row is not None:
+            for name, value in zip(names, row, strict=True):
+                self.metrics.slot_stats.labels(self.settings.slot_name, name).set(
+                    float(str(value or 0)))
+
+
+def _lag_seconds(commit_ts_us: int) -> float:
+    if not commit_ts_us:
+        return 0.0
+    return max(0.0, time.time() - (commit_ts_us / 1_000_000 + 946_684_800))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

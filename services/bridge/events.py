@@ -1,0 +1,306 @@
+"""Builds the Kafka records of a sealed transaction: schema, BEGIN, changes, END.
+
+This is the hot path with the decoder: one call per row change. It avoids pydantic and
+builds values as dicts serialised once; what is constant for a whole transaction (the
+``source`` block but for ``lsn``) is computed once per relation per transaction.
+
+Pure: the relation catalogue gets catalogue facts (nullability, type names, primary key)
+through a callback the daemon supplies, so this module never opens a connection.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.bridge import messages as m
+from services.bridge.records import CONNECTOR, UNCHANGED_TOAST
+from services.bridge.values import TYPE_NAMES, JsonValue, converter_for
+
+VERSION = "0.1.0"
+# Seconds between the Unix epoch and PostgreSQL's (2000-01-01).
+_PG_EPOCH_MS = 946_684_800_000
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class RowTooLarge(Exception):
+    """A single change record exceeds the configured limit; publishing it would fail."""
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnFacts:
+    """What the catalogue knows of a column that a Relation message does not carry."""
+
+    type_name: str
+    nullable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TableFacts:
+    columns: dict[str, ColumnFacts]
+    primary_key: tuple[str, ...]
+
+
+CatalogLookup = Callable[[int], TableFacts | None]
+
+
+@dataclass(slots=True)
+class RelationInfo:
+    """One version of a table's shape, ready for building records fast."""
+
+    oid: int
+    schema: str
+    table: str
+    topic: str
+    version: int
+    names: tuple[str, ...]
+    converters: tuple[Callable[[str], JsonValue], ...]
+    key_idx: tuple[int, ...]
+    replica_identity: str
+    schema_record: dict[str, Any]
+    published: bool = False
+
+
+@dataclass(slots=True)
+class KnownVersion:
+    version: int
+    fingerprint: tuple[Any, ...]
+
+
+@dataclass
+class RelationCatalog:
+    """Relation messages in, versioned relation shapes out.
+
+    A table's version goes up when its columns (names, types, key flags) or replica
+    identity change. ``known`` is recovered from the schema topic at start, so a restart
+    that sees the same shape again reuses the version instead of minting a new one.
+    """
+
+    topic_prefix: str
+    lookup: CatalogLookup
+    known: dict[tuple[str, str], KnownVersion] = field(default_factory=dict)
+    by_oid: dict[int, RelationInfo] = field(default_factory=dict)
+
+    def apply(self, rel: m.Relation) -> RelationInfo:
+        fingerprint = (rel.replica_identity, *(
+            (c.name, c.type_oid, c.type_modifier, c.is_key) for c in rel.columns))
+        name = (rel.namespace, rel.name)
+        known = self.known.get(name)
+        current = self.by_oid.get(rel.oid)
+        if known is not None and known.fingerprint == fingerprint:
+            if current is not None and current.version == known.version \
+                    and current.schema == rel.namespace and current.table == rel.name:
+                return current
+            version, published = known.version, True
+        else:
+            version = known.version + 1 if known is not None else 1
+            published = False
+        info = self._build(rel, version)
+        info.published = published
+        self.known[name] = KnownVersion(version, fingerprint)
+        self.by_oid[rel.oid] = info
+        return info
+
+    def _build(self, rel: m.Relation, version: int) -> RelationInfo:
+        facts = self.lookup(rel.oid)
+        names = tuple(c.name for c in rel.columns)
+        flagged = tuple(i for i, c in enumerate(rel.columns) if c.is_key)
+        key_idx = flagged
+        if rel.replica_identity == "f" and facts is not None and facts.primary_key:
+            # With REPLICA IDENTITY FULL every column is flagged; the primary key is the
+            # key consumers expect (and the one Debezium uses).
+            key_idx = tuple(i for i, n in enumerate(names) if n in facts.primary_key)
+        columns = []
+        for c in rel.columns:
+            fact = facts.columns.get(c.name) if facts is not None else None
+            columns.append({
+                "name": c.name,
+                "type": fact.type_name if fact else TYPE_NAMES.get(c.type_oid, "text"),
+                "type_oid": c.type_oid,
+                "type_modifier": c.type_modifier,
+                "nullable": fact.nullable if fact else True,
+                "key": c.is_key if rel.replica_identity != "f" else c.name in
+                [names[i] for i in key_idx],
+            })
+        record = {
+            "schema": rel.namespace, "table": rel.name, "version": version,
+            "relation_oid": rel.oid, "replica_identity": rel.replica_identity,
+            "columns": columns, "key_columns": [names[i] for i in key_idx],
+            "ts_ms": int(time.time() * 1000),
+        }
+        return RelationInfo(
+            oid=rel.oid, schema=rel.namespace, table=rel.name,
+            topic=f"{self.topic_prefix}.{rel.namespace}.{rel.name}", version=version,
+            names=names, converters=tuple(converter_for(c.type_oid) for c in rel.columns),
+            key_idx=key_idx, replica_identity=rel.replica_identity, schema_record=record,
+        )
+
+
+# One output record: topic, key bytes (or None), value bytes (or None for a tombstone).
+Record = tuple[str, bytes | None, bytes | None]
+
+
+class EventBuilder:
+    """Turns decoded messages of one sealed transaction into Kafka records."""
+
+    def __init__(self, catalog: RelationCatalog, source_name: str, db: str,
+                 max_record_bytes: int) -> None:
+        self.catalog = catalog
+        self.source_name = source_name
+        self.db = db
+        self.max_record_bytes = max_record_bytes
+        self.schema_topic = f"{source_name}.schema"
+        self.transaction_topic = f"{source_name}.transaction"
+        self.message_topic = f"{source_name}.message"
+
+    def transaction(self, xid: int, commit_lsn: int, commit_ts: int,
+                    changes: Iterator[tuple[int, m.Message]],
+                    snapshot: str = "false") -> Iterator[Record]:
+        """Records for one transaction: BEGIN, schema versions as needed, changes, END."""
+        ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
+        txid = f"{xid}:{commit_lsn}"
+        yield self.transaction_topic, _dumps({"id": txid}).encode(), _dumps(
+            {"status": "BEGIN", "id": txid, "event_count": None, "data_collections": None,
+             "ts_ms": ts_ms}).encode()
+        total = 0
+        per_table: dict[str, int] = {}
+        # Per relation: the serialised pieces of the value constant for this transaction.
+        templates: dict[int, tuple[str, str]] = {}
+        now_ms = int(time.time() * 1000)
+        catalog = self.catalog
+        for lsn, msg in changes:
+            if isinstance(msg, m.Relation):
+                info = catalog.apply(msg)
+                templates.pop(info.oid, None)
+                if not info.published:
+                    yield self._schema_record(info)
+                continue
+            if isinstance(msg, m.TypeMsg):
+                continue
+            if isinstance(msg, m.Truncate):
+                for oid in msg.relation_oids:
+                    info = catalog.by_oid[oid]
+                    total += 1
+                    order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
+                    value = self._value(info, templates, xid, commit_lsn, ts_ms, snapshot,
+                                        now_ms, lsn, "t", None, None, txid, total, order)
+                    yield info.topic, None, value
+                continue
+            if isinstance(msg, m.LogicalMessage):
+                total += 1
+                yield self.message_topic, _dumps({"prefix": msg.prefix}).encode(), _dumps({
+                    "prefix": msg.prefix, "content": base64.b64encode(msg.content).decode(),
+                    "transactional": msg.transactional, "lsn": lsn, "txId": xid,
+                    "commit_lsn": commit_lsn, "ts_ms": ts_ms}).encode()
+                continue
+            info = catalog.by_oid[msg.relation_oid]  # type: ignore[union-attr]
+            total += 1
+            order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
+            if isinstance(msg, m.Insert):
+                after = _row(info, msg.new, None)
+                key = _key(info, msg.new)
+                yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
+                                                   snapshot, now_ms, lsn,
+                                                   "r" if snapshot != "false" else "c",
+                                                   None, after, txid, total, order)
+            elif isinstance(msg, m.Update):
+                before = None
+                if msg.old is not None:
+                    before = (_key_row(info, msg.old) if msg.old_is_key_only
+                              else _row(info, msg.old, None))
+                after = _row(info, msg.new, msg.old if not msg.old_is_key_only else None)
+                key = _key(info, msg.new)
+                if msg.old is not None and msg.old_is_key_only:
+                    old_key = _key(info, msg.old)
+                    if old_key != key:
+                        # The key changed: consumers of a compacted topic must forget the
+                        # old key, so publish a delete + tombstone for it first (Debezium
+                        # does the same).
+                        yield info.topic, old_key, self._value(
+                            info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
+                            "d", before, None, txid, total, order)
+                        yield info.topic, old_key, None
+                yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
+                                                   snapshot, now_ms, lsn, "u", before, after,
+                                                   txid, total, order)
+            elif isinstance(msg, m.Delete):
+                before = (_key_row(info, msg.old) if msg.old_is_key_only
+                          else _row(info, msg.old, None))
+                key = _key(info, msg.old)
+                yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
+                                                   snapshot, now_ms, lsn, "d", before, None,
+                                                   txid, total, order)
+                yield info.topic, key, None
+        yield self.transaction_topic, _dumps({"id": txid}).encode(), _dumps({
+            "status": "END", "id": txid, "event_count": total,
+            "data_collections": [{"data_collection": topic.split(".", 1)[1], "event_count": n}
+                                 for topic, n in per_table.items()],
+            "ts_ms": ts_ms}).encode()
+
+    def _schema_record(self, info: RelationInfo) -> Record:
+        info.published = True
+        key = _dumps({"schema": info.schema, "table": info.table, "version": info.version})
+        return self.schema_topic, key.encode(), _dumps(info.schema_record).encode()
+
+    def _value(self, info: RelationInfo, templates: dict[int, tuple[str, str]], xid: int,
+               commit_lsn: int, ts_ms: int, snapshot: str, now_ms: int, lsn: int, op: str,
+               before: dict[str, JsonValue] | None, after: dict[str, JsonValue] | None,
+               txid: str, total: int, order: int) -> bytes:
+        pieces = templates.get(info.oid)
+        if pieces is None:
+            head = _dumps({"connector": CONNECTOR, "version": VERSION, "name": self.source_name,
+                           "db": self.db, "schema": info.schema, "table": info.table,
+                           "txId": xid if snapshot == "false" else None})[:-1]
+            tail = (f',"commit_lsn":{commit_lsn},"ts_ms":{ts_ms},"snapshot":"{snapshot}",'
+                    f'"schema_version":{info.version}')
+            pieces = templates[info.oid] = (head, tail)
+        head, tail = pieces
+        out = (
+            f'{{"before":{_dumps(before) if before is not None else "null"},'
+            f'"after":{_dumps(after) if after is not None else "null"},'
+            f'"source":{head},"lsn":{lsn}{tail},'
+            f'"sequence":"[\\"{commit_lsn}\\",\\"{lsn}\\"]"}},'
+            f'"op":"{op}","ts_ms":{now_ms},'
+            f'"transaction":{{"id":"{txid}","total_order":{total},'
+            f'"data_collection_order":{order}}}}}'
+        ).encode()
+        if len(out) > self.max_record_bytes:
+            raise RowTooLarge(
+                f"a change of {info.schema}.{info.table} at LSN {lsn:X} is {len(out)} bytes, "
+                f"over the limit of {self.max_record_bytes}; raise max_row_bytes and Kafka's "
+                "message.max.bytes (producer) / max.message.bytes (topic), or stop "
+                "publishing that column")
+        return out
+
+
+def _row(info: RelationInfo, tup: m.Tuple, old: m.Tuple | None) -> dict[str, JsonValue]:
+    row: dict[str, JsonValue] = {}
+    for i, (name, conv, value) in enumerate(zip(info.names, info.converters, tup, strict=False)):
+        if value is None:
+            row[name] = None
+        elif value.__class__ is str:
+            row[name] = conv(value)
+        else:
+            # Unchanged TOAST: the old full tuple (REPLICA IDENTITY FULL) has the value.
+            prior = old[i] if old is not None else None
+            row[name] = conv(prior) if prior.__class__ is str else UNCHANGED_TOAST
+    return row
+
+
+def _key_row(info: RelationInfo, tup: m.Tuple) -> dict[str, JsonValue]:
+    return {info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx}
+
+
+def _typed(info: RelationInfo, i: int, value: m.TupleValue) -> JsonValue:
+    return info.converters[i](value) if isinstance(value, str) else None
+
+
+def _key(info: RelationInfo, tup: m.Tuple) -> bytes | None:
+    if not info.key_idx:
+        return None
+    return _dumps({info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx}).encode()

@@ -1,0 +1,48 @@
+"""The bridge's Prometheus metrics (one registry per daemon, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.bridge.spool import SpoolStats
+
+
+class BridgeMetrics:
+    def __init__(self, slot: str, spool: SpoolStats) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.events = Counter("slotbridge_events_total", "Change records published", ["slot"],
+                              registry=r).labels(slot)
+        self.transactions = Counter("slotbridge_transactions_total",
+                                    "Source transactions published", ["slot"],
+                                    registry=r).labels(slot)
+        self.skipped = Counter("slotbridge_transactions_skipped_total",
+                               "Replayed source transactions skipped (already in Kafka)",
+                               ["slot"], registry=r).labels(slot)
+        self.kafka_commit = Histogram("slotbridge_kafka_transaction_seconds",
+                                      "Time to flush and commit one Kafka transaction",
+                                      ["slot"], registry=r).labels(slot)
+        self.lag_bytes = Gauge("slotbridge_lag_bytes",
+                               "Source WAL end minus the last LSN published to Kafka", ["slot"],
+                               registry=r).labels(slot)
+        self.lag_seconds = Gauge("slotbridge_lag_seconds",
+                                 "Now minus the commit time of the last published transaction",
+                                 ["slot"], registry=r).labels(slot)
+        self.published_lsn = Gauge("slotbridge_published_lsn",
+                                   "End LSN of the last transaction committed to Kafka", ["slot"],
+                                   registry=r).labels(slot)
+        self.confirmed_lsn = Gauge("slotbridge_confirmed_lsn", "LSN last confirmed to the slot",
+                                   ["slot"], registry=r).labels(slot)
+        self.streaming = Gauge("slotbridge_streaming",
+                               "1 while the replication stream is open", ["slot"],
+                               registry=r).labels(slot)
+        self.reconnects = Counter("slotbridge_reconnects_total",
+                                  "Sessions restarted after an error", ["slot"],
+                                  registry=r).labels(slot)
+        spooled = Gauge("slotbridge_spooled_bytes", "Bytes of buffered transactions",
+                        ["slot", "where"], registry=r)
+        spooled.labels(slot, "memory").set_function(lambda: spool.memory_bytes)
+        spooled.labels(slot, "disk").set_function(lambda: spool.disk_bytes)
+        self.slot_stats = Gauge("slotbridge_slot_stat",
+                                "pg_stat_replication_slots counters of the bridge's slot",
+                                ["slot", "stat"], registry=r)

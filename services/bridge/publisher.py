@@ -1,0 +1,217 @@
+"""The publisher thread: sealed transactions in, Kafka transactions out, then progress.
+
+The socket loop must never wait for Kafka (the server would time the walsender out), so
+sealed transactions cross to this thread through ``TxnQueue``, which is bounded by the
+memory their spools hold; the socket loop stops reading while it is full.
+
+For each batch: produce every record, then the progress record, commit the Kafka
+transaction, advance the replication origin, and only then let the socket loop confirm
+the position to the slot. A crash between any two steps is covered by the high-water
+mark on restart; the failpoints below let tests crash in each window on purpose.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from services.bridge import messages as m
+from services.bridge.assembler import Transaction
+from services.bridge.events import EventBuilder
+from services.bridge.metrics import BridgeMetrics
+from services.bridge.progress import (
+    ConfirmTracker,
+    OriginStore,
+    ServerIdentity,
+    progress_value,
+)
+from services.bridge.settings import BridgeSettings
+from services.bridge.sink import KafkaSink
+from services.common.failpoints import failpoint
+from services.common.logs import log_event
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class GapError(Exception):
+    """A transaction we must publish arrived without its content: refuse to paper over it."""
+
+
+class TxnQueue:
+    """FIFO of sealed transactions, 'full' when their spools hold too much memory."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._items: collections.deque[object] = collections.deque()
+        self._cond = threading.Condition()
+        self._bytes = 0
+        self._max = max_bytes
+
+    @property
+    def full(self) -> bool:
+        return self._bytes >= self._max
+
+    @property
+    def empty(self) -> bool:
+        return not self._items
+
+    def put(self, txn: Transaction) -> None:
+        with self._cond:
+            self._items.append(txn)
+            self._bytes += txn.spool.size
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._items.append(_STOP)
+            self._cond.notify()
+
+    def get(self, timeout: float) -> object | None:
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+            if not self._items:
+                return None
+            item = self._items.popleft()
+            if isinstance(item, Transaction):
+                self._bytes -= item.spool.size
+            return item
+
+
+@dataclass
+class _Batch:
+    started: float
+    events: int = 0
+    last: Transaction | None = None
+
+
+Decode = Callable[[bytes, bool], m.Message]
+
+
+class Publisher(threading.Thread):
+    def __init__(self, *, settings: BridgeSettings, sink: KafkaSink, origin: OriginStore,
+                 builder: EventBuilder, tracker: ConfirmTracker, identity: ServerIdentity,
+                 high_water: int, queue: TxnQueue, decode: Decode,
+                 metrics: BridgeMetrics) -> None:
+        super().__init__(name="publisher", daemon=True)
+        self._settings = settings
+        self._sink = sink
+        self._origin = origin
+        self._builder = builder
+        self._tracker = tracker
+        self._identity = identity
+        self.high_water = high_water
+        self._queue = queue
+        self._decode = decode
+        self._metrics = metrics
+        self._gids: list[str] = []
+        self.error: BaseException | None = None
+        self.last_commit_ts = 0  # µs since 2000 of the last published transaction
+        self.busy = False  # a batch is open or a transaction is being built
+
+    def stop(self) -> None:
+        """Finish the open batch (commit it) and end the thread."""
+        self._queue.stop()
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.error = exc
+            self._sink.abort()
+
+    def _loop(self) -> None:
+        max_s = self._settings.batch_max_ms / 1000
+        batch: _Batch | None = None
+        while True:
+            wait = max_s if batch is None else max(0.0, batch.started + max_s - time.monotonic())
+            item = self._queue.get(wait)
+            if item is _STOP:
+                if batch is not None:
+                    self._commit(batch)
+                return
+            if isinstance(item, Transaction):
+                self.busy = True
+                if self._skip(item):
+                    self.busy = batch is not None
+                    continue
+                if batch is None:
+                    self._sink.begin()
+                    batch = _Batch(time.monotonic())
+                batch.events += self._publish(item)
+                batch.last = item
+                failpoint("after_produce")
+            if batch is not None and (batch.events >= self._settings.batch_max_events
+                                      or time.monotonic() - batch.started >= max_s):
+                self._commit(batch)
+                batch = None
+                self.busy = False
+
+    def _skip(self, txn: Transaction) -> bool:
+        if txn.end_lsn > self.high_water:
+            if txn.gid is not None and txn.prepare_lsn is None:
+                raise GapError(
+                    f"COMMIT PREPARED '{txn.gid}' arrived without its PREPARE content, past "
+                    "the published position: refusing to skip it; check the slot's two_phase "
+                    "history and re-snapshot the affected tables")
+            return False
+        txn.spool.discard()
+        self._tracker.published(txn.end_lsn)
+        if txn.gid is not None:
+            self._tracker.finished(txn.gid)
+        self._metrics.skipped.inc()
+        return True
+
+    def _publish(self, txn: Transaction) -> int:
+        sink = self._sink
+        count = 0
+        try:
+            for topic, key, value in self._builder.transaction(
+                    txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn)):
+                if topic not in sink.known_topics:
+                    sink.ensure_topics({topic: topic == self._builder.schema_topic})
+                sink.produce(topic, key, value)
+                count += 1
+        finally:
+            txn.spool.discard()
+        if txn.gid is not None:
+            self._gids.append(txn.gid)
+        self.last_commit_ts = txn.commit_ts
+        self._metrics.transactions.inc()
+        return count
+
+    def _changes(self, txn: Transaction) -> Iterator[tuple[int, m.Message]]:
+        decode = self._decode
+        streamed = txn.streamed
+        aborted = txn.aborted_subxids
+        for lsn, payload in txn.spool:
+            if aborted and int.from_bytes(payload[1:5], "big") in aborted:
+                continue
+            yield lsn, decode(payload, streamed)
+
+    def _commit(self, batch: _Batch) -> None:
+        last = batch.last
+        assert last is not None
+        self._sink.produce(self._settings.progress_topic, self._settings.slot_name.encode(),
+                           progress_value(self._settings.slot_name, last.end_lsn,
+                                          last.commit_lsn, self._identity))
+        failpoint("before_kafka_commit")
+        seconds = self._sink.commit()
+        failpoint("after_kafka_commit")
+        self._origin.advance(last.end_lsn)
+        failpoint("after_origin_advance")
+        self.high_water = last.end_lsn
+        self._tracker.published(last.end_lsn)
+        for gid in self._gids:
+            self._tracker.finished(gid)
+        self._gids.clear()
+        self._metrics.kafka_commit.observe(seconds)
+        self._metrics.events.inc(batch.events)
+        self._metrics.published_lsn.set(last.end_lsn)
+        log_event(log, logging.DEBUG, "batch committed", events=batch.events,
+                  end_lsn=last.end_lsn, kafka_commit_s=round(seconds, 4))

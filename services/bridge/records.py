@@ -1,0 +1,157 @@
+"""The records the bridge writes to Kafka, as pydantic models.
+
+These models are the contract with consumers: ``schemas/*.json`` is generated from them
+(``python -m services.bridge.records``) and a test keeps the two equal. The event builder
+does not instantiate them on the hot path (building plain dicts is several times faster);
+tests validate what the builder produced against the generated schemas instead.
+
+Column values are typed JSON by PostgreSQL type (see ``services/bridge/values.py``):
+integers as numbers, numeric as exact strings, timestamps as ISO 8601 strings, json/jsonb
+as JSON, bytea as base64, arrays as JSON arrays, anything unknown as text. A TOASTed value
+the server did not send because it did not change is the string ``UNCHANGED_TOAST`` below
+(Debezium's placeholder, so existing Debezium consumers already recognise it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UNCHANGED_TOAST = "__debezium_unavailable_value"
+CONNECTOR = "slotbridge"
+
+Row = dict[str, Any]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Source(_Strict):
+    """Where a change came from; ``commit_lsn`` then ``lsn`` orders changes totally."""
+
+    connector: Literal["slotbridge"]
+    version: str
+    name: str = Field(description="the topic prefix of the bridge that wrote it")
+    db: str
+    schema_: str = Field(alias="schema")
+    table: str
+    txId: int | None = Field(description="source transaction id; null in a snapshot")
+    lsn: int | None = Field(description="WAL position of the change")
+    commit_lsn: int | None = Field(description="WAL position of the transaction's commit")
+    ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
+    snapshot: Literal["true", "last", "false"]
+    sequence: str = Field(description='JSON array ["<commit_lsn>","<lsn>"] (Debezium style)')
+    schema_version: int = Field(description="version of the table schema record it was built with")
+
+
+class TransactionBlock(_Strict):
+    id: str = Field(description="'<txId>:<commit_lsn>'")
+    total_order: int = Field(description="1-based position of the change in its transaction")
+    data_collection_order: int = Field(description="1-based position within its table")
+
+
+class ChangeValue(_Strict):
+    """Value of a record on a change topic ``{prefix}.{schema}.{table}``.
+
+    The key is a JSON object of the key columns (primary key or replica identity). A delete
+    is followed by a record with the same key and a null value (tombstone). A truncate has
+    a null key and ``op: "t"``.
+    """
+
+    before: Row | None = Field(
+        description="old row: the key columns by default, every column with REPLICA IDENTITY FULL"
+    )
+    after: Row | None
+    source: Source
+    op: Literal["c", "u", "d", "r", "t"]
+    ts_ms: int = Field(description="when the bridge built the record, ms since epoch")
+    transaction: TransactionBlock | None
+
+
+class DataCollection(_Strict):
+    data_collection: str
+    event_count: int
+
+
+class TransactionRecord(_Strict):
+    """Value on ``{prefix}.transaction``: a BEGIN and an END per source transaction."""
+
+    status: Literal["BEGIN", "END"]
+    id: str
+    event_count: int | None = None
+    data_collections: list[DataCollection] | None = None
+    ts_ms: int
+
+
+class ColumnSchema(_Strict):
+    name: str
+    type: str = Field(description="PostgreSQL type as format_type() prints it")
+    type_oid: int
+    type_modifier: int
+    nullable: bool
+    key: bool
+
+
+class TableSchemaRecord(_Strict):
+    """Value on the compacted ``{prefix}.schema`` topic, keyed by schema, table and version.
+
+    Published inside the same Kafka transaction as, and before, the first change record
+    built with that version.
+    """
+
+    schema_: str = Field(alias="schema")
+    table: str
+    version: int
+    relation_oid: int
+    replica_identity: Literal["d", "n", "f", "i"]
+    columns: list[ColumnSchema]
+    key_columns: list[str]
+    ts_ms: int
+
+
+class ProgressRecord(_Strict):
+    """Value on the compacted progress topic, keyed by slot name.
+
+    ``end_lsn`` is the end of the last source transaction whose records are committed in
+    Kafka; with the replication origin it forms the bridge's high-water mark.
+    """
+
+    slot: str
+    end_lsn: int
+    commit_lsn: int
+    system_identifier: str
+    timeline: int
+    ts_ms: int
+
+
+SCHEMAS: dict[str, type[BaseModel]] = {
+    "change_value": ChangeValue,
+    "transaction": TransactionRecord,
+    "table_schema": TableSchemaRecord,
+    "progress": ProgressRecord,
+}
+
+
+def json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    if model is ChangeValue:
+        schema["description"] = (schema.get("description", "") + "\n\nUnchanged TOAST marker: "
+                                 f"a column value equal to \"{UNCHANGED_TOAST}\".").strip()
+    return schema
+
+
+def write_schemas(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, model in SCHEMAS.items():
+        text = json.dumps(json_schema(model), indent=2, sort_keys=True) + "\n"
+        (folder / f"{name}.schema.json").write_text(text)
+
+
+if __name__ == "__main__":
+    write_schemas(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("schemas"))

@@ -1,0 +1,167 @@
+"""The Kafka side: one transactional producer per slot, and the topics it writes.
+
+The ``transactional.id`` is derived from the slot, so a second bridge on the same slot
+fences the first (its next commit fails with a fatal error and it stops). Keys are
+partitioned Java-compatibly (murmur2) so Kafka Streams/Connect consumers co-partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+
+from services.bridge.settings import BridgeSettings
+from services.common.logs import log_event
+
+log = logging.getLogger(__name__)
+
+
+class SinkError(Exception):
+    """Kafka refused or lost something; the session must restart from durable progress."""
+
+
+class FencedError(SinkError):
+    """Another bridge instance owns this slot's transactional id now."""
+
+
+def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
+    """Connection settings shared by the producer, admin and progress consumer."""
+    # librdkafka's own log lines go through Python logging (structured, level-filtered).
+    config: dict[str, Any] = {"bootstrap.servers": settings.kafka_bootstrap,
+                              "logger": logging.getLogger("kafka")}
+    config.update(settings.kafka_config)
+    if settings.kafka_sasl_password is not None:
+        config["sasl.password"] = settings.kafka_sasl_password.get_secret_value()
+    return config
+
+
+def _explain(err: KafkaError | KafkaException | BaseException) -> str:
+    if isinstance(err, KafkaException):
+        err = err.args[0]
+    if isinstance(err, KafkaError):
+        return f"{err.name()}: {err.str()}"
+    return str(err)
+
+
+class KafkaSink:
+    def __init__(self, settings: BridgeSettings) -> None:
+        self._settings = settings
+        base = kafka_client_config(settings)
+        self._admin = AdminClient(base)
+        self._producer = Producer({
+            **base,
+            "transactional.id": settings.transactional_id,
+            "transaction.timeout.ms": settings.kafka_transaction_timeout_ms,
+            "enable.idempotence": True,
+            "acks": "all",
+            "partitioner": "murmur2_random",
+            "linger.ms": 5,
+            "batch.size": 1_000_000,
+            "compression.type": "lz4",
+            # Bounded producer memory: produce() blocks (we poll) instead of growing.
+            "queue.buffering.max.messages": 200_000,
+            "queue.buffering.max.kbytes": 262_144,
+            "message.max.bytes": max(settings.max_row_bytes + 65_536, 1_000_000),
+        })
+        self._known_topics: set[str] = set()
+        self._failure: KafkaError | None = None
+        self._in_txn = False
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Register the transactional id, fencing any older producer and its open txn."""
+        try:
+            self._producer.init_transactions(timeout_s)
+        except KafkaException as exc:
+            raise SinkError(f"cannot start Kafka transactions at {self._settings.kafka_bootstrap}:"
+                            f" {_explain(exc)}") from None
+        self._known_topics |= set(self._admin.list_topics(timeout=timeout_s).topics)
+
+    @property
+    def known_topics(self) -> set[str]:
+        return self._known_topics
+
+    def ensure_topics(self, topics: dict[str, bool]) -> None:
+        """Create the given topics (name -> compacted) that do not exist yet."""
+        missing = {t: c for t, c in topics.items() if t not in self._known_topics}
+        if not missing:
+            return
+        new = [NewTopic(t, num_partitions=1 if compacted else self._settings.topic_partitions,
+                        replication_factor=self._settings.topic_replication_factor,
+                        config={"cleanup.policy": "compact"} if compacted else {})
+               for t, compacted in missing.items()]
+        for topic, future in self._admin.create_topics(new, operation_timeout=30).items():
+            try:
+                future.result()
+                log_event(log, logging.INFO, "created topic", topic=topic)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise SinkError(f"cannot create topic {topic}: {_explain(exc)}") from None
+        self._known_topics |= set(missing)
+
+    def begin(self) -> None:
+        self._failure = None
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as exc:
+            raise self._classify(exc) from None
+        self._in_txn = True
+
+    def produce(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        if self._failure is not None:
+            raise SinkError(f"Kafka delivery failed: {_explain(self._failure)}")
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, on_delivery=self._delivered)
+                return
+            except BufferError:
+                # The local queue is full: let librdkafka send, then try again.
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                raise self._classify(exc) from None
+
+    def commit(self) -> float:
+        """Commit the open transaction; returns the seconds it took."""
+        started = time.monotonic()
+        try:
+            self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)
+            if self._failure is not None:
+                raise SinkError(f"Kafka delivery failed: {_explain(self._failure)}")
+            self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
+        except KafkaException as exc:
+            raise self._classify(exc) from None
+        self._in_txn = False
+        return time.monotonic() - started
+
+    def abort(self) -> None:
+        """Abort the open transaction if there is one; errors here are only logged."""
+        if not self._in_txn:
+            return
+        self._in_txn = False
+        try:
+            self._producer.abort_transaction(10)
+        except KafkaException as exc:
+            log_event(log, logging.WARNING, "abort of Kafka transaction failed",
+                      error=_explain(exc))
+
+    def close(self) -> None:
+        self.abort()
+        self._producer.flush(5)
+
+    def _delivered(self, err: KafkaError | None, _msg: object) -> None:
+        if err is not None and self._failure is None:
+            self._failure = err
+
+    def _classify(self, exc: KafkaException) -> SinkError:
+        err = exc.args[0]
+        if isinstance(err, KafkaError) and err.code() in (
+                KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                KafkaError.INVALID_PRODUCER_EPOCH):
+            return FencedError(
+                f"another bridge took over slot {self._settings.slot_name} "
+                f"(transactional id {self._settings.transactional_id}); this one stops")
+        return SinkError(f"Kafka: {_explain(exc)}")

@@ -1,0 +1,164 @@
+"""The source database: preflight checks, publication and slot setup, catalogue facts.
+
+Everything here runs over a plain SQL connection before streaming starts (or when a new
+relation shows up), and every refusal is one line that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from services.bridge.events import ColumnFacts, TableFacts
+from services.bridge.settings import BridgeSettings
+from services.common.logs import log_event
+from services.common.pg import SourceError
+
+log = logging.getLogger(__name__)
+
+Conn = psycopg.Connection[tuple[object, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotState:
+    plugin: str
+    failover: bool
+    two_phase: bool
+    active_pid: int | None
+    confirmed_flush: str | None
+    invalidation_reason: str | None
+
+
+def preflight(conn: Conn, settings: BridgeSettings) -> None:
+    """Refuse a source that cannot work: wal_level, role, publication tables."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_setting('wal_level'),"
+                    " current_setting('server_version_num')::int, rolreplication OR rolsuper"
+                    " FROM pg_roles WHERE rolname = current_user")
+        row = cur.fetchone()
+    assert row is not None
+    wal_level, version, can_replicate = row
+    if int(str(version)) < 170000:
+        raise SourceError(f"the source runs PostgreSQL {int(str(version)) // 10000}; slotbridge "
+                          "needs 17 or newer (failover slots)")
+    if wal_level != "logical":
+        raise SourceError(f"wal_level is '{wal_level}' on the source; set wal_level = logical "
+                          "(ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL")
+    if not can_replicate:
+        raise SourceError("the bridge's role lacks the REPLICATION attribute; run "
+                          "ALTER ROLE <role> REPLICATION (a superuser is not needed)")
+    if settings.tables:
+        missing = _missing_tables(conn, settings.tables)
+        if missing:
+            raise SourceError(f"configured table(s) not found on the source: {', '.join(missing)};"
+                              " fix 'tables' in the settings or create them")
+
+
+def _missing_tables(conn: Conn, tables: list[str]) -> list[str]:
+    missing = []
+    with conn.cursor() as cur:
+        for name in tables:
+            schema, table = name.split(".")
+            cur.execute("SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                        " WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r','p')",
+                        (schema, table))
+            if cur.fetchone() is None:
+                missing.append(name)
+    return missing
+
+
+def ensure_publication(conn: Conn, settings: BridgeSettings) -> None:
+    name = settings.publication_name
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,))
+        exists = cur.fetchone() is not None
+        if exists:
+            return
+        if not settings.create_publication:
+            raise SourceError(f"publication {name} does not exist on the source; create it "
+                              "(CREATE PUBLICATION ...) or set create_publication: true")
+        if settings.tables:
+            targets = sql.SQL(", ").join(
+                sql.Identifier(*t.split(".")) for t in settings.tables)
+            stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name),
+                                                                         targets)
+        else:
+            stmt = sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name))
+        try:
+            cur.execute(stmt)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise SourceError(f"cannot create publication {name}: {exc.diag.message_primary}; "
+                              "have the table owner or a superuser create it") from None
+    log_event(log, logging.INFO, "created publication", publication=name,
+              tables=settings.tables or "ALL")
+
+
+def warn_keyless_tables(conn: Conn, publication: str) -> list[str]:
+    """Published tables that cannot key their updates/deletes; warn, do not refuse.
+
+    Such a table's UPDATE and DELETE fail *at the source* while it is published without a
+    replica identity, so the operator must hear about it now, not from their application.
+    """
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT p.schemaname || '.' || p.tablename, c.relreplident FROM pg_publication_tables p"
+            " JOIN pg_namespace n ON n.nspname = p.schemaname"
+            " JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename"
+            " WHERE p.pubname = %s AND c.relreplident IN ('d', 'n')"
+            " AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid"
+            "                 AND (i.indisprimary OR (c.relreplident = 'i' AND i.indisreplident)))",
+            (publication,))
+        rows = cur.fetchall()
+    keyless = [str(r[0]) for r in rows]
+    for table in keyless:
+        log_event(log, logging.WARNING,
+                  f"table {table} has no primary key or replica identity: its inserts are "
+                  "published with a null key, and UPDATE/DELETE on it fail at the source; "
+                  f"add a primary key or ALTER TABLE {table} REPLICA IDENTITY FULL",
+                  table=table)
+    return keyless
+
+
+def slot_state(conn: Conn, slot: str) -> SlotState | None:
+    with conn.cursor() as cur:
+        cur.execute("SELECT plugin, failover, two_phase, active_pid, confirmed_flush_lsn::text,"
+                    " invalidation_reason FROM pg_replication_slots WHERE slot_name = %s",
+                    (slot,))
+        row = cur.fetchone()
+    if row is None:
+        return None
+    plugin, failover, two_phase, pid, confirmed, reason = row
+    return SlotState(str(plugin), bool(failover), bool(two_phase),
+                     int(str(pid)) if pid is not None else None,
+                     str(confirmed) if confirmed else None,
+                     str(reason) if reason else None)
+
+
+def check_slot(state: SlotState, slot: str) -> None:
+    if state.plugin != "pgoutput":
+        raise SourceError(f"slot {slot} exists with plugin {state.plugin}, not pgoutput; drop it "
+                          "(SELECT pg_drop_replication_slot(...)) or choose another slot_name")
+    if state.invalidation_reason:
+        raise SourceError(f"slot {slot} is invalidated ({state.invalidation_reason}); changes "
+                          "were lost: drop and recreate it and re-snapshot the tables")
+
+
+def table_facts(conn: Conn, relation_oid: int) -> TableFacts | None:
+    """Type names, nullability and primary key of a relation, as the catalogue has them now."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), NOT a.attnotnull"
+            " FROM pg_attribute a WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped",
+            (relation_oid,))
+        columns = {str(n): ColumnFacts(str(t), bool(nullable)) for n, t, nullable in cur}
+        cur.execute(
+            "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
+            " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s AND i.indisprimary"
+            " ORDER BY array_position(i.indkey::int2[], a.attnum)", (relation_oid,))
+        primary_key = tuple(str(r[0]) for r in cur)
+    if not columns:
+        return None
+    return TableFacts(columns, primary_key)

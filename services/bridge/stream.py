@@ -1,0 +1,170 @@
+"""The streaming replication protocol over libpq (``psycopg.pq``), nothing more.
+
+psycopg 3 has no high-level replication API, so this module speaks the walsender
+protocol directly: a ``replication=database`` connection, replication commands, then a
+COPY_BOTH stream of XLogData ('w') and keepalive ('k') messages in, standby status
+updates ('r') out. It knows nothing of pgoutput; payloads go to the caller as bytes.
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from psycopg import conninfo, pq
+
+from services.common.lsn import format_lsn, parse_lsn
+from services.common.pg import redact_dsn
+
+_XLOGDATA = struct.Struct("!QQQ")  # dataStart, walEnd, sendTime
+_KEEPALIVE = struct.Struct("!QQB")  # walEnd, sendTime, replyRequested
+_STATUS = struct.Struct("!cQQQQB")
+_PG_EPOCH_US = 946_684_800_000_000
+
+# Session settings that make text output canonical for the value converters.
+SESSION_OPTIONS = (
+    "-c DateStyle=ISO -c IntervalStyle=iso_8601 -c TimeZone=UTC -c extra_float_digits=3"
+)
+
+
+class StreamError(Exception):
+    """The replication connection failed or was refused; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class SystemInfo:
+    system_identifier: str
+    timeline: int
+    xlogpos: int
+    dbname: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlotCreated:
+    name: str
+    consistent_point: int
+    snapshot_name: str | None
+
+
+def _now_us() -> int:
+    return int(time.time() * 1_000_000) - _PG_EPOCH_US
+
+
+class ReplicationConnection:
+    """One walsender session: replication commands, then the COPY_BOTH stream."""
+
+    def __init__(self, dsn: str) -> None:
+        full = conninfo.make_conninfo(dsn, replication="database", options=SESSION_OPTIONS,
+                                      client_encoding="UTF8")
+        if "connect_timeout" not in full:
+            full = conninfo.make_conninfo(full, connect_timeout="10")
+        self._redacted = redact_dsn(full)
+        self.conn = pq.PGconn.connect(full.encode())
+        if self.conn.status != pq.ConnStatus.OK:
+            message = self.conn.get_error_message().strip().splitlines()
+            self.conn.finish()
+            raise StreamError(
+                f"cannot open a replication connection ({self._redacted}): "
+                f"{message[-1] if message else 'unknown error'}")
+        self._streaming = False
+
+    def command(self, sql: str) -> list[tuple[str | None, ...]]:
+        """Run a replication command or simple query; rows as text."""
+        res = self.conn.exec_(sql.encode())
+        status = pq.ExecStatus(res.status)
+        if status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
+            raise StreamError(f"{sql.split()[0]} failed: "
+                              f"{(res.error_message or b'').decode(errors='replace').strip()}")
+        rows = []
+        for r in range(res.ntuples):
+            row = []
+            for c in range(res.nfields):
+                value = res.get_value(r, c)
+                row.append(None if value is None else bytes(value).decode())
+            rows.append(tuple(row))
+        return rows
+
+    def identify_system(self) -> SystemInfo:
+        (sysid, timeline, xlogpos, dbname), = self.command("IDENTIFY_SYSTEM")
+        assert sysid is not None and timeline is not None and xlogpos is not None
+        return SystemInfo(sysid, int(timeline), parse_lsn(xlogpos), dbname or "")
+
+    def create_slot(self, name: str, *, two_phase: bool, export_snapshot: bool) -> SlotCreated:
+        """CREATE_REPLICATION_SLOT ... LOGICAL pgoutput with failover (PostgreSQL 17+)."""
+        snapshot = "export" if export_snapshot else "nothing"
+        rows = self.command(
+            f"CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput "
+            f"(FAILOVER true, TWO_PHASE {str(two_phase).lower()}, SNAPSHOT '{snapshot}')")
+        slot, point, snap, _plugin = rows[0]
+        assert slot is not None and point is not None
+        return SlotCreated(slot, parse_lsn(point), snap)
+
+    def start(self, slot: str, lsn: int, options: dict[str, str]) -> None:
+        opts = ", ".join(f"{k} '{v}'" for k, v in options.items())
+        sql = f"START_REPLICATION SLOT {slot} LOGICAL {format_lsn(lsn)} ({opts})"
+        res = self.conn.exec_(sql.encode())
+        if pq.ExecStatus(res.status) != pq.ExecStatus.COPY_BOTH:
+            raise StreamError("START_REPLICATION failed: "
+                              f"{(res.error_message or b'').decode(errors='replace').strip()}")
+        self.conn.nonblocking = 1
+        self._streaming = True
+
+    def messages(self, timeout_s: float) -> Iterator[tuple[str, int, int, bytes | bool]]:
+        """Everything that is ready now, waiting at most ``timeout_s`` for the first.
+
+        Yields ``('w', data_start, wal_end, payload)`` and ``('k', wal_end, 0, reply)``.
+        """
+        conn = self.conn
+        waited = False
+        while True:
+            nbytes, data = conn.get_copy_data(1)
+            if nbytes == 0:
+                if waited:
+                    return
+                ready, _, _ = select.select([conn.socket], [], [], timeout_s)
+                waited = True
+                if not ready:
+                    return
+                conn.consume_input()
+                continue
+            if nbytes < 0:
+                raise StreamError(self._stream_end_reason())
+            raw = bytes(data)
+            kind = raw[0]
+            if kind == 0x77:  # 'w'
+                start, end, _ = _XLOGDATA.unpack_from(raw, 1)
+                yield "w", start, end, raw[25:]
+            elif kind == 0x6B:  # 'k'
+                end, _, reply = _KEEPALIVE.unpack_from(raw, 1)
+                yield "k", end, 0, bool(reply)
+
+    def send_status(self, written: int, flushed: int, reply: bool = False) -> None:
+        msg = _STATUS.pack(b"r", written, flushed, flushed, _now_us(), 1 if reply else 0)
+        if self.conn.put_copy_data(msg) != 1:
+            raise StreamError(f"cannot send status update: {self._error()}")
+        deadline = time.monotonic() + 10
+        while self.conn.flush() == 1:  # nonblocking: 1 means not everything went out
+            if time.monotonic() > deadline:
+                raise StreamError("cannot send status update: socket stuck for 10 s")
+            select.select([], [self.conn.socket], [], 1.0)
+
+    def close(self) -> None:
+        if self._streaming:
+            try:
+                self.conn.put_copy_end()
+                self.conn.flush()
+            except Exception:
+                pass
+        self.conn.finish()
+
+    def _error(self) -> str:
+        return self.conn.get_error_message().strip() or "connection lost"
+
+    def _stream_end_reason(self) -> str:
+        res = self.conn.get_result()
+        if res is not None and res.error_message:
+            return "replication stream ended: " + res.error_message.decode(errors="replace").strip()
+        return "replication stream ended: " + self._error()
