@@ -47,3 +47,7 @@ def main() -> None:
         cli()
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

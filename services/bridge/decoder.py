@@ -308,7 +308,8 @@ class PgOutputDecoder:
             handlers[ord("A")] = _stream_abort_parallel if self.parallel_abort else _stream_abort
         self._handlers = handlers
 
-    def decode(self, payload: bytes | memoryview, streamed: bool | None = None) -> m.Message:
+    def decode(self, payload: bytes | bytearray | memoryview,
+               streamed: bool | None = None) -> m.Message:
         """One message payload (after the XLogData header) -> its dataclass.
 
         ``streamed``: whether the payload came from inside a streamed block; ``None``

@@ -141,7 +141,7 @@ def read_kafka_progress(client_config: dict[str, object], topic: str, slot: str,
     predecessor's open transaction would otherwise hold back what read_committed sees.
     """
     consumer = _consumer(client_config)
-    wanted = slot.encode()
+    wanted = progress_key(slot)
     try:
         bounds = _bounds(consumer, topic, timeout_s)
         if bounds is None:
@@ -177,6 +177,10 @@ def read_topic(client_config: dict[str, object], topic: str,
         raise ProgressError(f"cannot read topic {topic}: {exc.args[0]}") from None
     finally:
         consumer.close()
+
+
+def progress_key(slot: str) -> bytes:
+    return json.dumps({"slot": slot}).encode()
 
 
 def progress_value(slot: str, end_lsn: int, commit_lsn: int, identity: ServerIdentity) -> bytes:

@@ -27,6 +27,7 @@ from services.bridge.progress import (
     ConfirmTracker,
     OriginStore,
     ServerIdentity,
+    progress_key,
     progress_value,
 )
 from services.bridge.settings import BridgeSettings
@@ -197,7 +198,7 @@ class Publisher(threading.Thread):
     def _commit(self, batch: _Batch) -> None:
         last = batch.last
         assert last is not None
-        self._sink.produce(self._settings.progress_topic, self._settings.slot_name.encode(),
+        self._sink.produce(self._settings.progress_topic, progress_key(self._settings.slot_name),
                            progress_value(self._settings.slot_name, last.end_lsn,
                                           last.commit_lsn, self._identity))
         failpoint("before_kafka_commit")

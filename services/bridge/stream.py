@@ -57,8 +57,9 @@ class ReplicationConnection:
     """One walsender session: replication commands, then the COPY_BOTH stream."""
 
     def __init__(self, dsn: str) -> None:
-        full = conninfo.make_conninfo(dsn, replication="database", options=SESSION_OPTIONS,
-                                      client_encoding="UTF8")
+        user_options = str(conninfo.conninfo_to_dict(dsn).get("options") or "")
+        full = conninfo.make_conninfo(dsn, replication="database", client_encoding="UTF8",
+                                      options=f"{user_options} {SESSION_OPTIONS}".strip())
         if "connect_timeout" not in full:
             full = conninfo.make_conninfo(full, connect_timeout="10")
         self._redacted = redact_dsn(full)

@@ -1,0 +1,104 @@
+"""What the probe saw, as plain frozen values: the contract between probe and checks.
+
+Keeping the observations free of connections lets the judging in ``checks`` be pure (and
+unit-tested with hand-made facts), and lets ``--json`` print exactly what was seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The wait event of a logical walsender held back by synchronized_standby_slots (17+).
+WAIT_FOR_STANDBY = "WaitForStandbyConfirmation"
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    slot_type: str  # "physical" | "logical"
+    database: str | None
+    active: bool
+    temporary: bool
+    failover: bool
+    synced: bool
+    invalidation_reason: str | None
+    confirmed_flush_lsn: int | None
+    restart_lsn: int | None
+
+
+@dataclass(frozen=True)
+class Sender:
+    """One walsender on the primary, sampled a few times (wait events in sample order)."""
+
+    pid: int
+    application_name: str
+    slot_name: str | None
+    slot_type: str | None
+    state: str | None
+    wait_events: tuple[str | None, ...]
+
+    @property
+    def always_waiting_for_standby(self) -> bool:
+        return bool(self.wait_events) and all(w == WAIT_FOR_STANDBY for w in self.wait_events)
+
+
+@dataclass(frozen=True)
+class Server:
+    """Facts every node has, primary or standby."""
+
+    name: str
+    reachable: bool
+    error: str | None = None
+    in_recovery: bool = False
+    system_identifier: int | None = None
+    timeline: int | None = None
+    version_num: int = 0
+    wal_lsn: int | None = None  # current insert LSN on a primary, replay LSN on a standby
+    receive_lsn: int | None = None
+    settings: dict[str, str] = field(default_factory=dict)
+    primary_conninfo_dbname: str | None = None
+    wal_receiver_status: str | None = None
+    slots: tuple[Slot, ...] = ()
+    senders: tuple[Sender, ...] = ()
+
+    def slot(self, name: str) -> Slot | None:
+        return next((s for s in self.slots if s.name == name), None)
+
+    def setting_list(self, name: str) -> list[str]:
+        """A comma-separated GUC (synchronized_standby_slots) as names."""
+        raw = self.settings.get(name, "")
+        return [p.strip().strip('"') for p in raw.split(",") if p.strip()]
+
+
+@dataclass(frozen=True)
+class Subscription:
+    oid: int
+    name: str
+    database: str
+    enabled: bool
+    failover: bool
+    slot_name: str | None
+    publisher: dict[str, str]  # the conninfo, password removed
+    worker_pid: int | None
+    received_lsn: int | None
+    sync_slots: tuple[str, ...]  # table-sync slots of tables in state 'f' (finished copy)
+
+
+@dataclass(frozen=True)
+class SubscriberFacts:
+    name: str
+    reachable: bool
+    error: str | None = None
+    subscriptions: tuple[Subscription, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    primary: Server
+    standbys: tuple[Server, ...]
+    subscribers: tuple[SubscriberFacts, ...]
+    bridge_slots: tuple[str, ...]
+    managed_subscriptions: dict[str, tuple[str, ...] | None]  # subscriber -> names or all
+
+    def standby(self, name: str) -> Server | None:
+        return next((s for s in self.standbys if s.name == name), None)

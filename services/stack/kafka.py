@@ -1,0 +1,187 @@
+"""A single-node KRaft Kafka broker run straight from the jar cache with plain ``java``.
+
+The broker is its own controller (one process, two listeners). Every internal topic gets
+replication factor 1, or transactions and consumer groups would wait forever for replicas
+that do not exist. Storage is formatted once; a restart keeps the data.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import signal
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+from services.stack.cluster import StackError, kill_all, pid_alive, port_in_use, say, wait_until
+
+
+def new_cluster_id() -> str:
+    """Kafka's Uuid text form; Kafka itself never hands out ids starting with '-'."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
+_LOG4J2 = """\
+status = warn
+appender.file.type = File
+appender.file.name = FILE
+appender.file.fileName = {log}
+appender.file.append = true
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.file.ref = FILE
+# Startup and shutdown milestones stay visible; per-request chatter does not.
+logger.server.name = kafka.server.KafkaRaftServer
+logger.server.level = INFO
+logger.broker.name = kafka.server.BrokerServer
+logger.broker.level = INFO
+"""
+
+
+class Kafka:
+    """The broker in ``<root>/kafka``: config, data, pid file and one log file."""
+
+    HEAP = "-Xmx768m"
+
+    def __init__(self, root: Path, port: int, controller_port: int, jars: Path,
+                 cluster_id: str) -> None:
+        self.port = port
+        self.controller_port = controller_port
+        self.jars = jars
+        self.cluster_id = cluster_id
+        self.dir = root / "kafka"
+        self.data_dir = self.dir / "data"
+        self.config_path = self.dir / "server.properties"
+        self.log_path = self.dir / "kafka.log"
+        self._pid_path = self.dir / "kafka.pid"
+        # Right after the launch /proc/<pid>/cmdline can still be empty (exec in progress),
+        # so the process we started ourselves is judged by its pid alone.
+        self._launched: int | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _config(self) -> str:
+        settings = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
+            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
+                         f"CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(self.data_dir),
+            "num.partitions": "1",
+            "auto.create.topics.enable": "true",
+            "offsets.topic.replication.factor": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            # Tests start consumer groups all the time; the default 3 s delay is pure waiting.
+            "group.initial.rebalance.delay.ms": "0",
+        }
+        return "".join(f"{k}={v}\n" for k, v in settings.items())
+
+    def _java(self, main: str, *args: str) -> list[str]:
+        java = shutil.which("java")
+        if java is None:
+            raise StackError("kafka: `java` (17+) is not on PATH; install a JDK 17")
+        return [java, self.HEAP, "-Xms256m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+                f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
+                "-cp", f"{self.jars}/*", main, *args]
+
+    def pid(self) -> int | None:
+        """The broker's pid, if that process is still our broker (pids get reused)."""
+        try:
+            pid = int(self._pid_path.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        ours = pid == self._launched or str(self.config_path).encode() in cmdline
+        return pid if ours and pid_alive(pid) else None
+
+    def is_running(self) -> bool:
+        return self.pid() is not None
+
+    def start(self) -> None:
+        """Launch the broker (formatting storage the first time); see wait_ready."""
+        if self.is_running():
+            return
+        for part, port in (("kafka", self.port), ("kafka controller", self.controller_port)):
+            if port_in_use(port):
+                raise StackError(f"{part}: port {port} on 127.0.0.1 is already taken by another "
+                                 "process; stop it or remove the state file to pick new ports")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self._config())
+        (self.dir / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
+        if not (self.data_dir / "meta.properties").exists():
+            say("kafka: formatting storage")
+            proc = subprocess.run(
+                self._java("kafka.tools.StorageTool", "format", "-t", self.cluster_id,
+                           "-c", str(self.config_path)),
+                capture_output=True, text=True, timeout=120, check=False)
+            if proc.returncode != 0:
+                self.log_path.write_text(proc.stdout + proc.stderr)
+                raise StackError(f"kafka: formatting storage failed; log: {self.log_path}")
+        say(f"kafka: starting broker on port {self.port}")
+        with self.log_path.open("ab") as log:
+            proc = subprocess.Popen(self._java("kafka.Kafka", str(self.config_path)),
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     cwd=self.dir, start_new_session=True)
+        self._pid_path.write_text(f"{proc.pid}\n")
+        self._launched = proc.pid
+
+    def answers(self, timeout: float = 5) -> bool:
+        """Metadata request through the real client: the listener alone proves little."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                pass
+        except OSError:
+            return False
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient
+
+        # log_level 0 keeps librdkafka from printing connection errors while we poll.
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        try:
+            meta = admin.list_topics(timeout=timeout)
+        except KafkaException:
+            return False
+        return bool(meta.brokers)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        say(f"kafka: waiting for the broker to answer metadata requests (up to {timeout:.0f}s)")
+
+        def ready() -> bool:
+            alive = pid_alive(self._launched) if self._launched else self.is_running()
+            if not alive:
+                raise StackError(f"kafka: broker exited during startup; log: {self.log_path}")
+            return self.answers(timeout=2)
+
+        if not wait_until(ready, timeout, interval=0.5):
+            raise StackError(f"kafka: broker never answered within {timeout:.0f}s; "
+                             f"log: {self.log_path}")
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM (a clean shutdown keeps restarts fast), SIGKILL if it hangs."""
+        pid = self.pid()
+        if pid is None:
+            return
+        say("kafka: stopping broker")
+        kill_all({pid}, signal.SIGTERM)
+        if wait_until(lambda: not pid_alive(pid), timeout) is None:
+            say("kafka: broker ignored SIGTERM; killing it")
+            kill_all({pid})
+            if wait_until(lambda: not pid_alive(pid), 10) is None:
+                raise StackError(f"kafka: broker pid {pid} survives SIGKILL")
+        self._pid_path.unlink(missing_ok=True)
