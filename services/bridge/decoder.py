@@ -11,9 +11,9 @@ Two things of the session change how bytes read, and neither is in the bytes the
   ``streaming 'parallel'``.
 So a decoder is created per session with the protocol options it asked for, and follows
 the streamed-block state from the Stream Start / Stop messages it decodes. A caller that
-replays a spooled payload later knows whether it came from a streamed block and says so
-with ``streamed=``; that path neither reads nor changes the followed state, so one decoder
-can be shared by the thread reading the stream and the thread replaying spools.
+replays a spooled data message later knows whether it came from a streamed block and
+says so with ``streamed=``; that call neither reads nor changes the followed state, so one
+decoder can be shared by the thread reading the stream and the thread replaying spools.
 """
 
 from __future__ import annotations
@@ -285,6 +285,7 @@ _HANDLERS: dict[int, Handler] = {
     ord("p"): _prepare_like(m.StreamPrepare),
 }
 
+
 class PgOutputDecoder:
     """Decodes the pgoutput messages of one replication session."""
 
@@ -331,7 +332,7 @@ class PgOutputDecoder:
     def _unknown(self, buf: bytes) -> DecodeError:
         if not buf:
             return DecodeError("empty message payload")
-        kind = bytes(buf[:1])
+        kind = buf[:1]
         name = _NAMES.get(kind.decode("latin-1"))
         if name is None:
             return DecodeError(f"unknown pgoutput message type {kind!r} at offset 0")

@@ -101,7 +101,22 @@ class KafkaSink:
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise SinkError(f"cannot create topic {topic}: {_explain(exc)}") from None
+        self._wait_for_leaders(list(missing))
         self._known_topics |= set(missing)
+
+    def _wait_for_leaders(self, topics: list[str], timeout_s: float = 30.0) -> None:
+        # A new topic answers "not leader" until its partitions have one; reading or
+        # writing it before then fails for no reason an operator should see.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            meta = self._admin.list_topics(timeout=timeout_s).topics
+            if all(t in meta and meta[t].partitions
+                   and all(p.leader >= 0 for p in meta[t].partitions.values()) for t in topics):
+                return
+            if time.monotonic() > deadline:
+                raise SinkError(f"topics {', '.join(topics)} have no partition leader after "
+                                f"{timeout_s:.0f}s; check the Kafka brokers")
+            time.sleep(0.2)
 
     def begin(self) -> None:
         self._failure = None

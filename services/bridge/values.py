@@ -6,7 +6,9 @@ The bridge configures the walsender session with ``DateStyle=ISO``,
 ``IntervalStyle=iso_8601``, ``TimeZone=UTC``, ``extra_float_digits=3`` and
 ``client_encoding=UTF8``, so each converter parses the one textual form the server
 prints under those settings. Converters run per column per row: the common ones are the
-builtins themselves (``int``, ``str``) and the rest avoid regexes and ``datetime``.
+builtins themselves (``int``, ``str``), the others use string operations on their usual
+path and leave regexes and ``datetime`` to the rare forms (escaped bytea, quoted or
+multi-dimensional arrays, a session time zone that is not UTC).
 
 A converter raises ``ValueError`` on text its type cannot print.
 """

@@ -108,6 +108,7 @@ class Watcher:
         self.last_round_at: float | None = None
         self.timelines: dict[str, int] = {}
         self.old_primaries: list[Node] = []
+        self.promotions_seen: set[str] = set()
 
     # -- one round ------------------------------------------------------------------------
 
@@ -173,7 +174,9 @@ class Watcher:
                       timeline=node.timeline, previous_timeline=before)
 
     def _promoted(self, name: str) -> None:
-        self.metrics.promotions.labels(name).inc()
+        if name not in self.promotions_seen:
+            self.promotions_seen.add(name)
+            self.metrics.promotions.labels(name).inc()
         if not self.settings.auto_repoint:
             log_event(log, logging.ERROR, f"standby {name} left recovery; finish the failover "
                       f"with `slotbridge failover promote --standby {name}`", standby=name)
