@@ -161,6 +161,13 @@ class Publisher(threading.Thread):
                     "the published position: refusing to skip it; check the slot's two_phase "
                     "history and re-snapshot the affected tables")
             return False
+        # The server sends a relation's description once per session, possibly inside a
+        # transaction we skip; later transactions rely on it, so learn it anyway.
+        for _lsn, payload in txn.spool:
+            if payload[0] == 0x52:  # 'R'
+                relation = self._decode(payload, txn.streamed)
+                assert isinstance(relation, m.Relation)
+                self._builder.catalog.apply(relation)
         txn.spool.discard()
         self._tracker.published(txn.end_lsn)
         if txn.gid is not None:
@@ -191,7 +198,9 @@ class Publisher(threading.Thread):
         streamed = txn.streamed
         aborted = txn.aborted_subxids
         for lsn, payload in txn.spool:
-            if aborted and int.from_bytes(payload[1:5], "big") in aborted:
+            # A relation described inside an aborted subtransaction still describes it for
+            # the rest of the transaction: the server will not send it again.
+            if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
                 continue
             yield lsn, decode(payload, streamed)
 

@@ -65,6 +65,11 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+def port_taken(part: str, port: int) -> str:
+    return (f"{part}: port {port} on 127.0.0.1 is already taken by another process; stop it, "
+            "or `slotbridge stack down --purge` to pick new ports")
+
+
 def free_ports(count: int) -> list[int]:
     """Distinct ports the kernel considers free right now (all sockets held until the end)."""
     socks = []
@@ -273,16 +278,17 @@ class Node:
             return set()
         return {pid} | children_of(pid)
 
+    def check_port(self) -> None:
+        if port_in_use(self.port):
+            raise StackError(port_taken(self.name, self.port))
+
     def start(self, timeout: float = 120) -> None:
         if self.is_running():
             return
         if not self.exists():
             raise StackError(f"{self.name}: no data folder at {self.data_dir}; run "
                              "`slotbridge stack up` to build it")
-        if port_in_use(self.port):
-            raise StackError(f"{self.name}: port {self.port} on 127.0.0.1 is already taken by "
-                             "another process; stop it or remove the state file to pick "
-                             "new ports")
+        self.check_port()
         say(f"{self.name}: starting postgres on port {self.port}")
         proc = self.pg_ctl("start", "-w", "-t", str(int(timeout)), "-l", str(self.log_path),
                            timeout=timeout + 30)

@@ -15,7 +15,15 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from services.stack.cluster import StackError, kill_all, pid_alive, port_in_use, say, wait_until
+from services.stack.cluster import (
+    StackError,
+    kill_all,
+    pid_alive,
+    port_in_use,
+    port_taken,
+    say,
+    wait_until,
+)
 
 
 def new_cluster_id() -> str:
@@ -113,31 +121,36 @@ class Kafka:
     def is_running(self) -> bool:
         return self.pid() is not None
 
+    def check_ports(self) -> None:
+        for part, port in (("kafka", self.port), ("kafka controller", self.controller_port)):
+            if port_in_use(port):
+                raise StackError(port_taken(part, port))
+
+    def _format(self) -> None:
+        say("kafka: formatting storage")
+        proc = subprocess.run(
+            self._java("kafka.tools.StorageTool", "format", "-t", self.cluster_id,
+                       "-c", str(self.config_path)),
+            capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            self.log_path.write_text(proc.stdout + proc.stderr)
+            raise StackError(f"kafka: formatting storage failed; log: {self.log_path}")
+
     def start(self) -> None:
         """Launch the broker (formatting storage the first time); see wait_ready."""
         if self.is_running():
             return
-        for part, port in (("kafka", self.port), ("kafka controller", self.controller_port)):
-            if port_in_use(port):
-                raise StackError(f"{part}: port {port} on 127.0.0.1 is already taken by another "
-                                 "process; stop it or remove the state file to pick new ports")
+        self.check_ports()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self._config())
         (self.dir / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
         if not (self.data_dir / "meta.properties").exists():
-            say("kafka: formatting storage")
-            proc = subprocess.run(
-                self._java("kafka.tools.StorageTool", "format", "-t", self.cluster_id,
-                           "-c", str(self.config_path)),
-                capture_output=True, text=True, timeout=120, check=False)
-            if proc.returncode != 0:
-                self.log_path.write_text(proc.stdout + proc.stderr)
-                raise StackError(f"kafka: formatting storage failed; log: {self.log_path}")
+            self._format()
         say(f"kafka: starting broker on port {self.port}")
         with self.log_path.open("ab") as log:
             proc = subprocess.Popen(self._java("kafka.Kafka", str(self.config_path)),
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     cwd=self.dir, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    cwd=self.dir, start_new_session=True)
         self._pid_path.write_text(f"{proc.pid}\n")
         self._launched = proc.pid
 

@@ -30,7 +30,6 @@ from services.stack.cluster import (
     kill_all,
     pg_os_user,
     pid_alive,
-    port_in_use,
     say,
     wait_until,
 )
@@ -226,20 +225,12 @@ class Stack:
                                  f"make the cache {self._cache()} world-readable")
 
     def _check_ports(self) -> None:
-        """Fail fast on a taken port, before spending a minute on initdb and clones."""
+        """Fail fast on a taken port, before spending time on initdb and clones."""
         for name in NODE_NAMES:
-            node = self.node(name)
-            if not node.is_running() and port_in_use(node.port):
-                raise StackError(f"{name}: port {node.port} on 127.0.0.1 is already taken by "
-                                 "another process; stop it, or `slotbridge stack down --purge "
-                                 f"--dir {self.state_dir}` to pick new ports")
-        kafka = self.kafka
-        if not kafka.is_running():
-            for port in (kafka.port, kafka.controller_port):
-                if port_in_use(port):
-                    raise StackError(f"kafka: port {port} on 127.0.0.1 is already taken by "
-                                     "another process; stop it, or `slotbridge stack down "
-                                     f"--purge --dir {self.state_dir}` to pick new ports")
+            if not self.node(name).is_running():
+                self.node(name).check_port()
+        if not self.kafka.is_running():
+            self.kafka.check_ports()
 
     def up(self) -> None:
         """Build or start what is missing; return only when every part is really ready."""
@@ -267,6 +258,7 @@ class Stack:
             node.initdb()
             node.write_config(COMMON_SETTINGS)
         node.start()
+        node.query("SELECT 1")  # a live postmaster is not yet a server that answers
         return node
 
     def _primary_up(self) -> None:
