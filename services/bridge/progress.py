@@ -106,8 +106,17 @@ def _bounds(consumer: Consumer, topic: str, timeout_s: float) -> tuple[int, int]
     tmeta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
     if tmeta is None or tmeta.error is not None or not tmeta.partitions:
         return None
-    low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout_s)
-    return int(low), int(high)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0),
+                                                       timeout=timeout_s)
+            return int(low), int(high)
+        except KafkaException as exc:
+            # A partition that just got its leader answers "not leader" for a moment.
+            if not exc.args[0].retriable() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _scan(consumer: Consumer, topic: str, start: int, end: int,

@@ -36,7 +36,9 @@ def redact_dsn(dsn: str) -> str:
 
 def explain_connect_error(exc: psycopg.Error, dsn: str) -> str:
     """One line: what failed and the likely fix, never the password."""
-    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    # libpq's messages span lines (the cause first, its own hint after): fold them.
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) \
+        or type(exc).__name__
     where = redact_dsn(dsn)
     lowered = text.lower()
     if "password authentication failed" in lowered:

@@ -46,12 +46,14 @@ def stack() -> None:
 
 @stack.command()
 @_dir_option
-@click.option("--pg", "pg_major", type=click.Choice(["17", "18"]), default="17",
-              show_default=True, help="PostgreSQL major version (fixed once built).")
+@click.option("--pg", "pg_major", type=click.Choice(["17", "18"]), default=None,
+              help="PostgreSQL major version: 17 for a new stack, else the recorded one; "
+                   "a different one than recorded is refused.")
 @_one_line_errors
-def up(state_dir: Path, pg_major: str) -> None:
+def up(state_dir: Path, pg_major: str | None) -> None:
     """Build or start every part; returns when all are ready."""
-    Stack(state_dir, pg_major).up()
+    # Stack(...).pg_major is the recorded version, or 17 when nothing is built yet.
+    Stack(state_dir, pg_major or Stack(state_dir).pg_major).up()
 
 
 @stack.command()
