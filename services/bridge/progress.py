@@ -114,7 +114,7 @@ def _bounds(consumer: Consumer, topic: str, timeout_s: float) -> tuple[int, int]
             return int(low), int(high)
         except KafkaException as exc:
             # A partition that just got its leader answers "not leader" for a moment.
-            if not exc.args[0].retriable() or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
 

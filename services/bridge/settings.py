@@ -58,9 +58,9 @@ class BridgeSettings(ServiceSettings):
     batch_max_ms: int = Field(default=200, ge=1)
     status_interval_s: float = Field(default=10.0, gt=0)
     max_row_bytes: int = Field(
-        default=1_000_000, ge=1024,
+        default=8 * 1024 * 1024, ge=1024,
         description="a change record larger than this stops the bridge with a clear error;"
-        " Kafka's own default limit is about 1 MB, raise both together",
+        " topics the bridge creates accept records this large (max.message.bytes)",
     )
 
     http_host: str = "0.0.0.0"

@@ -71,6 +71,8 @@ class KafkaSink:
         self._known_topics: set[str] = set()
         self._failure: KafkaError | None = None
         self._in_txn = False
+        self._produced = 0  # records handed to librdkafka in the open transaction
+        self._acked = 0  # ... and acknowledged by the broker
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Register the transactional id, fencing any older producer and its open txn."""
@@ -90,9 +92,11 @@ class KafkaSink:
         missing = {t: c for t, c in topics.items() if t not in self._known_topics}
         if not missing:
             return
+        # Topics must take the largest record we allow, or the broker refuses it later.
+        size = {"max.message.bytes": str(self._settings.max_row_bytes + 65_536)}
         new = [NewTopic(t, num_partitions=1 if compacted else self._settings.topic_partitions,
                         replication_factor=self._settings.topic_replication_factor,
-                        config={"cleanup.policy": "compact"} if compacted else {})
+                        config={"cleanup.policy": "compact", **size} if compacted else size)
                for t, compacted in missing.items()]
         for topic, future in self._admin.create_topics(new, operation_timeout=30).items():
             try:
@@ -120,6 +124,7 @@ class KafkaSink:
 
     def begin(self) -> None:
         self._failure = None
+        self._produced = self._acked = 0
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
@@ -132,6 +137,7 @@ class KafkaSink:
         while True:
             try:
                 self._producer.produce(topic, value=value, key=key, on_delivery=self._delivered)
+                self._produced += 1
                 return
             except BufferError:
                 # The local queue is full: let librdkafka send, then try again.
@@ -146,6 +152,10 @@ class KafkaSink:
             self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)
             if self._failure is not None:
                 raise SinkError(f"Kafka delivery failed: {_explain(self._failure)}")
+            if self._acked != self._produced:
+                # Never commit a transaction we cannot prove whole.
+                raise SinkError(f"Kafka acknowledged {self._acked} of {self._produced} records"
+                                " of this transaction; aborting it")
             self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
         except KafkaException as exc:
             raise self._classify(exc) from None
@@ -168,7 +178,9 @@ class KafkaSink:
         self._producer.flush(5)
 
     def _delivered(self, err: KafkaError | None, _msg: object) -> None:
-        if err is not None and self._failure is None:
+        if err is None:
+            self._acked += 1
+        elif self._failure is None:
             self._failure = err
 
     def _classify(self, exc: KafkaException) -> SinkError:

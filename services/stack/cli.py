@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import click
+import psycopg
 
 from services.stack.bootstrap import ROOT
 from services.stack.stack import Stack, StackError
@@ -35,6 +37,11 @@ def _one_line_errors(func: Callable[P, R]) -> Callable[P, R]:
             return func(*args, **kwargs)
         except StackError as exc:
             click.echo(f"slotbridge stack: {exc}", err=True)
+            sys.exit(1)
+        except (OSError, psycopg.Error, subprocess.SubprocessError) as exc:
+            # Not foreseen by the stack code, but still the environment's fault, not a bug.
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            click.echo(f"slotbridge stack: {type(exc).__name__}: {reason}", err=True)
             sys.exit(1)
     return wrapper
 

@@ -218,9 +218,16 @@ class Node:
                               start_new_session=detach, check=False, **who)
 
     def pg_ctl(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-        """Run ``pg_ctl <args> -D <data_dir>`` as the PostgreSQL OS user; never raises on exit."""
-        return self._run([str(self.bin_dir / "pg_ctl"), *args, "-D", str(self.data_dir)],
-                         timeout, detach=bool(args) and args[0] in ("start", "restart"))
+        """Run ``pg_ctl <args> -D <data_dir>`` as the PostgreSQL OS user; exit code not checked."""
+        try:
+            return self._run([str(self.bin_dir / "pg_ctl"), *args, "-D", str(self.data_dir)],
+                             timeout, detach=bool(args) and args[0] in ("start", "restart"))
+        except FileNotFoundError:
+            raise StackError(f"{self.name}: {self.bin_dir / 'pg_ctl'} is missing; run "
+                             "python3 -m services.stack.bootstrap") from None
+        except subprocess.TimeoutExpired:
+            raise StackError(f"{self.name}: pg_ctl {args[0] if args else ''} hung for "
+                             f"{timeout:.0f}s; log: {self.log_path}") from None
 
     def make_dir(self) -> None:
         """The node's folder, owned by the PostgreSQL user, so initdb and the log can write."""
@@ -324,8 +331,12 @@ class Node:
         if not before:
             return
         say(f"{self.name}: stopping postgres")
-        if self.stop("fast", timeout=30) or self.stop("immediate", timeout=15):
-            return
+        for mode, timeout in (("fast", 30), ("immediate", 15)):
+            try:
+                if self.stop(mode, timeout=timeout):
+                    return
+            except StackError as exc:  # no pg_ctl, or it hung: signals still work
+                say(str(exc))
         left = {p for p in before if pid_alive(p)}
         say(f"{self.name}: killing leftover processes {sorted(left)}")
         kill_all(left)
