@@ -158,6 +158,11 @@ def ensure_jars(cache: Path) -> None:
         stamp.write_text(key)
 
 
+def ensure_helm() -> None:
+    """helm (a Go module) for the chart checks; the script is idempotent and fast when done."""
+    _run(["bash", str(ROOT / "helm" / "ci" / "install-tools.sh")], "helm from the Go module proxy")
+
+
 def main() -> None:
     if sys.version_info < (3, 11):  # noqa: UP036 - runs under the system Python, not the venv
         sys.exit("bootstrap: Python >= 3.11 is required")
@@ -171,6 +176,7 @@ def main() -> None:
     ensure_venv()
     ensure_postgres(cache)
     ensure_jars(cache)
+    ensure_helm()
     _say(f"ready in {time.monotonic() - started:.1f}s (cache {cache})")
 
 
