@@ -55,11 +55,12 @@ def _count(bootstrap: str, topic: str) -> dict[str, int]:
             msg = consumer.poll(5.0)
             if msg is None:
                 break
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+            error, value = msg.error(), msg.value()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
                     break
                 continue
-            op = json.loads(msg.value())["op"] if msg.value() is not None else "tombstone"
+            op = json.loads(value)["op"] if value is not None else "tombstone"
             ops[op] = ops.get(op, 0) + 1
     finally:
         consumer.close()
@@ -99,11 +100,11 @@ def demo(state_dir: Path) -> None:
         assert target is not None
         _wait_confirmed(stack, bridge, str(target[0]))
         with psycopg.connect(stack.primary_dsn) as conn:
-            rows = {t: conn.execute(f"SELECT count(*) FROM shop.{t}").fetchone()
+            rows = {t: (conn.execute(f"SELECT count(*) FROM shop.{t}").fetchone() or (0,))[0]
                     for t in ("customers", "orders")}
         for table in ("customers", "orders"):
             ops = _count(stack.kafka_bootstrap, f"demo.shop.{table}")
-            _say(f"shop.{table}: {rows[table][0] if rows[table] else 0} rows in PostgreSQL; "
+            _say(f"shop.{table}: {rows[table]} rows in PostgreSQL; "
                  f"Kafka topic demo.shop.{table}: {ops}")
     finally:
         bridge.terminate()
