@@ -35,12 +35,15 @@ from services.bridge.progress import (
     ServerIdentity,
     check_identity,
     high_water,
+    progress_key,
+    progress_value,
     read_kafka_progress,
     read_topic,
 )
 from services.bridge.publisher import GapError, Publisher, TxnQueue
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaSink, SinkError, kafka_client_config
+from services.bridge.snapshot import take_snapshot
 from services.bridge.source import (
     check_slot,
     ensure_publication,
@@ -50,7 +53,7 @@ from services.bridge.source import (
     warn_keyless_tables,
 )
 from services.bridge.spool import Spool, SpoolStats, clear_spool_dir
-from services.bridge.stream import ReplicationConnection, StreamError
+from services.bridge.stream import ReplicationConnection, SlotCreated, StreamError
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer
 from services.common.logs import log_event
@@ -172,7 +175,6 @@ class Bridge:
             repl = ReplicationConnection(self._dsn)
             system = repl.identify_system()
             identity = ServerIdentity(system.system_identifier, system.timeline)
-            self._ensure_slot(sql, repl, system.dbname)
             origin = OriginStore(sql, s.origin_name)
             origin.ensure()
 
@@ -188,6 +190,14 @@ class Bridge:
                                                  s.slot_name)
             check_identity(identity, kafka_progress, s.slot_name)
             mark = high_water(origin.progress(), kafka_progress)
+            created = self._ensure_slot(sql, repl, system.dbname, snapshot_pending=mark == 0)
+            if created is not None and created.snapshot_name is not None:
+                mark = self._snapshot(created, builder, sink, origin, identity)
+                if s.snapshot_mode == "initial_only":
+                    repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+                    log_event(log, logging.INFO, "initial_only: snapshot published, slot "
+                              "dropped", slot=s.slot_name)
+                    return
             log_event(log, logging.INFO, "session starting", slot=s.slot_name,
                       system=identity.system_identifier, timeline=identity.timeline,
                       high_water=format_lsn(mark))
@@ -243,21 +253,52 @@ class Bridge:
             sql.close()
 
     def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
-                     repl: ReplicationConnection, dbname: str) -> None:
+                     repl: ReplicationConnection, dbname: str,
+                     snapshot_pending: bool) -> SlotCreated | None:
+        """Create the slot if needed; returns it when created (with its snapshot)."""
         s = self.settings
+        want_snapshot = s.snapshot_mode != "never"
         state = slot_state(sql, s.slot_name)
-        if state is None:
-            created = repl.create_slot(s.slot_name, two_phase=s.two_phase, export_snapshot=False)
-            log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
-                      consistent_point=format_lsn(created.consistent_point), db=dbname)
-            return
-        check_slot(state, s.slot_name)
-        if state.active_pid is not None:
+        if state is not None and state.active_pid is not None:
             raise SlotBusy(f"slot {s.slot_name} is in use by process {state.active_pid}; "
                            "is another bridge running on it?")
+        if state is not None and want_snapshot and snapshot_pending:
+            # Nothing was ever published from this slot: its snapshot was interrupted (or
+            # never taken). Its exported snapshot is gone, so start over from a new one.
+            log_event(log, logging.WARNING, "slot has no published snapshot; recreating it",
+                      slot=s.slot_name)
+            repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+            state = None
+        if state is None:
+            created = repl.create_slot(s.slot_name, two_phase=s.two_phase,
+                                       export_snapshot=want_snapshot)
+            log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
+                      consistent_point=format_lsn(created.consistent_point), db=dbname,
+                      snapshot=created.snapshot_name)
+            return created
+        check_slot(state, s.slot_name)
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
+        return None
+
+    def _snapshot(self, created: SlotCreated, builder: EventBuilder, sink: KafkaSink,
+                  origin: OriginStore, identity: ServerIdentity) -> int:
+        """Publish the initial snapshot as one Kafka transaction; returns the new mark."""
+        s = self.settings
+        assert created.snapshot_name is not None
+        point = created.consistent_point
+        log_event(log, logging.INFO, "initial snapshot starting", slot=s.slot_name,
+                  consistent_point=format_lsn(point))
+        sink.begin()
+        take_snapshot(self._dsn, created.snapshot_name, s.publication_name, point, builder,
+                      sink)
+        sink.produce(s.progress_topic, progress_key(s.slot_name),
+                     progress_value(s.slot_name, point, point, identity))
+        failpoint("snapshot_before_commit")
+        sink.commit()
+        origin.advance(point)
+        return point
 
     def _known_versions(self, schema_topic: str) -> dict[tuple[str, str], KnownVersion]:
         """Table versions already announced, so a restart reuses instead of re-minting."""

@@ -112,7 +112,7 @@ def _bounds(consumer: Consumer, topic: str, timeout_s: float) -> tuple[int, int]
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0),
                                                        timeout=timeout_s)
             return int(low), int(high)
-        except KafkaException as exc:
+        except KafkaException:
             # A partition that just got its leader answers "not leader" for a moment.
             if time.monotonic() > deadline:
                 raise

@@ -16,14 +16,12 @@ WAIT_FOR_STANDBY = "WaitForStandbyConfirmation"
 class Slot:
     name: str
     slot_type: str  # "physical" | "logical"
-    database: str | None
     active: bool
     temporary: bool
     failover: bool
     synced: bool
     invalidation_reason: str | None
     confirmed_flush_lsn: int | None
-    restart_lsn: int | None
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,6 @@ class Sender:
     application_name: str
     slot_name: str | None
     slot_type: str | None
-    state: str | None
     wait_events: tuple[str | None, ...]
 
     @property
@@ -52,9 +49,7 @@ class Server:
     in_recovery: bool = False
     system_identifier: int | None = None
     timeline: int | None = None
-    version_num: int = 0
     wal_lsn: int | None = None  # current insert LSN on a primary, replay LSN on a standby
-    receive_lsn: int | None = None
     settings: dict[str, str] = field(default_factory=dict)
     primary_conninfo_dbname: str | None = None
     wal_receiver_status: str | None = None

@@ -34,10 +34,8 @@ _SETTINGS = ("wal_level", "synchronized_standby_slots", "sync_replication_slots"
 _SERVER_SQL = """
 SELECT pg_is_in_recovery(),
        (SELECT system_identifier FROM pg_control_system()),
-       current_setting('server_version_num')::int,
        CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text
             ELSE pg_current_wal_lsn()::text END,
-       CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn()::text END,
        -- The insert timeline of a primary is in its current WAL file name; a standby's is
        -- the one its receiver follows (the checkpoint's timeline lags a promotion).
        CASE WHEN pg_is_in_recovery()
@@ -50,15 +48,14 @@ SELECT pg_is_in_recovery(),
 """
 
 _SLOTS_SQL = """
-SELECT slot_name, slot_type, database, active, temporary, failover, synced,
-       invalidation_reason, confirmed_flush_lsn::text, restart_lsn::text
+SELECT slot_name, slot_type, active, temporary, failover, synced, invalidation_reason,
+       confirmed_flush_lsn::text
 FROM pg_replication_slots ORDER BY slot_name
 """
 
 _SENDERS_SQL = """
-SELECT a.pid, a.application_name, s.slot_name, s.slot_type, r.state, a.wait_event
+SELECT a.pid, a.application_name, s.slot_name, s.slot_type, a.wait_event
 FROM pg_stat_activity a
-LEFT JOIN pg_stat_replication r ON r.pid = a.pid
 LEFT JOIN pg_replication_slots s ON s.active_pid = a.pid
 WHERE a.backend_type = 'walsender'
 """
@@ -101,10 +98,9 @@ def open_node(node: Node, timeout: int = 5) -> Conn:
 
 def read_slots(conn: Conn) -> tuple[Slot, ...]:
     return tuple(
-        Slot(name=r[0], slot_type=r[1], database=r[2], active=bool(r[3]),
-             temporary=bool(r[4]), failover=bool(r[5]), synced=bool(r[6]),
-             invalidation_reason=r[7], confirmed_flush_lsn=_lsn(r[8]),
-             restart_lsn=_lsn(r[9]))
+        Slot(name=r[0], slot_type=r[1], active=bool(r[2]), temporary=bool(r[3]),
+             failover=bool(r[4]), synced=bool(r[5]), invalidation_reason=r[6],
+             confirmed_flush_lsn=_lsn(r[7]))
         for r in conn.execute(_SLOTS_SQL).fetchall()
     )
 
@@ -119,10 +115,10 @@ def read_senders(conn: Conn, samples: int = SENDER_SAMPLES) -> tuple[Sender, ...
         rows = conn.execute(_SENDERS_SQL).fetchall()
         for row in rows:
             seen[row[0]] = list(row)
-            waits.setdefault(row[0], []).append(row[5])
+            waits.setdefault(row[0], []).append(row[4])
     return tuple(
         Sender(pid=pid, application_name=row[1] or "", slot_name=row[2], slot_type=row[3],
-               state=row[4], wait_events=tuple(waits[pid]))
+               wait_events=tuple(waits[pid]))
         for pid, row in sorted(seen.items()) if len(waits[pid]) == samples
     )
 
@@ -138,11 +134,10 @@ def probe_server(name: str, node: Node, *, senders: bool = False) -> Server:
                 (list(_SETTINGS),)).fetchall())
             return Server(
                 name=name, reachable=True, in_recovery=bool(row[0]),
-                system_identifier=int(row[1]), version_num=int(row[2]),
-                wal_lsn=_lsn(row[3]), receive_lsn=_lsn(row[4]), timeline=row[5],
+                system_identifier=int(row[1]), wal_lsn=_lsn(row[2]), timeline=row[3],
                 settings=settings,
-                primary_conninfo_dbname=public_conninfo(row[6] or "").get("dbname"),
-                wal_receiver_status=row[7], slots=read_slots(conn),
+                primary_conninfo_dbname=public_conninfo(row[4] or "").get("dbname"),
+                wal_receiver_status=row[5], slots=read_slots(conn),
                 senders=read_senders(conn) if senders and not row[0] else (),
             )
     except (SourceError, psycopg.Error) as exc:

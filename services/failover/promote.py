@@ -25,8 +25,7 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,7 +35,7 @@ from psycopg import conninfo, sql
 from services.common.failpoints import FailpointError, failpoint
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
-from services.common.pg import SourceError
+from services.common.pg import SourceError, connect
 from services.failover.checks import Thresholds, evaluate, managed_subscriptions
 from services.failover.facts import Server, Subscription
 from services.failover.probe import Conn, open_node, probe_cluster, probe_server
@@ -122,12 +121,9 @@ def repointed_conninfo(current: str, publisher: dict[str, str]) -> str:
     return conninfo.make_conninfo(**params)
 
 
-@contextmanager
-def _open_db(node: Node, database: str) -> Iterator[Conn]:
-    with psycopg.Connection.connect(
-            conninfo.make_conninfo(node.conninfo(), dbname=database, connect_timeout="5"),
-            autocommit=True) as conn:
-        yield conn
+def _open_db(node: Node, database: str) -> Conn:
+    """A connection to the subscription's own database (ALTER SUBSCRIPTION needs it)."""
+    return connect(node.conninfo(), connect_timeout=5, dbname=database)
 
 
 def fence_primary(node: Node) -> str | None:

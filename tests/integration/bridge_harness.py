@@ -153,7 +153,8 @@ class Pipeline:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError(f"bridge did not exit within {timeout}s:\n{self.output()}")
+            raise AssertionError(
+                f"bridge did not exit within {timeout}s:\n{self.output()}") from None
         return code, self.log_path.read_bytes()[before:].decode(errors="replace")
 
     def stop(self, timeout: float = 60) -> int:
@@ -173,6 +174,13 @@ class Pipeline:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
         raise AssertionError("no VmHWM")
+
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        wait_for(lambda: text in self.output() or self._exited(), timeout, f"log line {text!r}")
+        assert text in self.output(), self.output()[-3000:]
+
+    def _exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
