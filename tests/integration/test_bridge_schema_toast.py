@@ -42,8 +42,8 @@ def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
         sql(dsn, f"ALTER TABLE {SCHEMA}.shape ALTER COLUMN a TYPE bigint")
         sql(dsn, f"INSERT INTO {SCHEMA}.shape VALUES (4, 40000000000, 4.5)")
         for table in ("doc", "doc_full"):
-            sql(dsn, f"INSERT INTO {SCHEMA}.{table} VALUES (1, 0, "
-                     f"(SELECT string_agg(md5(g::text), '') FROM generate_series(1, {BIG // 32}) g))")
+            sql(dsn, f"INSERT INTO {SCHEMA}.{table} VALUES (1, 0, (SELECT string_agg("
+                     f"md5(g::text), '') FROM generate_series(1, {BIG // 32}) g))")
             sql(dsn, f"UPDATE {SCHEMA}.{table} SET n = 1 WHERE id = 1")
         pipe.wait_caught_up(90)
 

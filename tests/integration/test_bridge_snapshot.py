@@ -107,7 +107,7 @@ def test_snapshot_with_concurrent_writes_then_kill_and_restart(stack: Stack,
 def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> None:
     """A least-privilege role (REPLICATION + origin functions, no superuser)."""
     dsn = stack.primary_dsn
-    sql(dsn, f"""
+    sql(dsn, """
         DROP SCHEMA IF EXISTS snapdeny CASCADE; CREATE SCHEMA snapdeny;
         CREATE TABLE snapdeny.open (id int PRIMARY KEY); INSERT INTO snapdeny.open VALUES (1);
         CREATE TABLE snapdeny.secret (id int PRIMARY KEY); INSERT INTO snapdeny.secret VALUES (1);
