@@ -146,3 +146,22 @@ def test_schema_topic_describes_columns(published: Pipeline) -> None:
     assert cols["id"]["nullable"] is False and cols["id"]["key"] is True
     assert cols["mood"]["type"] == "rec.mood"
     assert everything[0]["key_columns"] == ["id"]
+
+
+def test_status_command_reports_slot_origin_and_kafka(published: Pipeline) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "status", "--json"],
+                          cwd=REPO, env=published.env(), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["exists"] is True and report["plugin"] == "pgoutput"
+    assert report["failover"] is True and report["active"] is True
+    assert report["origin_lsn"] == report["kafka_published_lsn"]
+    assert report["decoding"]["total_txns"] >= 8
+    table = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO,
+                           env=published.env(), capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert "confirmed_flush_lsn" in table.stdout and table.returncode == 0
