@@ -50,7 +50,7 @@ class Workload(threading.Thread):
                     conn.commit()
                     self.committed += 1
                     time.sleep(0.005)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # reported by the test thread's owner
             self.error = exc
 
     def finish(self) -> None:

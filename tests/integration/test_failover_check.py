@@ -22,7 +22,7 @@ from services.common.settings import load_settings
 from services.failover.drill import settings_for, subscribe
 from services.failover.settings import FailoverSettings
 from services.failover.watch import Watcher
-from services.stack.cluster import wait_until
+from services.stack.cluster import free_ports, wait_until
 from services.stack.stack import Stack
 
 SLOTBRIDGE = str(Path(sys.executable).parent / "slotbridge")
@@ -141,10 +141,11 @@ def test_check_pinpoints_each_broken_setup(fresh_stack: Callable[[], Stack]) -> 
 def test_watch_exports_metrics_and_stops_on_sigterm(fresh_stack: Callable[[], Stack]) -> None:
     stack = fresh_stack()
     subscribe(stack, "orders")
+    port = free_ports(1)[0]
     config = settings_for(stack, stack.state_dir / "failover.yaml", check_interval_s=1,
-                          http_port=0, log_format="json")
+                          http_port=port, log_format="json")
 
-    watcher = Watcher(load_settings(FailoverSettings, config))
+    watcher = Watcher(load_settings(FailoverSettings, config))  # in-process: no HTTP server
     report = watcher.round()
     assert report.ready and watcher.ready()[0]
     value = watcher.registry.get_sample_value
@@ -167,7 +168,7 @@ def test_watch_exports_metrics_and_stops_on_sigterm(fresh_stack: Callable[[], St
     while time.monotonic() < deadline and not any(e.get("msg") == "round done"
                                                   for e in events):
         events.append(json.loads(proc.stderr.readline()))
-    port = next(e["port"] for e in events if "port" in e)
+    assert any(e.get("port") == port for e in events), events
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
         assert json.loads(resp.read())["ok"] is True
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:

@@ -104,7 +104,8 @@ def _catalog(stack: Stack) -> dict[str, Any]:
                                          "FROM pg_subscription ORDER BY 1"),
         "recovery": [q[n]("SELECT pg_is_in_recovery()") for n in ("primary", "standby")],
         "auto_conf": [q[n]("SELECT name, setting FROM pg_file_settings WHERE "
-                           "right(sourcefile, 9) = 'auto.conf' ORDER BY 1") for n in ("primary", "standby")],
+                           "right(sourcefile, 9) = 'auto.conf' ORDER BY 1")
+                      for n in ("primary", "standby")],
         "read_only": q["primary"]("SHOW default_transaction_read_only"),
         "slots": q["standby"]("SELECT slot_name, synced, temporary FROM pg_replication_slots "
                               "ORDER BY 1"),

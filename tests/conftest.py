@@ -1,0 +1,88 @@
+"""Fixtures shared by every test: the embedded stack (integration tests only use it).
+
+Tests under tests/integration/ get the ``integration`` mark here, so ``-m "not
+integration"`` runs the pure unit tests without PostgreSQL or Kafka.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from services.stack.stack import Stack, StackError
+
+REPO = Path(__file__).resolve().parents[1]
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+TEST_PG = os.environ.get("SLOTBRIDGE_TEST_PG", "17")
+KEEP = os.environ.get("SLOTBRIDGE_KEEP_STACK") == "1"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+
+
+def _up(stack: Stack, on_failure: Callable[[], None]) -> Stack:
+    try:
+        stack.up()
+    except StackError as exc:
+        # A half-started stack would outlive the session: nobody reaches the teardown.
+        on_failure()
+        pytest.fail(f"local stack: {exc}", pytrace=False)
+    return stack
+
+
+def _last_one_out(lock: IO[str]) -> bool:
+    """Upgrade our shared lock; this fails while another session still holds one."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    """The shared stack, started or reused; down at the end unless SLOTBRIDGE_KEEP_STACK=1.
+
+    Several pytest sessions may use the same folder at once: each holds a shared lock on
+    it, and only the last one out stops the stack.
+    """
+    state_dir = Path(os.environ.get("SLOTBRIDGE_TEST_STACK_DIR", REPO / ".stack" / "test"))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    shared = Stack(state_dir, TEST_PG)
+    with (state_dir / "pytest-sessions.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+
+        def stop_if_alone() -> None:
+            if not KEEP and _last_one_out(lock):
+                shared.down()
+
+        yield _up(shared, stop_if_alone)
+        stop_if_alone()
+
+
+@pytest.fixture
+def fresh_stack() -> Iterator[Callable[[], Stack]]:
+    """Factory of dedicated stacks for destructive tests; each is purged afterwards."""
+    made: list[Stack] = []
+
+    def make() -> Stack:
+        # Under /tmp rather than pytest's tmp_path: /tmp/pytest-of-root is mode 0700, which
+        # the unprivileged PostgreSQL user cannot traverse.
+        state_dir = Path(tempfile.mkdtemp(prefix="slotbridge-stack-"))
+        made.append(Stack(state_dir, TEST_PG))
+        return _up(made[-1], made[-1].down)
+
+    yield make
+    for dedicated in made:
+        dedicated.down(purge=True)
+        shutil.rmtree(dedicated.state_dir, ignore_errors=True)
