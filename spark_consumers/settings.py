@@ -1,0 +1,96 @@
+"""Settings of the Spark consumer job (file + ``SLOTBRIDGE_*`` environment).
+
+The same model serves ``slotbridge consume`` on a laptop and ``spark-submit`` on a cluster
+(the Helm chart renders it into a file), so everything the job needs to find Kafka, its
+tables and its checkpoint is here and nothing is read from ad-hoc environment variables.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from services.common.settings import ServiceSettings
+
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class ConsumerSettings(ServiceSettings):
+    """Where the change topics are, which tables to build, and where the Delta tables go.
+
+    ``warehouse`` and ``checkpoint_dir`` are Hadoop paths (a local folder, ``s3a://``,
+    ``abfss://`` ...). The checkpoint belongs to exactly one warehouse: pointing a
+    checkpoint at another warehouse would skip the changes it already consumed.
+    """
+
+    kafka_bootstrap: str = Field(description="Kafka bootstrap servers, host:port[,host:port]")
+    kafka_options: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra Kafka client settings without the 'kafka.' prefix "
+                    "(security.protocol, sasl.jaas.config ...)",
+    )
+    topic_prefix: str = "slotbridge"
+    tables: list[str] | None = Field(
+        default=None, description="schema.table names to consume; every change topic when unset",
+    )
+    warehouse: str = Field(description="root path of the Delta tables")
+    checkpoint_dir: str = Field(description="Structured Streaming checkpoint of this job")
+    status_path: Path | None = Field(
+        default=None, description="JSON status file rewritten after every batch",
+    )
+    trigger_interval_s: float = Field(default=10.0, ge=0,
+                                      description="micro-batch interval; 0 = as fast as possible")
+    max_offsets_per_trigger: int | None = Field(
+        default=None, ge=1, description="cap on records per micro-batch (all topics together)",
+    )
+    starting_offsets: Literal["earliest", "latest"] = Field(
+        default="earliest", description="where a job without checkpoint starts",
+    )
+    spark_master: str | None = Field(
+        default=None, description="e.g. local[2]; unset under spark-submit (it sets the master)",
+    )
+    spark_conf: dict[str, str] = Field(default_factory=dict,
+                                       description="extra Spark settings for the session")
+    jars_dir: Path | None = Field(
+        default=None, description="folder of the Kafka source and Delta jars; the bootstrap "
+                                  "cache when unset (spark-submit --jars may provide them)",
+    )
+    shuffle_partitions: int = Field(default=4, ge=1)
+    log_format: Literal["json", "text"] = "json"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _topic(cls, value: str) -> str:
+        if not _TOPIC.match(value):
+            raise ValueError("must be a valid Kafka topic name (letters, digits, '.', '_', '-')")
+        return value
+
+    @field_validator("tables")
+    @classmethod
+    def _qualified(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            for name in value:
+                if name.count(".") != 1:
+                    raise ValueError(f"table {name!r} must be written schema.table")
+        return value
+
+    @property
+    def schema_topic(self) -> str:
+        return f"{self.topic_prefix}.schema"
+
+    def change_topics(self) -> list[str] | None:
+        """The change topics named by ``tables``; None means "all of this prefix"."""
+        if self.tables is None:
+            return None
+        return [f"{self.topic_prefix}.{name}" for name in self.tables]
+
+    def change_topic_pattern(self) -> str:
+        """Java regex of every change topic: ``prefix.schema.table`` (two more segments).
+
+        The prefix's own topics (``.schema``, ``.transaction``, ``.message``) have one.
+        """
+        return rf"\Q{self.topic_prefix}\E\.[^.]+\.[^.]+"
