@@ -1,0 +1,391 @@
+"""End-to-end bridge throughput next to the decode ceiling, on the local stack.
+
+    python bench/bridge_bench.py [--rows 1000000] [--txn-size 1000] [--shapes both]
+                                 [--repeat 1] [--stack-dir .stack/bench] [--json]
+
+For each workload shape (``--txn-size`` rows per transaction, and one ``--rows``-row
+transaction) and each repeat, on a fresh table, publication and two fresh failover slots:
+
+1. load: the rows are inserted while both slots already exist, so the WAL is there before
+   anything reads it (the load time is printed, never part of a rate);
+2. ceiling: a bare ``ReplicationConnection`` reads the first slot with the bridge's own
+   START_REPLICATION options (pgoutput 4, streaming parallel, two_phase, messages) and only
+   counts XLogData messages - it looks at the type byte of a message only to spot the
+   final Commit / Stream Commit - until the last transaction's commit: the raw receive rate
+   with no parsing, the most any consumer of this slot could do on this machine;
+3. end to end: the real daemon (``slotbridge run`` subprocess, own slot, topic prefix and
+   progress topic) catches up on the second slot; the clock runs from its "streaming" log
+   line to the moment a read_committed consumer of the progress topic sees a progress
+   record whose ``end_lsn`` reaches the last commit's end. The figure from process start
+   (connections, Kafka init_transactions) is printed too. Peak RSS is the daemon's VmHWM
+   just before it is stopped. With ``--verify`` (default) the change topic is read back
+   with read_committed and must hold exactly ``--rows`` records.
+
+The server's ``logical_decoding_work_mem`` is left as configured (64MB by default), so the
+big transaction is streamed in chunks the way production would see it.
+
+Figures, not assertions: the machine is shared, so run it a few times and take medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+
+from services.bridge.stream import ReplicationConnection
+from services.stack.stack import Stack
+
+ROOT = Path(__file__).resolve().parents[1]
+START_OPTIONS = {"proto_version": "4", "streaming": "parallel", "messages": "true",
+                 "two_phase": "on"}
+_COMMIT = ord("C")
+_STREAM_COMMIT = ord("c")
+
+
+def _say(text: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _rss_kb(pid: int, field: str = "VmHWM") -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Run:
+    """One shape, one repeat: its own table, publication, slots and topics."""
+
+    def __init__(self, dsn: str, bootstrap: str, rows: int, txn_size: int, tag: str,
+                 spool_dir: Path, verify: bool, py_spy: Path | None = None) -> None:
+        self.dsn, self.bootstrap = dsn, bootstrap
+        self.rows, self.txn_size = rows, txn_size
+        self.tag = tag
+        self.table = f"bench_{tag}"
+        self.publication = f"pub_{tag}"
+        self.ceiling_slot = f"ceil_{tag}"
+        self.bridge_slot = f"bridge_{tag}"
+        self.prefix = f"bench.{tag}"
+        self.progress_topic = f"bench.{tag}.progress"
+        self.spool_dir = spool_dir
+        self.verify = verify
+        self.py_spy = py_spy
+        self.txns = -(-rows // txn_size)
+
+    # -- setup -------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE TABLE {self.table} (id bigint PRIMARY KEY, a int, b text,"
+                         " c numeric, d timestamptz)")
+            conn.execute(f"CREATE PUBLICATION {self.publication} FOR TABLE {self.table}")
+            for slot in (self.ceiling_slot, self.bridge_slot):
+                # failover + two_phase, as the daemon creates its own.
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false,"
+                             " true, true)", (slot,))
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        for future in admin.create_topics([NewTopic(self.progress_topic, num_partitions=1,
+                                                    replication_factor=-1,
+                                                    config={"cleanup.policy": "compact"})],
+                                          operation_timeout=30).values():
+            future.result()
+
+    def load(self) -> float:
+        """Insert the rows; returns the seconds it took (not part of any rate)."""
+        started = time.monotonic()
+        select = ("SELECT g, (g % 100000)::int, 'customer ' || g || ' note', "
+                  "(g * 1.25)::numeric(14,2), "
+                  "timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second' "
+                  "FROM generate_series({lo}, {hi}) g")
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("SET synchronous_commit = off")
+            if self.txns == 1:
+                conn.execute(f"INSERT INTO {self.table} "
+                             + select.format(lo=1, hi=self.rows))
+            else:
+                conn.execute(
+                    f"DO $$ BEGIN FOR i IN 0..{self.txns - 1} LOOP "
+                    f"INSERT INTO {self.table} "
+                    + select.format(lo=f"i * {self.txn_size} + 1",
+                                    hi=f"least((i + 1) * {self.txn_size}, {self.rows})")
+                    + "; COMMIT; END LOOP; END $$")
+        return time.monotonic() - started
+
+    # -- the ceiling -------------------------------------------------------------------
+
+    def ceiling(self) -> dict[str, Any]:
+        repl = ReplicationConnection(self.dsn)
+        try:
+            options = {**START_OPTIONS, "publication_names": f'"{self.publication}"'}
+            repl.start(self.ceiling_slot, 0, options)
+            started = time.monotonic()
+            count = commits = nbytes = received = 0
+            end_lsn = 0
+            deadline = started + 600
+            while commits < self.txns:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("ceiling reader: no final commit within 600 s")
+                for kind, a, b, payload in repl.messages(1.0):
+                    if kind == "w":
+                        count += 1
+                        nbytes += len(payload)  # type: ignore[arg-type]
+                        received = b
+                        first = payload[0]  # type: ignore[index]
+                        if first == _COMMIT:
+                            commits += 1
+                            end_lsn = int.from_bytes(payload[10:18], "big")  # type: ignore[index]
+                        elif first == _STREAM_COMMIT:
+                            commits += 1
+                            end_lsn = int.from_bytes(payload[14:22], "big")  # type: ignore[index]
+                    elif payload:
+                        repl.send_status(max(received, a), 0)
+            seconds = time.monotonic() - started
+        finally:
+            repl.close()
+        return {"seconds": seconds, "messages": count, "payload_bytes": nbytes,
+                "rows_per_s": self.rows / seconds, "msgs_per_s": count / seconds,
+                "mb_per_s": nbytes / seconds / 1e6, "end_lsn": end_lsn}
+
+    # -- end to end --------------------------------------------------------------------
+
+    def e2e(self, end_lsn: int, log_path: Path) -> dict[str, Any]:
+        env = {**os.environ,
+               "SLOTBRIDGE_SOURCE_DSN": self.dsn,
+               "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.bootstrap,
+               "SLOTBRIDGE_SLOT_NAME": self.bridge_slot,
+               "SLOTBRIDGE_PUBLICATION_NAME": self.publication,
+               "SLOTBRIDGE_TABLES": json.dumps([f"public.{self.table}"]),
+               "SLOTBRIDGE_TOPIC_PREFIX": self.prefix,
+               "SLOTBRIDGE_PROGRESS_TOPIC": self.progress_topic,
+               "SLOTBRIDGE_SNAPSHOT_MODE": "never",
+               "SLOTBRIDGE_SPOOL_DIR": str(self.spool_dir),
+               "SLOTBRIDGE_HTTP_PORT": "0",
+               "SLOTBRIDGE_LOG_FORMAT": "text"}
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-{self.tag}",
+                             "enable.auto.commit": False, "isolation.level": "read_committed",
+                             "fetch.wait.max.ms": 10})
+        consumer.assign([TopicPartition(self.progress_topic, 0, OFFSET_BEGINNING)])
+        streaming_at: list[float] = []
+        log_file = log_path.open("w")
+        spawned = time.monotonic()
+        command = [str(ROOT / ".venv/bin/slotbridge"), "run"]
+        if self.py_spy is not None:
+            # The daemon as py-spy's child (ptrace needs it); RSS is read from that child.
+            command = [str(ROOT / ".venv/bin/py-spy"), "record", "--nonblocking", "--threads",
+                       "--rate", "100", "--format", "raw", "-o",
+                       str(self.py_spy / f"{self.tag}.txt"), "--", *command]
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                cwd=ROOT)
+        bridge_pid = proc.pid
+        while self.py_spy is not None and bridge_pid == proc.pid and proc.poll() is None:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            bridge_pid = int(children[0]) if children else proc.pid
+            time.sleep(0.01)
+
+        def watch_log() -> None:
+            with log_path.open() as reader:
+                while proc.poll() is None and not streaming_at:
+                    line = reader.readline()
+                    if not line:
+                        time.sleep(0.005)
+                    elif "streaming" in line:
+                        streaming_at.append(time.monotonic())
+
+        watcher = threading.Thread(target=watch_log, daemon=True)
+        watcher.start()
+        try:
+            published = 0
+            peak_seen = 0
+            deadline = spawned + 1800
+            while published < end_lsn:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"bridge exited with {proc.returncode}; see {log_path}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"bridge did not catch up in 1800 s; see {log_path}")
+                msg = consumer.poll(0.02)
+                peak_seen = max(peak_seen, _rss_kb(bridge_pid))
+                if msg is None or msg.error() is not None or msg.value() is None:
+                    continue
+                published = max(published, int(json.loads(msg.value())["end_lsn"]))
+            done = time.monotonic()
+            peak_kb = max(peak_seen, _rss_kb(bridge_pid))
+        finally:
+            consumer.close()
+            if proc.poll() is None:
+                if bridge_pid != proc.pid:
+                    os.kill(bridge_pid, signal.SIGTERM)  # py-spy writes its file and exits
+                else:
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log_file.close()
+            watcher.join(1)
+        began = streaming_at[0] if streaming_at else spawned
+        result = {"seconds": done - began, "seconds_from_spawn": done - spawned,
+                  "rows_per_s": self.rows / (done - began),
+                  "rows_per_s_from_spawn": self.rows / (done - spawned),
+                  "peak_rss_mb": peak_kb / 1024}
+        if self.verify:
+            result["records"] = self._count(f"{self.prefix}.public.{self.table}")
+            if result["records"] != self.rows:
+                raise RuntimeError(f"change topic holds {result['records']} records, "
+                                   f"expected {self.rows}")
+        return result
+
+    def _count(self, topic: str) -> int:
+        consumer = Consumer({"bootstrap.servers": self.bootstrap,
+                             "group.id": f"bench-count-{self.tag}", "enable.auto.commit": False,
+                             "isolation.level": "read_committed"})
+        try:
+            tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
+            _low, high = consumer.get_watermark_offsets(tp, timeout=30)
+            consumer.assign([tp])
+            count = 0
+            position = 0
+            idle = 0
+            while position < high - 1 and idle < 50:
+                batch = consumer.consume(10_000, 0.2)
+                if not batch:
+                    idle += 1
+                    continue
+                idle = 0
+                for msg in batch:
+                    err = msg.error()
+                    if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"reading {topic}: {err}")
+                    if err is None:
+                        count += 1
+                        position = msg.offset()
+            return count
+        finally:
+            consumer.close()
+
+    # -- teardown ----------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for slot in (self.ceiling_slot, self.bridge_slot):
+                for _ in range(50):
+                    try:
+                        conn.execute("SELECT pg_drop_replication_slot(%s) FROM"
+                                     " pg_replication_slots WHERE slot_name = %s", (slot, slot))
+                        break
+                    except psycopg.errors.ObjectInUse:
+                        time.sleep(0.2)
+            conn.execute("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
+                         " WHERE roname = %s", (f"slotbridge_{self.bridge_slot}",))
+            conn.execute(f"DROP PUBLICATION IF EXISTS {self.publication}")
+            conn.execute(f"DROP TABLE IF EXISTS {self.table}")
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        topics = [t for t in admin.list_topics(timeout=30).topics
+                  if t.startswith(self.prefix + ".")]
+        if topics:
+            for future in admin.delete_topics(topics, operation_timeout=30).values():
+                try:
+                    future.result()
+                except Exception as exc:
+                    _say(f"could not delete a topic: {exc}")
+
+
+def _one(args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int,
+         index: int, work: Path) -> dict[str, Any]:
+    tag = f"{'big' if txn_size >= args.rows else 'txn'}{int(time.time()) % 1_000_000}_{index}"
+    run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify,
+              args.py_spy)
+    _say(f"{tag}: {args.rows:,} rows in {run.txns:,} transaction(s) of {txn_size:,}")
+    try:
+        run.setup()
+        load_s = run.load()
+        _say(f"{tag}: loaded in {load_s:.1f}s; reading the ceiling slot")
+        ceiling = run.ceiling()
+        _say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
+        e2e = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
+        _say(f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
+             f"peak RSS {e2e['peak_rss_mb']:.0f} MB")
+    finally:
+        if not args.keep:
+            run.cleanup()
+    return {"shape": f"{txn_size}-row txns" if run.txns > 1 else f"one {args.rows}-row txn",
+            "txn_size": txn_size, "rows": args.rows, "load_s": load_s, "ceiling": ceiling,
+            "e2e": e2e, "ratio": e2e["rows_per_s"] / ceiling["rows_per_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--txn-size", type=int, default=1000)
+    parser.add_argument("--shapes", choices=("both", "small", "big"), default="both",
+                        help="small: --txn-size transactions; big: one --rows transaction")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip reading the change topic back to count the records")
+    parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
+    parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                        help="run the daemon under py-spy, raw stacks into DIR (skews figures)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+
+    stack = Stack(args.stack_dir)
+    with contextlib.redirect_stdout(sys.stderr):  # keep --json output clean
+        stack.up()
+    work = args.stack_dir / "bridge-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    sizes = {"small": [args.txn_size], "big": [args.rows],
+             "both": [args.txn_size, args.rows]}[args.shapes]
+    results = [_one(args, stack.primary_dsn, stack.kafka_bootstrap, size, i, work)
+               for i in range(args.repeat) for size in sizes]
+    summary = []
+    for size in sizes:
+        runs = [r for r in results if r["txn_size"] == size]
+        summary.append({
+            "shape": runs[0]["shape"], "runs": len(runs),
+            "ceiling_rows_per_s": statistics.median(r["ceiling"]["rows_per_s"] for r in runs),
+            "e2e_rows_per_s": statistics.median(r["e2e"]["rows_per_s"] for r in runs),
+            "e2e_rows_per_s_from_spawn": statistics.median(
+                r["e2e"]["rows_per_s_from_spawn"] for r in runs),
+            "ratio": statistics.median(r["ratio"] for r in runs),
+            "peak_rss_mb": statistics.median(r["e2e"]["peak_rss_mb"] for r in runs),
+        })
+    if args.json:
+        print(json.dumps({"runs": results, "median": summary}, indent=2))
+        return
+    print(f"\n{'shape':24} {'ceiling rows/s':>15} {'e2e rows/s':>12} {'e2e/ceiling':>12}"
+          f" {'e2e from spawn':>15} {'peak RSS MB':>12} {'load s':>7}")
+    for r in results:
+        print(f"{r['shape']:24} {r['ceiling']['rows_per_s']:15,.0f} {r['e2e']['rows_per_s']:12,.0f}"
+              f" {r['ratio']:12.3f} {r['e2e']['rows_per_s_from_spawn']:15,.0f}"
+              f" {r['e2e']['peak_rss_mb']:12.0f} {r['load_s']:7.1f}")
+    if args.repeat > 1:
+        print("median")
+        for s in summary:
+            print(f"{s['shape']:24} {s['ceiling_rows_per_s']:15,.0f} {s['e2e_rows_per_s']:12,.0f}"
+                  f" {s['ratio']:12.3f} {s['e2e_rows_per_s_from_spawn']:15,.0f}"
+                  f" {s['peak_rss_mb']:12.0f}")
+
+
+if __name__ == "__main__":
+    main()
