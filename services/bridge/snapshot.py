@@ -8,7 +8,7 @@ The whole snapshot is ONE Kafka transaction, ended by a progress record at the c
 point. Killed half-way, it leaves nothing a ``read_committed`` consumer can see; the next
 start finds a slot with no progress, drops it and snapshots again from a fresh point.
 
-Values are read cast to text, which runs each type's output function: byte for byte what
+Values are read as the raw text the types' output functions produce: byte for byte what
 pgoutput sends, so one set of converters serves both paths.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import psycopg
 from psycopg import sql
+from psycopg.types.string import TextLoader
 
 from services.bridge import messages as m
 from services.bridge.events import EventBuilder
@@ -102,8 +103,11 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation,
           estimate: int) -> Iterator[tuple[int, m.Message]]:
     yield 0, relation
     name = f"{relation.namespace}.{relation.name}"
-    columns = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c.name))
-                                 for c in relation.columns)
+    # Raw text output of every column (what pgoutput sends): not a ::text cast, which
+    # differs for some types (bool gives 'true', bpchar drops its padding).
+    for column in relation.columns:
+        conn.adapters.register_loader(column.type_oid, TextLoader)
+    columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
     query = sql.SQL("SELECT {} FROM {}").format(
         columns, sql.Identifier(relation.namespace, relation.name))
     done = 0

@@ -1,0 +1,130 @@
+"""The foreachBatch function: one micro-batch of raw change records to every table.
+
+Per batch the driver runs one small aggregation to learn which tables, schema versions,
+truncates, deletes and TOAST markers the batch holds, refreshes the schema registry if a
+version is new, and then, table by table, quarantines bad rows and merges the good ones.
+Every write is idempotent (see merge.py), so Spark replaying a batch after a crash is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from services.bridge.records import UNCHANGED_TOAST
+from services.common.logs import log_event
+from spark_consumers import schema as s
+from spark_consumers.deadletter import quarantine
+from spark_consumers.kafka import refresh_registry
+from spark_consumers.merge import BatchFacts, Position, TableWriter
+from spark_consumers.parse import KAFKA_COLUMNS, REASON, TABLE, envelopes, typed_rows
+from spark_consumers.settings import ConsumerSettings
+from spark_consumers.status import Status, TableCounts
+from spark_consumers.tables import dead_letter_path, table_paths
+
+log = logging.getLogger("slotbridge.consume")
+
+
+@dataclass
+class _Survey:
+    """The driver's view of one table's part of a batch."""
+
+    versions: set[int] = field(default_factory=set)
+    truncates: list[Position] = field(default_factory=list)
+    deletes: bool = False
+    toast: bool = False
+
+
+class BatchProcessor:
+    """Callable handed to ``foreachBatch``; holds the schema registry across batches."""
+
+    def __init__(self, spark: SparkSession, settings: ConsumerSettings, status: Status,
+                 registry: s.SchemaRegistry | None = None) -> None:
+        self.spark = spark
+        self.settings = settings
+        self.status = status
+        self.registry = registry if registry is not None else s.SchemaRegistry()
+        self.writers: dict[str, TableWriter] = {}
+
+    def __call__(self, raw: DataFrame, batch_id: int) -> None:
+        started = time.monotonic()
+        envs = envelopes(raw, self.settings.topic_prefix).persist()
+        try:
+            counts = self._process(envs, batch_id)
+        finally:
+            envs.unpersist()
+        self.status.record_batch(batch_id, counts, time.monotonic() - started)
+        self.status.write(self.settings.status_path)
+
+    def _process(self, envs: DataFrame, batch_id: int) -> dict[str, TableCounts]:
+        surveys = self._survey(envs)
+        missing = [t for t, sv in surveys.items()
+                   if any(not self.registry.has(t, v) for v in sv.versions)]
+        if missing:
+            for problem in refresh_registry(self.spark, self.settings, self.registry):
+                log_event(log, logging.WARNING, problem)
+        counts: dict[str, TableCounts] = {}
+        for table, survey in sorted(surveys.items()):
+            counts[table] = self._apply_table(envs.where(F.col(TABLE) == table), table,
+                                              survey, batch_id)
+        return counts
+
+    def _survey(self, envs: DataFrame) -> dict[str, _Survey]:
+        op = F.col("e.op")
+        rows = (envs.groupBy(TABLE, F.col("e.source.schema_version").alias("v"))
+                .agg(F.collect_list(F.when(op == "t", F.struct(
+                        F.col("e.source.commit_lsn"), F.col("e.transaction.total_order"))))
+                     .alias("truncates"),
+                     F.max((op == "d").cast("int")).alias("deletes"),
+                     F.max(F.instr("value_text", UNCHANGED_TOAST) > 0).alias("toast"))
+                .collect())
+        surveys: dict[str, _Survey] = defaultdict(_Survey)
+        for row in rows:
+            survey = surveys[row[TABLE]]
+            if row["v"] is not None:
+                survey.versions.add(int(row["v"]))
+            survey.truncates.extend((int(t[0]), int(t[1])) for t in row["truncates"]
+                                    if t[0] is not None and t[1] is not None)
+            survey.deletes = survey.deletes or bool(row["deletes"])
+            survey.toast = survey.toast or bool(row["toast"])
+        return dict(surveys)
+
+    def _apply_table(self, envs: DataFrame, table: str, survey: _Survey,
+                     batch_id: int) -> TableCounts:
+        dead_letters = dead_letter_path(self.settings.warehouse)
+        known = sorted(self.registry.versions.get(table, {}))
+        if not known:
+            bad = envs.select(*KAFKA_COLUMNS, F.col(TABLE),
+                              F.lit("no schema record for this table").alias(REASON))
+            quarantine(self.spark, dead_letters, bad, batch_id)
+            return TableCounts(quarantined=bad.count())
+        schema = self.registry.merged(table)
+        typed = typed_rows(envs, schema, known).withColumn(TABLE, F.lit(table)).persist()
+        try:
+            split = {bool(r["good"]): int(r["n"]) for r in typed.groupBy(
+                F.col(REASON).isNull().alias("good")).agg(F.count("*").alias("n")).collect()}
+            good_n, bad_n = split.get(True, 0), split.get(False, 0)
+            if bad_n:
+                quarantine(self.spark, dead_letters, typed.where(F.col(REASON).isNotNull()),
+                           batch_id)
+                log_event(log, logging.WARNING, "records quarantined", table=table,
+                          count=bad_n, batch_id=batch_id)
+            if good_n:
+                self._merge(typed.where(F.col(REASON).isNull()), schema, survey)
+        finally:
+            typed.unpersist()
+        return TableCounts(applied=good_n, quarantined=bad_n)
+
+    def _merge(self, good: DataFrame, schema: s.TableSchema, survey: _Survey) -> None:
+        writer = self.writers.get(schema.name)
+        if writer is None:
+            paths = table_paths(self.settings.warehouse, schema.name)
+            writer = self.writers[schema.name] = TableWriter(self.spark, paths)
+        writer.apply(good, schema, BatchFacts(truncates=tuple(sorted(survey.truncates)),
+                                              has_deletes=survey.deletes,
+                                              has_toast_markers=survey.toast))

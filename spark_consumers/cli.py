@@ -1,0 +1,40 @@
+"""``slotbridge consume``: run the Spark consumer job locally (or print its status)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from services.common.logs import setup_logging
+from services.common.settings import SettingsError, load_settings
+from spark_consumers.settings import ConsumerSettings
+
+
+@click.command()
+@click.option("--config", "config", type=click.Path(dir_okay=False, path_type=Path),
+              help="YAML or TOML settings file (SLOTBRIDGE_* variables override it).")
+@click.option("--once", is_flag=True,
+              help="Consume what Kafka holds now, then stop (availableNow trigger).")
+@click.option("--status", "show_status", is_flag=True,
+              help="Print the job's status file and exit.")
+def consume(config: Path | None, once: bool, show_status: bool) -> None:
+    """Stream the change topics into current-state and history Delta tables."""
+    try:
+        settings = load_settings(ConsumerSettings, config)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+    if show_status:
+        if settings.status_path is None or not settings.status_path.exists():
+            raise click.ClickException("no status file (set status_path; is the job running?)")
+        click.echo(json.dumps(json.loads(settings.status_path.read_text()), indent=2))
+        return
+    setup_logging(settings.log_format, settings.log_level)
+    if settings.spark_master is None:
+        settings = settings.model_copy(update={"spark_master": "local[2]"})
+    # Spark is imported only now: --status and settings errors need no JVM.
+    from spark_consumers.job import run
+
+    sys.exit(run(settings, once=once))

@@ -1,0 +1,168 @@
+"""Job wiring: the Spark session, the streaming query, the poll loop and a clean stop.
+
+The query reads every change topic as one stream and hands each micro-batch to
+``BatchProcessor``. SIGTERM/SIGINT ask for a stop: the driver waits for the running batch
+to finish (so the checkpoint and the tables agree and the next start does not redo work),
+then stops the query and the session. A SIGKILL is survived by replay: see merge.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming.query import StreamingQuery
+
+from services.common.logs import log_event
+from spark_consumers.batch import BatchProcessor
+from spark_consumers.kafka import change_stream
+from spark_consumers.settings import ConsumerSettings
+from spark_consumers.status import Status
+
+log = logging.getLogger("slotbridge.consume")
+_POLL_S = 2
+_STOP_WAIT_S = 120.0
+
+
+def default_jars_dir() -> Path:
+    """The bootstrap's jar cache (``python -m services.stack.bootstrap`` fills it)."""
+    from services.stack.bootstrap import cache_dir
+
+    return cache_dir() / "jars" / "spark"
+
+
+def _artifact(jar: str) -> str:
+    """``kafka-clients-3.9.0.jar`` -> ``kafka-clients``: the name without the version."""
+    return os.path.basename(jar).rsplit("-", 1)[0]
+
+
+def extra_jars(jars_dir: Path) -> list[str]:
+    """The cached jars Spark's own distribution does not already ship.
+
+    The Maven resolution also brings e.g. snappy-java or lz4-java; a second, different
+    version of a class Spark already has only invites clashes.
+    """
+    import pyspark
+
+    shipped = {_artifact(j) for j in glob.glob(os.path.join(
+        os.path.dirname(pyspark.__file__), "jars", "*.jar"))}
+    jars = sorted(glob.glob(str(jars_dir / "*.jar")))
+    if not jars:
+        raise FileNotFoundError(f"no jars in {jars_dir}; run python3 -m services.stack.bootstrap")
+    return [j for j in jars if _artifact(j) not in shipped]
+
+
+def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consume",
+                  ) -> SparkSession:
+    """A session with Delta, the Kafka source and UTC as the session time zone.
+
+    UTC makes ``timestamp with time zone`` values show the instant the source stored,
+    whatever the machine's zone. Under spark-submit without ``jars_dir`` the jars are
+    expected on the classpath already (``--jars`` / ``--packages``).
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if settings.spark_master is not None:
+        builder = builder.master(settings.spark_master)
+    jars_dir = settings.jars_dir
+    if jars_dir is None and settings.spark_master is not None:
+        jars_dir = default_jars_dir()
+    if jars_dir is not None:
+        builder = builder.config("spark.jars", ",".join(extra_jars(jars_dir)))
+    conf = {
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": str(settings.shuffle_partitions),
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        # Delta rebuilds table state with this many tasks (default 50): far too many for
+        # the small transaction logs of per-table CDC targets.
+        "spark.databricks.delta.snapshotPartitions": str(settings.shuffle_partitions),
+        "spark.sql.streaming.stopGracefullyOnShutdown": "false",
+        **settings.spark_conf,
+    }
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def start_query(spark: SparkSession, settings: ConsumerSettings, status: Status,
+                once: bool = False) -> StreamingQuery:
+    """Start the stream; ``once`` consumes what is in Kafka now and then ends."""
+    writer = (change_stream(spark, settings).writeStream
+              .queryName("slotbridge-consume")
+              .option("checkpointLocation", settings.checkpoint_dir)
+              .foreachBatch(BatchProcessor(spark, settings, status)))
+    if once:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{settings.trigger_interval_s} seconds")
+    return writer.start()
+
+
+def run(settings: ConsumerSettings, once: bool = False) -> int:
+    """Run until the query ends (``once``), fails, or a signal asks for a stop.
+
+    Returns the process exit code: 0 for a clean end, 1 when the query failed.
+    """
+    stop = threading.Event()
+
+    def ask_stop(signum: int, frame: FrameType | None) -> None:
+        log_event(log, logging.INFO, "stop requested", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, ask_stop)
+    signal.signal(signal.SIGINT, ask_stop)
+    status = Status()
+    spark = build_session(settings)
+    try:
+        query = start_query(spark, settings, status, once)
+        status.state = "running"
+        status.write(settings.status_path)
+        log_event(log, logging.INFO, "consumer started", query_id=str(query.id),
+                  checkpoint=settings.checkpoint_dir, warehouse=settings.warehouse,
+                  topics=settings.change_topics() or settings.change_topic_pattern())
+        while query.isActive and not stop.is_set():
+            query.awaitTermination(_POLL_S)
+            status.record_lag(_progress(query))
+            status.write(settings.status_path)
+        if query.isActive:
+            _stop_between_batches(query)
+        error = query.exception()
+        status.state = "failed" if error is not None else "stopped"
+        status.write(settings.status_path)
+        if error is not None:
+            log_event(log, logging.ERROR, "consumer failed", error=str(error))
+            return 1
+        log_event(log, logging.INFO, "consumer stopped", batches=status.batches)
+        return 0
+    finally:
+        spark.stop()
+
+
+def _progress(query: StreamingQuery) -> dict[str, object] | None:
+    progress = query.lastProgress
+    if progress is None:
+        return None
+    # PySpark 4 returns a StreamingQueryProgress object; older versions a plain dict.
+    json_value = getattr(progress, "jsonValue", None)
+    return dict(json_value()) if callable(json_value) else dict(progress)
+
+
+def _stop_between_batches(query: StreamingQuery) -> None:
+    """Stop once no batch is running, so a batch is not cut in the middle without need."""
+    deadline = time.monotonic() + _STOP_WAIT_S
+    while query.status.get("isTriggerActive") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    query.stop()

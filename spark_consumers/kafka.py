@@ -1,0 +1,52 @@
+"""Reading the bridge's topics with Spark's Kafka source.
+
+Everything reads with ``isolation.level=read_committed``: the bridge writes each batch of
+source transactions as one Kafka transaction, and an aborted one (a crash before commit)
+must never reach a table. The schema topic is read as a small batch query whenever a change
+names a table version the job has not seen yet; the bridge publishes that version in the
+same Kafka transaction, before the change, so a read after seeing the change finds it.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame, SparkSession
+
+from spark_consumers.schema import SchemaRegistry
+from spark_consumers.settings import ConsumerSettings
+
+
+def kafka_options(settings: ConsumerSettings) -> dict[str, str]:
+    """Options shared by every read: bootstrap, isolation level, the operator's extras."""
+    options = {f"kafka.{key}": value for key, value in settings.kafka_options.items()}
+    options["kafka.bootstrap.servers"] = settings.kafka_bootstrap
+    options["kafka.isolation.level"] = "read_committed"
+    return options
+
+
+def change_stream(spark: SparkSession, settings: ConsumerSettings) -> DataFrame:
+    """The streaming DataFrame of every configured change topic (raw Kafka rows)."""
+    reader = spark.readStream.format("kafka").options(**kafka_options(settings))
+    topics = settings.change_topics()
+    if topics is None:
+        reader = reader.option("subscribePattern", settings.change_topic_pattern())
+    else:
+        reader = reader.option("subscribe", ",".join(topics))
+    reader = reader.option("startingOffsets", settings.starting_offsets)
+    # Topics are created by the bridge on first use; a configured table whose topic does
+    # not exist yet must not fail the job, nor must compaction of deleted keys.
+    reader = reader.option("failOnDataLoss", "false")
+    if settings.max_offsets_per_trigger is not None:
+        reader = reader.option("maxOffsetsPerTrigger", str(settings.max_offsets_per_trigger))
+    return reader.load()
+
+
+def refresh_registry(spark: SparkSession, settings: ConsumerSettings,
+                     registry: SchemaRegistry) -> list[str]:
+    """Read the whole (compacted, small) schema topic into ``registry``; returns problems."""
+    frame = (spark.read.format("kafka").options(**kafka_options(settings))
+             .option("subscribe", settings.schema_topic)
+             .option("startingOffsets", "earliest").option("endingOffsets", "latest")
+             .option("failOnDataLoss", "false")
+             .load())
+    rows = frame.selectExpr("CAST(value AS STRING) AS value").collect()
+    return registry.add_records(row["value"] for row in rows)

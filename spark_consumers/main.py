@@ -1,0 +1,33 @@
+"""spark-submit entry: ``spark-submit [--jars ...] spark_consumers/main.py CONFIG [--once]``.
+
+On a cluster spark-submit decides the master and ships the jars, so this entry leaves
+``spark_master`` as configured (usually unset) instead of defaulting to local mode.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from services.common.logs import setup_logging
+from services.common.settings import SettingsError, load_settings
+from spark_consumers.job import run
+from spark_consumers.settings import ConsumerSettings
+
+
+def main(argv: list[str]) -> int:
+    args = [a for a in argv if a != "--once"]
+    if len(args) > 1:
+        print("usage: main.py [CONFIG] [--once]", file=sys.stderr)
+        return 2
+    try:
+        settings = load_settings(ConsumerSettings, Path(args[0]) if args else None)
+    except SettingsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(settings.log_format, settings.log_level)
+    return run(settings, once="--once" in argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

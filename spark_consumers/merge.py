@@ -1,0 +1,313 @@
+"""Applying one micro-batch of one table's typed changes to its Delta tables.
+
+Every write is guarded by the change's position ``(commit_lsn, total_order)``, a total
+order over a table's changes, so applying a batch twice (a job killed after a Delta commit
+but before its checkpoint) or applying an older change after a newer one changes nothing:
+
+- current state: MERGE by key, a row is replaced or deleted only by a newer position; a
+  truncate deletes every row older than it. Deleted keys and the last truncate are kept
+  in a small tombstone table so a late, older insert cannot bring a row back.
+- history: MERGE that inserts a change only if ``(commit_lsn, total_order, op)`` is not
+  there yet and, in the same commit, closes the key's open version (SCD type 2).
+
+Unchanged-TOAST values are filled in first, from the key's previous change in the batch or
+else from the current-state row, so history and current state both hold real values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from delta.tables import DeltaTable
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
+
+from spark_consumers import schema as s
+from spark_consumers.parse import can_be_toasted, toast_flag
+from spark_consumers.tables import (
+    IS_TRUNCATE,
+    TablePaths,
+    current_struct,
+    ensure_table,
+    history_struct,
+    quote,
+    tombstone_struct,
+)
+
+Position = tuple[int, int]
+_KIND = "_merge_kind"
+
+
+@dataclass(frozen=True)
+class BatchFacts:
+    """What the driver already knows of this table's part of the batch (no extra job)."""
+
+    truncates: tuple[Position, ...]
+    has_deletes: bool
+    has_toast_markers: bool
+
+
+def newer(a: str, b: str) -> str:
+    """SQL: change ``a`` comes after change ``b`` (aliases or a literal position)."""
+    c, t = quote(s.COMMIT_LSN), quote(s.TOTAL_ORDER)
+    return f"({a}.{c} > {b}.{c} OR ({a}.{c} = {b}.{c} AND {a}.{t} > {b}.{t}))"
+
+
+def _older_than(position: Position) -> str:
+    """SQL: the row's position is before ``position``."""
+    c, t = quote(s.COMMIT_LSN), quote(s.TOTAL_ORDER)
+    lsn, order = position
+    return f"({c} < {lsn} OR ({c} = {lsn} AND {t} < {order}))"
+
+
+def _newer_than(position: Position) -> str:
+    """SQL: the row's position is after ``position``."""
+    c, t = quote(s.COMMIT_LSN), quote(s.TOTAL_ORDER)
+    lsn, order = position
+    return f"({c} > {lsn} OR ({c} = {lsn} AND {t} > {order}))"
+
+
+def _key_match(keys: tuple[str, ...]) -> str:
+    return " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
+
+
+def _align(frame: DataFrame, target: StructType, extra: tuple[str, ...] = ()) -> DataFrame:
+    """``frame`` with exactly the target's columns (cast to the target's types) + ``extra``."""
+    have = set(frame.columns)
+    columns = [
+        (F.col(quote(f.name)) if f.name in have else F.lit(None)).cast(f.dataType).alias(f.name)
+        for f in target.fields
+    ]
+    return frame.select(*columns, *[F.col(quote(name)) for name in extra])
+
+
+def _assign(target: StructType) -> dict[str, Column | str]:
+    return {quote(f.name): f"s.{quote(f.name)}" for f in target.fields}
+
+
+def _position_order() -> list[Column]:
+    return [F.col(s.COMMIT_LSN), F.col(s.TOTAL_ORDER)]
+
+
+def resolve_toast(spark: SparkSession, rows: DataFrame, table: s.TableSchema,
+                  paths: TablePaths) -> DataFrame:
+    """Replace unchanged-TOAST placeholders with the value the key had just before.
+
+    Within the batch that is the latest earlier change of the key since its last insert or
+    delete; otherwise the current-state row (read before this batch touches it).
+    """
+    toastable = [(i, c.name) for i, c in enumerate(table.columns)
+                 if can_be_toasted(c.spark_type)]
+    if not toastable or not table.key_columns:
+        return rows
+    keys = [F.col(quote(k)) for k in table.key_columns]
+    restart = F.col(s.OP).isin("c", "r", "d", "t").cast("int")
+    upto = Window.unboundedPreceding
+    by_key = Window.partitionBy(*keys).orderBy(*_position_order()).rowsBetween(
+        upto, Window.currentRow)
+    rows = rows.withColumn("_segment", F.sum(restart).over(by_key))
+    segment = Window.partitionBy(*keys, F.col("_segment")).orderBy(
+        *_position_order()).rowsBetween(upto, Window.currentRow)
+    for index, name in toastable:
+        flag = F.col(toast_flag(index))
+        prior = F.last(F.when(~flag, F.struct(F.col(quote(name)).alias("v"))),
+                       ignorenulls=True).over(segment)
+        rows = rows.withColumn(f"_prior_{index}", prior)
+    for index, name in toastable:
+        flag, prior = F.col(toast_flag(index)), F.col(f"_prior_{index}")
+        rows = (rows.withColumn(name, F.when(flag, prior["v"]).otherwise(F.col(quote(name))))
+                .withColumn(toast_flag(index), flag & prior.isNull()))
+    rows = rows.drop("_segment", *[f"_prior_{i}" for i, _ in toastable])
+    if not DeltaTable.isDeltaTable(spark, paths.current):
+        return rows
+    pending = F.lit(False)
+    for index, _ in toastable:
+        pending = pending | F.col(toast_flag(index))
+    stored = DeltaTable.forPath(spark, paths.current).toDF()
+    stored_cols = set(stored.columns)
+    carried = [(i, n) for i, n in toastable if n in stored_cols]
+    stored = stored.select(*[F.col(quote(k)) for k in table.key_columns],
+                           *[F.col(quote(n)).alias(f"_stored_{i}") for i, n in carried])
+    needs = rows.where(pending).join(stored, list(table.key_columns), "left")
+    for index, name in carried:
+        flag = F.col(toast_flag(index))
+        needs = needs.withColumn(name, F.when(flag, F.col(f"_stored_{index}"))
+                                 .otherwise(F.col(quote(name))))
+    needs = needs.drop(*[f"_stored_{i}" for i, _ in carried])
+    return rows.where(~pending).unionByName(needs)
+
+
+class TableWriter:
+    """Applies batches to one source table's Delta tables; lives as long as the job.
+
+    It remembers what it already checked (the Delta schemas, the last truncate, whether
+    any tombstone exists), which spares every micro-batch several Delta log reads. Only
+    this job writes these tables, so the memory cannot go stale.
+    """
+
+    def __init__(self, spark: SparkSession, paths: TablePaths) -> None:
+        self.spark = spark
+        self.paths = paths
+        self._schemas: dict[str, tuple[s.TableSchema, StructType]] = {}
+        self._floor: Position | None = None
+        self._tombstones: bool | None = None
+
+    def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+        """Both tables for one batch: history first, so a crash in between leaves the
+        current state behind, never ahead of the history (replay fixes either)."""
+        if self._tombstones is None and table.key_columns:
+            self._load_tombstone_state(table)
+        rows = (resolve_toast(self.spark, rows, table, self.paths) if facts.has_toast_markers
+                else rows).persist()
+        try:
+            self._merge_history(rows, table, facts)
+            if table.key_columns:
+                self._merge_current(rows, table, facts)
+        finally:
+            rows.unpersist()
+
+    def _target(self, path: str, table: s.TableSchema, wanted: StructType) -> StructType:
+        known = self._schemas.get(path)
+        if known is None or known[0] != table:
+            known = self._schemas[path] = (table, ensure_table(self.spark, path, wanted))
+        return known[1]
+
+    def _load_tombstone_state(self, table: s.TableSchema) -> None:
+        if not DeltaTable.isDeltaTable(self.spark, self.paths.tombstones):
+            self._tombstones = False  # created on the first delete or truncate
+            return
+        stones = DeltaTable.forPath(self.spark, self.paths.tombstones).toDF()
+        row = stones.where(F.col(IS_TRUNCATE)).select(s.COMMIT_LSN, s.TOTAL_ORDER).first()
+        self._floor = None if row is None else (int(row[0]), int(row[1]))
+        self._tombstones = stones.where(~F.col(IS_TRUNCATE)).limit(1).count() > 0
+
+    def _merge_history(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+        """Insert each change once and keep SCD type 2 validity right.
+
+        A change is valid from its commit LSN to the commit LSN of the key's next change
+        (or of the next truncate); deletes and truncates are closed at their own LSN, so
+        the open versions (``valid_to_lsn IS NULL``) are exactly the live rows. A late
+        change older than a stored truncate is closed at that truncate.
+        """
+        target = self._target(self.paths.history, table, history_struct(table))
+        keys = table.key_columns
+        op = F.col(s.OP)
+        point = F.struct(F.col(s.COMMIT_LSN), F.col(s.TOTAL_ORDER))
+        following = (F.lead(point).over(Window.partitionBy(*[F.col(quote(k)) for k in keys])
+                                        .orderBy(*_position_order()))
+                     if keys else F.lit(None))
+        if facts.truncates:
+            after = Window.orderBy(*_position_order()).rowsBetween(1, Window.unboundedFollowing)
+            next_truncate = F.first(F.when(op == "t", point), ignorenulls=True).over(after)
+            following = F.least(following, next_truncate) if keys else next_truncate
+        valid_to = following[s.COMMIT_LSN]
+        if self._floor is not None:
+            valid_to = F.coalesce(valid_to, F.when(F.expr(_older_than(self._floor)),
+                                                   F.lit(self._floor[0])))
+        changes = (rows.withColumn(s.VALID_FROM, F.col(s.COMMIT_LSN))
+                   .withColumn(s.VALID_TO, F.when(op.isin("d", "t"), F.col(s.COMMIT_LSN))
+                               .otherwise(valid_to)))
+        history = DeltaTable.forPath(self.spark, self.paths.history)
+        for position in facts.truncates:
+            # Before the MERGE: versions older than the truncate end at it, not at the
+            # key's next change later in this batch.
+            history.update(
+                condition=f"{quote(s.VALID_TO)} IS NULL AND {quote(s.OP)} <> 't' AND "
+                          f"{_older_than(position)}",
+                set={quote(s.VALID_TO): F.lit(position[0])})
+        inserts = _align(changes, target).withColumn(_KIND, F.lit("i"))
+        same_change = (f"t.{quote(s.COMMIT_LSN)} = s.{quote(s.COMMIT_LSN)} AND "
+                       f"t.{quote(s.TOTAL_ORDER)} = s.{quote(s.TOTAL_ORDER)} AND "
+                       f"t.{quote(s.OP)} = s.{quote(s.OP)}")
+        if keys:
+            first = Window.partitionBy(*[F.col(quote(k)) for k in keys]).orderBy(
+                *_position_order())
+            closers = (changes.where(op != "t").withColumn("_n", F.row_number().over(first))
+                       .where("_n = 1")
+                       .select(*[F.col(quote(k)) for k in keys], F.col(s.COMMIT_LSN),
+                               F.col(s.TOTAL_ORDER), F.lit("c").alias(_KIND)))
+            source = inserts.unionByName(_align(closers, target, (_KIND,)),
+                                         allowMissingColumns=True)
+            condition = (f"{_key_match(keys)} AND ((s.{_KIND} = 'i' AND {same_change}) OR "
+                         f"(s.{_KIND} = 'c' AND t.{quote(s.VALID_TO)} IS NULL AND "
+                         f"{newer('s', 't')}))")
+        else:
+            source, condition = inserts, same_change
+        (history.alias("t").merge(source.alias("s"), condition)
+         .whenMatchedUpdate(condition=f"s.{_KIND} = 'c'",
+                            set={quote(s.VALID_TO): f"s.{quote(s.COMMIT_LSN)}"})
+         .whenNotMatchedInsert(condition=f"s.{_KIND} = 'i'", values=_assign(target))
+         .execute())
+
+    def _merge_current(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+        """Bring the current-state table to the newest change of every key in the batch."""
+        target = self._target(self.paths.current, table, current_struct(table))
+        keys = list(table.key_columns)
+        current = DeltaTable.forPath(self.spark, self.paths.current)
+        tombstones = self._target(self.paths.tombstones, table, tombstone_struct(table)) \
+            if facts.has_deletes or facts.truncates or self._tombstones else None
+        stones = DeltaTable.forPath(self.spark, self.paths.tombstones) if tombstones else None
+        if facts.truncates:
+            latest_truncate = max(facts.truncates)
+            current.delete(_older_than(latest_truncate))
+        changes = rows.where(F.col(s.OP) != "t")
+        floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
+        if floor is not None:
+            changes = changes.where(_newer_than(floor))
+        newest_first = Window.partitionBy(*[F.col(quote(k)) for k in keys]).orderBy(
+            F.col(s.COMMIT_LSN).desc(), F.col(s.TOTAL_ORDER).desc())
+        latest = (changes.withColumn("_n", F.row_number().over(newest_first))
+                  .where("_n = 1").drop("_n"))
+        if self._tombstones and stones is not None:
+            deleted = (stones.toDF().where(~F.col(IS_TRUNCATE))
+                       .select(*[F.col(quote(k)) for k in keys],
+                               F.col(s.COMMIT_LSN).alias("_d_lsn"),
+                               F.col(s.TOTAL_ORDER).alias("_d_order")))
+            latest = (latest.join(deleted, keys, "left")
+                      .where(f"_d_lsn IS NULL OR {quote(s.COMMIT_LSN)} > _d_lsn OR "
+                             f"({quote(s.COMMIT_LSN)} = _d_lsn AND "
+                             f"{quote(s.TOTAL_ORDER)} > _d_order)")
+                      .drop("_d_lsn", "_d_order"))
+        latest = latest.persist()
+        try:
+            (current.alias("t").merge(_align(latest, target, (s.OP,)).alias("s"),
+                                      _key_match(table.key_columns))
+             .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
+             .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
+             .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
+                                   values=_assign(target))
+             .execute())
+            if facts.has_deletes and stones is not None and tombstones is not None:
+                _merge_tombstones(stones, _align(latest, tombstones, (s.OP,)), table)
+                self._tombstones = True
+        finally:
+            latest.unpersist()
+        if stones is not None and facts.truncates and (
+                self._floor is None or max(facts.truncates) > self._floor):
+            self._floor = max(facts.truncates)
+            _store_truncate(self.spark, stones, self._floor)
+
+
+def _merge_tombstones(stones: DeltaTable, source: DataFrame, table: s.TableSchema) -> None:
+    """Remember deleted keys; forget a key's tombstone once a newer change re-creates it."""
+    names = (*table.key_columns, s.COMMIT_LSN, s.TOTAL_ORDER)
+    columns: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in names}
+    (stones.alias("t").merge(source.alias("s"),
+                             f"{_key_match(table.key_columns)} AND NOT t.{IS_TRUNCATE}")
+     .whenMatchedUpdate(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}", set=columns)
+     .whenMatchedDelete(condition=newer("s", "t"))
+     .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} = 'd'",
+                           values={**columns, IS_TRUNCATE: "false"})
+     .execute())
+
+
+def _store_truncate(spark: SparkSession, stones: DeltaTable, position: Position) -> None:
+    source = spark.range(1).select(F.lit(position[0]).alias(s.COMMIT_LSN),
+                                   F.lit(position[1]).alias(s.TOTAL_ORDER))
+    columns: dict[str, str | Column] = {quote(c): f"s.{quote(c)}"
+                                        for c in (s.COMMIT_LSN, s.TOTAL_ORDER)}
+    (stones.alias("t").merge(source.alias("s"), f"t.{IS_TRUNCATE}")
+     .whenMatchedUpdate(condition=newer("s", "t"), set=columns)
+     .whenNotMatchedInsert(values={**columns, IS_TRUNCATE: "true"})
+     .execute())

@@ -1,0 +1,104 @@
+"""Progress of the job: counters per table, Kafka lag, a log line and a JSON status file.
+
+The status file is what ``slotbridge consume --status`` prints and what a readiness probe
+or a test reads; it is rewritten atomically (write + rename) so a reader never sees half.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.logs import log_event
+
+log = logging.getLogger("slotbridge.consume")
+
+
+@dataclass
+class TableCounts:
+    applied: int = 0
+    quarantined: int = 0
+
+
+@dataclass
+class Status:
+    """Everything reported; mutated by the batch function and the driver's poll loop."""
+
+    state: str = "starting"
+    batches: int = 0
+    last_batch_id: int | None = None
+    last_batch_seconds: float | None = None
+    tables: dict[str, TableCounts] = field(default_factory=dict)
+    lag: dict[str, int] = field(default_factory=dict)
+    updated_at: float = field(default_factory=time.time)
+
+    def record_batch(self, batch_id: int, counts: dict[str, TableCounts],
+                     seconds: float) -> None:
+        self.batches += 1
+        self.last_batch_id = batch_id
+        self.last_batch_seconds = round(seconds, 3)
+        for table, batch in counts.items():
+            total = self.tables.setdefault(table, TableCounts())
+            total.applied += batch.applied
+            total.quarantined += batch.quarantined
+        self.updated_at = time.time()
+        log_event(log, logging.INFO, "batch applied", batch_id=batch_id,
+                  seconds=self.last_batch_seconds,
+                  tables={t: {"applied": c.applied, "quarantined": c.quarantined}
+                          for t, c in counts.items()})
+
+    def record_lag(self, progress: dict[str, Any] | None) -> None:
+        """Offsets not yet consumed, per topic, from the query's last progress report."""
+        if not progress:
+            return
+        self.lag = lag_from_progress(progress)
+        self.updated_at = time.time()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "batches": self.batches,
+            "last_batch_id": self.last_batch_id,
+            "last_batch_seconds": self.last_batch_seconds,
+            "tables": {t: {"applied": c.applied, "quarantined": c.quarantined}
+                       for t, c in sorted(self.tables.items())},
+            "lag": dict(sorted(self.lag.items())),
+            "total_lag": sum(self.lag.values()),
+            "updated_at": self.updated_at,
+        }
+
+    def write(self, path: Path | None) -> None:
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(path.name + ".tmp")
+        temp.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        os.replace(temp, path)
+
+
+def _offsets(value: Any) -> dict[str, dict[str, int]]:
+    """A source offset as Spark reports it (JSON text or already a dict) -> topic -> part."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict):
+        return {}
+    return {topic: {str(p): int(o) for p, o in parts.items()}
+            for topic, parts in value.items() if isinstance(parts, dict)}
+
+
+def lag_from_progress(progress: dict[str, Any]) -> dict[str, int]:
+    """Per topic: latest offset minus the end offset of the last batch, over partitions."""
+    lag: dict[str, int] = {}
+    for source in progress.get("sources", []):
+        end = _offsets(source.get("endOffset"))
+        latest = _offsets(source.get("latestOffset"))
+        for topic, parts in latest.items():
+            done = end.get(topic, {})
+            lag[topic] = sum(max(0, offset - done.get(part, 0))
+                             for part, offset in parts.items())
+    return lag

@@ -1,0 +1,125 @@
+"""Where the Delta tables live, what columns they have, and how they grow.
+
+Per source table ``schema.table`` under the warehouse:
+
+    current/schema.table      one row per live key: the source columns + position
+    history/schema.table      every change, SCD type 2 validity, op and source metadata
+    _tombstones/schema.table  internal: position of each deleted key and of the last
+                              truncate, so a late older record cannot resurrect a row
+    _dead_letter              records that could not be applied, with the reason
+
+Tables are created on first use and only ever gain columns (``ALTER TABLE ADD COLUMNS``):
+Delta cannot drop or retype a column without rewriting it, so a dropped source column stays
+(null in new rows) and a retyped one keeps its first Delta type (values are cast to it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from delta.tables import DeltaTable
+from pyspark.sql import SparkSession
+from pyspark.sql.types import (
+    BooleanType,
+    DataType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from services.common.logs import log_event
+from spark_consumers import schema as s
+
+log = logging.getLogger("slotbridge.consume")
+
+_POSITION = [StructField(s.COMMIT_LSN, LongType()), StructField(s.TOTAL_ORDER, LongType())]
+_HISTORY_META = [
+    StructField(s.OP, StringType()),
+    *_POSITION,
+    StructField(s.LSN, LongType()),
+    StructField(s.TX_ID, LongType()),
+    StructField(s.COMMIT_TS, TimestampType()),
+    StructField(s.SCHEMA_VERSION, IntegerType()),
+    StructField(s.VALID_FROM, LongType()),
+    StructField(s.VALID_TO, LongType()),
+]
+DEAD_LETTER_SCHEMA = StructType([
+    StructField("table", StringType()),
+    StructField("topic", StringType()),
+    StructField("partition", IntegerType()),
+    StructField("offset", LongType()),
+    StructField("key_text", StringType()),
+    StructField("value_text", StringType()),
+    StructField("reason", StringType()),
+    StructField("batch_id", LongType()),
+    StructField("quarantined_at", TimestampType()),
+])
+IS_TRUNCATE = "_cdc_truncate"
+
+
+@dataclass(frozen=True)
+class TablePaths:
+    current: str
+    history: str
+    tombstones: str
+
+
+def table_paths(warehouse: str, table: str) -> TablePaths:
+    root = warehouse.rstrip("/")
+    return TablePaths(current=f"{root}/current/{table}", history=f"{root}/history/{table}",
+                      tombstones=f"{root}/_tombstones/{table}")
+
+
+def dead_letter_path(warehouse: str) -> str:
+    return f"{warehouse.rstrip('/')}/_dead_letter"
+
+
+def current_struct(table: s.TableSchema) -> StructType:
+    return StructType([*table.struct().fields, *_POSITION])
+
+
+def history_struct(table: s.TableSchema) -> StructType:
+    return StructType([*table.struct().fields, *_HISTORY_META])
+
+
+def tombstone_struct(table: s.TableSchema) -> StructType:
+    keys = [f for f in table.struct().fields if f.name in table.key_columns]
+    return StructType([*keys, *_POSITION, StructField(IS_TRUNCATE, BooleanType())])
+
+
+def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructType:
+    """Create the Delta table or add the columns it lacks; returns its schema afterwards."""
+    if not DeltaTable.isDeltaTable(spark, path):
+        DeltaTable.createIfNotExists(spark).location(path).addColumns(wanted).execute()
+        log_event(log, logging.INFO, "created delta table", path=path,
+                  columns=len(wanted.fields))
+        return wanted
+    existing = DeltaTable.forPath(spark, path).toDF().schema
+    have = {f.name: f.dataType for f in existing.fields}
+    missing = [f for f in wanted.fields if f.name not in have]
+    for field in wanted.fields:
+        if field.name in have and have[field.name] != field.dataType:
+            log_event(log, logging.WARNING, "column type changed at the source; keeping the "
+                      "delta type", path=path, column=field.name,
+                      delta_type=have[field.name].simpleString(),
+                      source_type=field.dataType.simpleString())
+    if not missing:
+        return existing
+    ddl = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
+    spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({ddl})")
+    log_event(log, logging.INFO, "added columns", path=path,
+              columns=[f.name for f in missing])
+    return DeltaTable.forPath(spark, path).toDF().schema
+
+
+def quote(name: str) -> str:
+    """A SQL identifier in backticks (column names may hold anything PostgreSQL allows)."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def field_types(struct: StructType) -> dict[str, DataType]:
+    return {f.name: f.dataType for f in struct.fields}

@@ -1,0 +1,345 @@
+"""The Spark consumer against real Kafka (and, end to end, the real bridge and PostgreSQL).
+
+One SparkSession serves the module: it runs the consumer in-process (``availableNow``
+trigger) and reads the Delta tables back. The crash test runs the consumer as its own
+process (``slotbridge consume``) so it can be SIGKILLed mid-run, driver and JVM together.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import FloatType, StringType, TimestampType
+
+from services.stack.stack import Stack
+from spark_consumers.job import build_session, start_query
+from spark_consumers.schema import spark_type
+from spark_consumers.settings import ConsumerSettings
+from spark_consumers.status import Status
+from spark_consumers.synthetic import Record, SynthColumn, SynthTable, TransactionalWriter
+from spark_consumers.tables import dead_letter_path, table_paths
+from tests.integration.bridge_harness import Pipeline, sql, wait_for
+
+pytestmark = pytest.mark.spark
+
+REPO = Path(__file__).resolve().parents[2]
+NUM = ((10 << 16) | 2) + 4  # numeric(10,2)
+TS_FORMAT = "yyyy-MM-dd HH:mm:ss.SSSSSS"
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    settings = ConsumerSettings(kafka_bootstrap="unused:9", warehouse="/unused",
+                                checkpoint_dir="/unused", spark_master="local[2]",
+                                shuffle_partitions=2)
+    yield build_session(settings)
+
+
+def consumer_settings(stack: Stack, prefix: str, root: Path, **extra: Any) -> ConsumerSettings:
+    return ConsumerSettings(kafka_bootstrap=stack.kafka_bootstrap, topic_prefix=prefix,
+                            warehouse=str(root / "warehouse"),
+                            checkpoint_dir=str(root / "checkpoint"),
+                            status_path=root / "status.json", shuffle_partitions=2, **extra)
+
+
+def consume_once(spark: SparkSession, settings: ConsumerSettings) -> Status:
+    """Run the consumer until it has applied everything Kafka holds now."""
+    status = Status()
+    query = start_query(spark, settings, status, once=True)
+    query.awaitTermination()
+    assert query.exception() is None, query.exception()
+    return status
+
+
+def delta_rows(spark: SparkSession, path: str) -> list[dict[str, Any]]:
+    frame = spark.read.format("delta").load(path)
+    # Timestamps as UTC text: Python's datetime conversion would use the local zone.
+    frame = frame.select(*[F.date_format(f.name, TS_FORMAT).alias(f.name)
+                           if isinstance(f.dataType, TimestampType) else F.col(f"`{f.name}`")
+                           for f in frame.schema.fields])
+    return [r.asDict(recursive=True) for r in frame.collect()]
+
+
+# -- synthetic records through real Kafka: crash, restart, aborted transactions -------------
+
+def _workload(table: SynthTable, seed: int, transactions: int, lsn0: int
+              ) -> tuple[list[list[Record]], dict[int, dict[str, Any]], int]:
+    """Random committed transactions, the state they leave, and their change count."""
+    rng = random.Random(seed)
+    state: dict[int, dict[str, Any]] = {}
+    txs: list[list[Record]] = []
+    changes = 0
+    for n in range(transactions):
+        lsn = lsn0 + 100 * n
+        records: list[Record] = []
+        for order in range(1, rng.randint(1, 5) + 1):
+            key = rng.randint(1, 30)
+            if key in state and rng.random() < 0.3:
+                records += table.change("d", {"id": key}, lsn, order, n)
+                del state[key]
+            else:
+                op = "u" if key in state else "c"
+                row = {"id": key, "name": f"n{n}-{order}", "amount": f"{rng.randint(0, 99999)}.25",
+                       "at": f"2024-01-{1 + n % 28:02d}T00:00:0{order}.5Z"}
+                records += table.change(op, row, lsn, order, n)
+                state[key] = row
+            changes += 1
+        txs.append(records)
+    return txs, state, changes
+
+
+def _expected(state: dict[int, dict[str, Any]]) -> dict[int, tuple[Any, ...]]:
+    return {k: (r["name"], Decimal(r["amount"]),
+                r["at"].replace("T", " ").replace("Z", "") + "00000")
+            for k, r in state.items()}
+
+
+def _current(spark: SparkSession, path: str) -> dict[int, tuple[Any, ...]]:
+    return {r["id"]: (r["name"], r["amount"], r["at"]) for r in delta_rows(spark, path)}
+
+
+def test_kill_restart_aborted_transactions_and_dead_letters(
+        stack: Stack, spark: SparkSession, tmp_path: Path) -> None:
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    columns = (SynthColumn("id", "integer", 23, key=True), SynthColumn("name", "text", 25),
+               SynthColumn("amount", "numeric(10,2)", 1700, NUM),
+               SynthColumn("at", "timestamp with time zone", 1184))
+    table = SynthTable(prefix, "public", "items", columns)
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
+    txs, state, changes = _workload(table, 1, 120, 1_000)
+    writer.send([table.schema_record()])
+    for records in txs[:60]:
+        writer.send(records)
+    # Never committed: must never reach a table.
+    writer.send(table.change("c", {"id": 999, "name": "aborted", "amount": "1.00",
+                                   "at": "2024-01-01T00:00:00Z"}, 999_999, 1, 1), abort=True)
+    writer.send([(table.topic, b'{"id": 5}', b'{"op": "c", "after": "oops"}')])
+
+    settings = consumer_settings(stack, prefix, tmp_path, tables=["public.items"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
+    env.update({
+        "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "SLOTBRIDGE_TOPIC_PREFIX": prefix,
+        "SLOTBRIDGE_TABLES": '["public.items"]', "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
+        "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
+        "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
+        "SLOTBRIDGE_TRIGGER_INTERVAL_S": "0", "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "40",
+        "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_SHUFFLE_PARTITIONS": "1",
+        "SLOTBRIDGE_LOG_FORMAT": "text",
+    })
+    log = (tmp_path / "consume.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "consume"], cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        def batches() -> int:
+            if proc.poll() is not None:
+                raise AssertionError((tmp_path / "consume.log").read_text()[-3000:])
+            assert settings.status_path is not None
+            try:
+                return int(json.loads(settings.status_path.read_text())["batches"])
+            except (FileNotFoundError, ValueError):
+                return 0
+        wait_for(lambda: batches() >= 2, 240, "two batches of the consumer")
+        for records in txs[60:90]:
+            writer.send(records)
+        time.sleep(1.0)  # likely in the middle of a batch now
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # driver and its JVM: a real crash
+        proc.wait()
+        log.close()
+    for records in txs[90:]:
+        writer.send(records)
+
+    status = consume_once(spark, settings)
+    paths = table_paths(settings.warehouse, "public.items")
+    assert _current(spark, paths.current) == _expected(state)
+    history = delta_rows(spark, paths.history)
+    assert len(history) == changes
+    assert len({(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"])
+                for r in history}) == changes
+    assert all(r["name"] != "aborted" for r in history)
+    dead = delta_rows(spark, dead_letter_path(settings.warehouse))
+    assert [d["table"] for d in dead] == ["public.items"]
+    assert dead[0]["reason"].startswith("source.commit_lsn missing")
+    assert status.lag.get(table.topic, 0) == 0
+    # A replay of everything from scratch into the same tables changes nothing.
+    replay = settings.model_copy(update={"checkpoint_dir": str(tmp_path / "checkpoint2")})
+    consume_once(spark, replay)
+    assert _current(spark, paths.current) == _expected(state)
+    assert len(delta_rows(spark, paths.history)) == changes
+
+
+# -- end to end: PostgreSQL -> bridge -> Kafka -> Spark -> Delta ---------------------------
+
+TYPED_TABLE = """
+CREATE TABLE {name} (
+    id integer PRIMARY KEY,
+    small smallint, big bigint, amount numeric(10,2), ratio real, score double precision,
+    flag boolean, label text, code varchar(12), uid uuid, doc jsonb, raw bytea,
+    day date, local timestamp, at timestamptz, clock time, span interval,
+    tags text[], nums integer[], big_text text
+)"""
+
+
+def _pg_rows(dsn: str, table: str, columns: list[tuple[str, str]]) -> dict[int, dict[str, Any]]:
+    select = []
+    for name, pg_type in columns:
+        target = spark_type(pg_type)
+        if isinstance(target, StringType) and pg_type not in ("json", "jsonb"):
+            select.append(f"{name}::text")
+        elif isinstance(target, TimestampType):
+            select.append(f"to_char({name} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')")
+        elif pg_type.startswith("timestamp"):
+            select.append(f"to_char({name}, 'YYYY-MM-DD HH24:MI:SS.US')")
+        else:
+            select.append(name)
+    rows = sql(dsn, f"SET intervalstyle = iso_8601; SELECT {', '.join(select)} FROM {table}")
+    out = {}
+    for values in rows:
+        row = dict(zip([c for c, _ in columns], values, strict=True))
+        out[row["id"]] = {name: _norm(row[name], pg_type) for name, pg_type in columns}
+    return out
+
+
+def _norm(value: Any, pg_type: str) -> Any:
+    if value is None:
+        return None
+    if pg_type in ("json", "jsonb"):
+        return json.loads(value) if isinstance(value, str) else value
+    if pg_type == "real":
+        return struct.unpack("f", struct.pack("f", value))[0]
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    return value
+
+
+def _delta_rows(spark: SparkSession, path: str, columns: list[tuple[str, str]]
+                ) -> dict[int, dict[str, Any]]:
+    frame = spark.read.format("delta").load(path)
+    select = []
+    for f in frame.schema.fields:
+        if f.name.startswith("_cdc_"):
+            continue
+        if isinstance(f.dataType, TimestampType) or f.dataType.typeName() == "timestamp_ntz":
+            select.append(F.date_format(f.name, TS_FORMAT).alias(f.name))
+        elif isinstance(f.dataType, FloatType):
+            select.append(F.col(f.name))
+        else:
+            select.append(F.col(f.name))
+    types = dict(columns)
+    out = {}
+    for r in frame.select(*select).collect():
+        row = r.asDict(recursive=True)
+        out[row["id"]] = {k: _norm(v, types[k]) for k, v in row.items()}
+    return out
+
+
+def _columns(dsn: str, table: str) -> list[tuple[str, str]]:
+    return [(n, t) for n, t in sql(
+        dsn, "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+             "attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+        (table,))]
+
+
+def _typed_workload(dsn: str, table: str, seed: int) -> None:
+    rng = random.Random(seed)
+    big = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(6000))
+    for i in range(1, 41):
+        sql(dsn, f"""INSERT INTO {table} VALUES (
+            %s, %s, %s, %s, %s, %s, %s, %s, %s, gen_random_uuid(), %s, %s, %s, %s, %s, %s,
+            %s, %s, %s, %s)""",
+            (i, i % 100, 2**40 + i, Decimal(f"{i}.{i % 100:02d}"), i / 3, float("nan")
+             if i == 7 else i / 7, i % 2 == 0, f"label {i} 'q' \u00e9", f"c{i}",
+             json.dumps({"i": i, "nested": [1, "two", None], "s": "x\"y"}), bytes([i, 0, 255]),
+             dt.date(2024, 1, 1) + dt.timedelta(days=i),
+             dt.datetime(2024, 1, 1, 12, 0, 0, 123456) + dt.timedelta(hours=i),
+             dt.datetime(2024, 1, 1, 12, 0, 0, 654321, tzinfo=dt.UTC) + dt.timedelta(minutes=i),
+             dt.time(1, 2, 3), dt.timedelta(days=i, hours=2), ["a", None, f"t{i}"], [i, None],
+             big if i % 5 == 0 else None))
+    for i in range(1, 41, 3):
+        # big_text untouched: the bridge sends it as an unchanged-TOAST marker.
+        sql(dsn, f"UPDATE {table} SET label = label || ' upd', amount = amount + 1 "
+                 "WHERE id = %s", (i,))
+    sql(dsn, f"DELETE FROM {table} WHERE id % 9 = 0")
+    sql(dsn, f"UPDATE {table} SET doc = '\"just a string\"', nums = '{{}}' WHERE id = 2")
+    sql(dsn, f"BEGIN; UPDATE {table} SET small = -1 WHERE id = 4; "
+             f"UPDATE {table} SET small = -2 WHERE id = 4; COMMIT")
+
+
+def _assert_equal(spark: SparkSession, dsn: str, settings: ConsumerSettings,
+                  tables: list[str]) -> None:
+    for table in tables:
+        columns = _columns(dsn, table)
+        path = table_paths(settings.warehouse, table).current
+        schema = spark.read.format("delta").load(path).schema
+        for name, pg_type in columns:
+            assert schema[name].dataType == spark_type(pg_type), (table, name, pg_type)
+        expected = _pg_rows(dsn, table, columns)
+        actual = _delta_rows(spark, path, columns)
+        assert sorted(actual) == sorted(expected), table
+        for key, row in expected.items():
+            assert actual[key] == row, (table, key)
+
+
+def _history_matches_kafka(spark: SparkSession, pipeline: Pipeline, settings: ConsumerSettings,
+                           table: str) -> None:
+    records = pipeline.changes(table)
+    history = delta_rows(spark, table_paths(settings.warehouse, table).history)
+    assert len(history) == len(records)
+    assert ({(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
+            == {(r.value["source"]["commit_lsn"], r.value["transaction"]["total_order"],
+                 r.value["op"]) for r in records})
+    assert sum(1 for r in history if r["valid_to_lsn"] is None) == len(
+        sql(pipeline.stack.primary_dsn, f"SELECT 1 FROM {table}"))
+
+
+def test_end_to_end_with_bridge(stack: Stack, spark: SparkSession, tmp_path: Path) -> None:
+    dsn = stack.primary_dsn
+    suffix = uuid.uuid4().hex[:6]
+    tables = [f"public.spark_a_{suffix}", f"public.spark_b_{suffix}"]
+    for table in tables:
+        sql(dsn, TYPED_TABLE.format(name=table))
+    sql(dsn, f"INSERT INTO {tables[1]} (id, label) VALUES (1000, 'before the slot')")
+    pipeline = Pipeline(stack, tables, tmp_path)
+    try:
+        pipeline.start()
+        for seed, table in enumerate(tables):
+            _typed_workload(dsn, table, seed)
+        pipeline.wait_caught_up()
+        settings = consumer_settings(stack, pipeline.prefix, tmp_path,
+                                     tables=[t for t in tables])
+        consume_once(spark, settings)
+        _assert_equal(spark, dsn, settings, tables)
+        for table in tables:
+            _history_matches_kafka(spark, pipeline, settings, table)
+
+        sql(dsn, f"ALTER TABLE {tables[0]} ADD COLUMN note text, ADD COLUMN cents numeric(12,3)")
+        sql(dsn, f"UPDATE {tables[0]} SET note = 'n' || id, cents = id / 8.0 WHERE id < 10")
+        sql(dsn, f"INSERT INTO {tables[0]} (id, note) VALUES (500, 'new')")
+        pipeline.wait_caught_up()
+        consume_once(spark, settings)
+        _assert_equal(spark, dsn, settings, tables)
+        _history_matches_kafka(spark, pipeline, settings, tables[0])
+    finally:
+        pipeline.cleanup()
+        for table in tables:
+            sql(dsn, f"DROP TABLE IF EXISTS {table}")

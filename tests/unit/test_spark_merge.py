@@ -1,0 +1,263 @@
+"""Parsing and merging of micro-batches in Spark local mode, without Kafka.
+
+Batches are built as the Kafka source delivers them (topic, partition, offset, key, value)
+and handed to the foreachBatch function directly, so ordering, replay, TOAST, truncate,
+dead-letter and schema-evolution rules are checked in seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    DecimalType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from services.bridge.records import UNCHANGED_TOAST
+from spark_consumers.batch import BatchProcessor
+from spark_consumers.job import build_session
+from spark_consumers.schema import SchemaRegistry
+from spark_consumers.settings import ConsumerSettings
+from spark_consumers.status import Status
+from spark_consumers.synthetic import Record, SynthColumn, SynthTable
+from spark_consumers.tables import dead_letter_path, table_paths
+
+pytestmark = pytest.mark.spark
+
+_RAW = StructType([
+    StructField("topic", StringType()), StructField("partition", IntegerType()),
+    StructField("offset", LongType()), StructField("key", BinaryType()),
+    StructField("value", BinaryType()),
+])
+NUM = ((10 << 16) | 2) + 4  # numeric(10,2)
+
+COLUMNS = (
+    SynthColumn("id", "integer", 23, key=True),
+    SynthColumn("amount", "numeric(10,2)", 1700, NUM),
+    SynthColumn("big", "bigint", 20),
+    SynthColumn("name", "text", 25),
+    SynthColumn("doc", "jsonb", 3802),
+    SynthColumn("at", "timestamp with time zone", 1184),
+    SynthColumn("local", "timestamp without time zone", 1114),
+    SynthColumn("day", "date", 1082),
+    SynthColumn("ok", "boolean", 16),
+    SynthColumn("tags", "text[]", 1009),
+    SynthColumn("nums", "integer[]", 1007),
+    SynthColumn("blob", "bytea", 17),
+    SynthColumn("score", "double precision", 701),
+)
+
+
+def row(id_: int, name: str = "n", **over: Any) -> dict[str, Any]:
+    base = {"id": id_, "amount": "12.50", "big": 9007199254740993, "name": name,
+            "doc": {"a": [1, "x"], "b": None}, "at": "2024-03-01T10:11:12.123456Z",
+            "local": "2024-03-01T10:11:12", "day": "2024-03-01", "ok": True,
+            "tags": ["a", None, "c"], "nums": [1, 2],
+            "blob": base64.b64encode(b"\x00\xff").decode(),
+            "score": "NaN"}
+    base.update(over)
+    return base
+
+
+def _comparable(values: dict[str, Any]) -> dict[str, Any]:
+    """NaN != NaN would make equal rows differ."""
+    return {k: "NaN" if isinstance(v, float) and v != v else v for k, v in values.items()}
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    settings = ConsumerSettings(kafka_bootstrap="unused:9", warehouse="/unused",
+                                checkpoint_dir="/unused", spark_master="local[2]",
+                                shuffle_partitions=2)
+    yield build_session(settings)
+
+
+class Harness:
+    """A warehouse, a processor with a known registry, and a Kafka-offset counter."""
+
+    def __init__(self, spark: SparkSession, root: Path, *tables: SynthTable) -> None:
+        self.spark = spark
+        self.settings = ConsumerSettings(kafka_bootstrap="unused:9", topic_prefix="p",
+                                         warehouse=str(root / "wh"),
+                                         checkpoint_dir=str(root / "ck"))
+        self.registry = SchemaRegistry()
+        self.announce(*tables)
+        self.processor = BatchProcessor(spark, self.settings, Status(), self.registry)
+        self.offset = 0
+        self.batch_id = 0
+
+    def announce(self, *tables: SynthTable) -> None:
+        self.registry.add_records(t.schema_record()[2] for t in tables)
+
+    def frame(self, records: list[Record]) -> DataFrame:
+        rows = []
+        for topic, key, value in records:
+            rows.append((topic, 0, self.offset, key, value))
+            self.offset += 1
+        return self.spark.createDataFrame(rows, _RAW)
+
+    def run(self, records: list[Record], batch_id: int | None = None) -> DataFrame:
+        frame = self.frame(records)
+        self.processor(frame, self.batch_id if batch_id is None else batch_id)
+        self.batch_id += 1
+        return frame
+
+    def current(self, table: str = "public.t") -> dict[int, dict[str, Any]]:
+        path = table_paths(self.settings.warehouse, table).current
+        rows = self.spark.read.format("delta").load(path).collect()
+        return {r["id"]: _comparable(r.asDict()) for r in rows}
+
+    def history(self, table: str = "public.t") -> list[dict[str, Any]]:
+        path = table_paths(self.settings.warehouse, table).history
+        rows = self.spark.read.format("delta").load(path).collect()
+        return sorted((_comparable(r.asDict()) for r in rows),
+                      key=lambda r: (r["_cdc_commit_lsn"], r["_cdc_total_order"]))
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        path = dead_letter_path(self.settings.warehouse)
+        return [r.asDict() for r in self.spark.read.format("delta").load(path).collect()]
+
+
+def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path: Path) -> None:
+    t = SynthTable("p", "public", "t", COLUMNS)
+    h = Harness(spark, tmp_path, t)
+    first = [
+        *t.change("c", row(1), 100, 1, 7), *t.change("c", row(2), 100, 2, 7),
+        *t.change("c", row(3), 100, 3, 7),
+        *t.change("u", row(1, "one"), 200, 1, 8),
+        *t.change("d", {"id": 2}, 200, 2, 8),
+    ]
+    frame = h.run(first)
+    current = h.current()
+    assert sorted(current) == [1, 3]
+    one = current[1]
+    assert one["name"] == "one"
+    assert one["amount"] == Decimal("12.50")
+    assert one["big"] == 9007199254740993
+    assert json.loads(one["doc"]) == {"a": [1, "x"], "b": None}
+    assert one["at"] == dt.datetime(2024, 3, 1, 10, 11, 12, 123456)  # UTC session zone
+    assert one["local"] == dt.datetime(2024, 3, 1, 10, 11, 12)
+    assert one["day"] == dt.date(2024, 3, 1)
+    assert one["ok"] is True
+    assert one["tags"] == ["a", None, "c"]
+    assert one["nums"] == [1, 2]
+    assert bytes(one["blob"]) == b"\x00\xff"
+    assert one["score"] == "NaN"
+    schema = spark.read.format("delta").load(
+        table_paths(h.settings.warehouse, "public.t").current).schema
+    assert schema["amount"].dataType == DecimalType(10, 2)
+    assert schema["at"].dataType == TimestampType()
+    assert schema["local"].dataType == TimestampNTZType()
+    assert schema["tags"].dataType == ArrayType(StringType())
+
+    history = h.history()
+    assert [(r["id"], r["_cdc_op"]) for r in history] == [
+        (1, "c"), (2, "c"), (3, "c"), (1, "u"), (2, "d")]
+    validity = {(r["id"], r["_cdc_op"]): (r["valid_from_lsn"], r["valid_to_lsn"])
+                for r in history}
+    assert validity == {(1, "c"): (100, 200), (2, "c"): (100, 200), (3, "c"): (100, None),
+                        (1, "u"): (200, None), (2, "d"): (200, 200)}
+    assert history[3]["_cdc_tx_id"] == 8
+
+    # The same batch again (a job killed before its checkpoint): nothing changes.
+    h.processor(frame, 0)
+    assert h.current() == current
+    assert h.history() == history
+
+    # The next batch closes the open version of key 1 in the stored history.
+    h.run(t.change("u", row(1, "uno"), 300, 1, 9))
+    history = h.history()
+    assert len(history) == 6
+    assert [(r["valid_from_lsn"], r["valid_to_lsn"]) for r in history if r["id"] == 1] == [
+        (100, 200), (200, 300), (300, None)]
+
+
+def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run([*t.change("c", row(1, "new"), 500, 1, 1), *t.change("c", row(2), 500, 2, 1),
+           *t.change("d", {"id": 2}, 600, 1, 2)])
+    # Late and older: an update of key 1 and the insert of the deleted key 2.
+    h.run([*t.change("u", row(1, "old"), 400, 1, 0), *t.change("c", row(2, "zombie"), 450, 1, 0)])
+    current = h.current()
+    assert sorted(current) == [1]
+    assert current[1]["name"] == "new"
+    # A newer insert does re-create the deleted key.
+    h.run(t.change("c", row(2, "back"), 700, 1, 3))
+    assert h.current()[2]["name"] == "back"
+
+
+def test_unchanged_toast_keeps_stored_value(spark: SparkSession, tmp_path: Path) -> None:
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run(t.change("c", row(1, "long text"), 100, 1, 1))
+    h.run([*t.change("u", row(1, UNCHANGED_TOAST, amount="1.00"), 200, 1, 2),
+           *t.change("c", row(2, "two"), 200, 2, 2),
+           *t.change("u", row(2, UNCHANGED_TOAST, amount="2.00"), 300, 1, 3)])
+    current = h.current()
+    assert (current[1]["name"], current[1]["amount"]) == ("long text", Decimal("1.00"))
+    assert (current[2]["name"], current[2]["amount"]) == ("two", Decimal("2.00"))
+    assert [r["name"] for r in h.history()] == ["long text", "long text", "two", "two"]
+
+
+def test_truncate(spark: SparkSession, tmp_path: Path) -> None:
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run([*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)])
+    h.run([*t.change("u", row(1, "x"), 200, 1, 2), *t.change("t", None, 300, 1, 3),
+           *t.change("c", row(3), 400, 1, 4)])
+    assert sorted(h.current()) == [3]
+    h.run(t.change("u", row(2, "late"), 250, 1, 5))  # older than the truncate
+    assert sorted(h.current()) == [3]
+    open_versions = [(r["id"], r["_cdc_op"]) for r in h.history() if r["valid_to_lsn"] is None]
+    assert open_versions == [(3, "c")]
+
+
+def test_bad_records_go_to_dead_letter(spark: SparkSession, tmp_path: Path) -> None:
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run([
+        *t.change("c", row(1), 100, 1, 1),
+        (t.topic, b'{"id": 2}', b"{this is not json"),
+        *t.change("c", row(3, big="not a number"), 100, 2, 1),
+        *t.change("c", row(4), 100, 3, 1),
+        ("p.public.unknown", b'{"id": 1}', b'{"op": "c"}'),
+    ])
+    assert sorted(h.current()) == [1, 4]
+    reasons = {(d["table"], d["offset"]): d["reason"] for d in h.dead_letters()}
+    assert reasons == {
+        ("public.t", 1): "value is not a change record",
+        ("public.t", 2): "column big: cannot convert to bigint",
+        ("public.unknown", 4): "no schema record for this table",
+    }
+    assert h.processor.status.tables["public.t"].quarantined == 2
+
+
+def test_new_column_evolves_tables(spark: SparkSession, tmp_path: Path) -> None:
+    v1 = SynthTable("p", "public", "t", COLUMNS[:4])
+    v2 = SynthTable("p", "public", "t", (*COLUMNS[:4], SynthColumn("extra", "integer", 23)), 2)
+    h = Harness(spark, tmp_path, v1)
+    h.run(v1.change("c", row(1), 100, 1, 1))
+    h.announce(v2)
+    h.run(v2.change("c", {**row(2), "extra": 5}, 200, 1, 2))
+    current = h.current()
+    assert current[1]["extra"] is None
+    assert current[2]["extra"] == 5
+    assert "extra" in h.history()[0]
