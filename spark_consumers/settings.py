@@ -62,6 +62,15 @@ class ConsumerSettings(ServiceSettings):
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    @field_validator("warehouse", "checkpoint_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        # Delta parses a relative path such as ".stack/x" as a table name; URIs (s3a://,
+        # file:/) pass through untouched.
+        if "://" in value or value.startswith("file:"):
+            return value
+        return str(Path(value).resolve())
+
     @field_validator("topic_prefix")
     @classmethod
     def _topic(cls, value: str) -> str:

@@ -202,7 +202,7 @@ def _pg_rows(dsn: str, table: str, columns: list[tuple[str, str]]) -> dict[int, 
     select = []
     for name, pg_type in columns:
         target = spark_type(pg_type)
-        if isinstance(target, StringType) and pg_type not in ("json", "jsonb"):
+        if isinstance(target, StringType):
             select.append(f"{name}::text")
         elif isinstance(target, TimestampType):
             select.append(f"to_char({name} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')")
@@ -210,7 +210,9 @@ def _pg_rows(dsn: str, table: str, columns: list[tuple[str, str]]) -> dict[int, 
             select.append(f"to_char({name}, 'YYYY-MM-DD HH24:MI:SS.US')")
         else:
             select.append(name)
-    rows = sql(dsn, f"SET intervalstyle = iso_8601; SELECT {', '.join(select)} FROM {table}")
+    # One statement per call: with two, psycopg returns the first (the SET's empty) result.
+    rows = sql(f"{dsn} options='-c intervalstyle=iso_8601'",
+               f"SELECT {', '.join(select)} FROM {table}")
     out = {}
     for values in rows:
         row = dict(zip([c for c, _ in columns], values, strict=True))
@@ -222,7 +224,8 @@ def _norm(value: Any, pg_type: str) -> Any:
     if value is None:
         return None
     if pg_type in ("json", "jsonb"):
-        return json.loads(value) if isinstance(value, str) else value
+        # Both sides hold JSON text here; downstream keeps it canonical (sorted keys).
+        return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
     if pg_type == "real":
         return struct.unpack("f", struct.pack("f", value))[0]
     if isinstance(value, float) and value != value:
