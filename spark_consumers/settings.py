@@ -7,15 +7,12 @@ tables and its checkpoint is here and nothing is read from ad-hoc environment va
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
-from services.common.settings import ServiceSettings
-
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+from services.common.settings import ServiceSettings, kafka_topic_name, qualified_tables
 
 
 class ConsumerSettings(ServiceSettings):
@@ -71,21 +68,8 @@ class ConsumerSettings(ServiceSettings):
             return value
         return str(Path(value).resolve())
 
-    @field_validator("topic_prefix")
-    @classmethod
-    def _topic(cls, value: str) -> str:
-        if not _TOPIC.match(value):
-            raise ValueError("must be a valid Kafka topic name (letters, digits, '.', '_', '-')")
-        return value
-
-    @field_validator("tables")
-    @classmethod
-    def _qualified(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None:
-            for name in value:
-                if name.count(".") != 1:
-                    raise ValueError(f"table {name!r} must be written schema.table")
-        return value
+    _topic = field_validator("topic_prefix")(kafka_topic_name)
+    _qualified = field_validator("tables")(qualified_tables)
 
     @property
     def schema_topic(self) -> str:

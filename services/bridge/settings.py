@@ -9,10 +9,9 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from services.common.settings import ServiceSettings
+from services.common.settings import ServiceSettings, kafka_topic_name, qualified_tables
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
 class BridgeSettings(ServiceSettings):
@@ -77,21 +76,8 @@ class BridgeSettings(ServiceSettings):
             )
         return value
 
-    @field_validator("topic_prefix", "progress_topic")
-    @classmethod
-    def _topic(cls, value: str) -> str:
-        if not _TOPIC.match(value):
-            raise ValueError("must be a valid Kafka topic name (letters, digits, '.', '_', '-')")
-        return value
-
-    @field_validator("tables")
-    @classmethod
-    def _qualified(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None:
-            for name in value:
-                if name.count(".") != 1:
-                    raise ValueError(f"table {name!r} must be written schema.table")
-        return value
+    _topic = field_validator("topic_prefix", "progress_topic")(kafka_topic_name)
+    _qualified = field_validator("tables")(qualified_tables)
 
     @property
     def origin_name(self) -> str:

@@ -8,6 +8,7 @@ wants "source_dsn: Field required", not a traceback.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,24 @@ class ServiceSettings(BaseSettings):
 
 
 S = TypeVar("S", bound=ServiceSettings)
+
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def kafka_topic_name(value: str) -> str:
+    """Validator: a name Kafka accepts for a topic (or a topic prefix)."""
+    if not _TOPIC.match(value):
+        raise ValueError("must be a valid Kafka topic name (letters, digits, '.', '_', '-')")
+    return value
+
+
+def qualified_tables(value: list[str] | None) -> list[str] | None:
+    """Validator: table names written ``schema.table`` (None means every table)."""
+    if value is not None:
+        for name in value:
+            if name.count(".") != 1:
+                raise ValueError(f"table {name!r} must be written schema.table")
+    return value
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
