@@ -129,6 +129,13 @@ def drill(config: Path, standby: str, workload: Workload, *, extra: tuple[str, .
                        proc.stdout + proc.stderr, workload.committed - at_promote)
 
 
+def fence_by_stopping(stack: Stack) -> list[str]:
+    """A fence_command that stops the stack's primary, as a real one would stop a VM."""
+    code = ("import sys; from pathlib import Path; from services.stack.stack import Stack; "
+            "sys.exit(0 if Stack(Path(sys.argv[1])).node('primary').stop('fast') else 1)")
+    return [sys.executable, "-c", code, str(stack.state_dir)]
+
+
 def settings_for(stack: Stack, path: Path, **extra: Any) -> Path:
     """Write the failover settings file describing ``stack``'s three nodes."""
     data: dict[str, Any] = {

@@ -1,6 +1,7 @@
 """The bridge follows a promotion: the drill with the bridge streaming to Kafka.
 
-The primary crashes under writes, the runbook promotes the standby, and the bridge - on a
+The primary is shut down by the runbook's fence (or crashes) under writes, the standby is
+promoted, and the bridge - on a
 multi-host DSN - resumes from the synced slot on the new primary. Afterwards Kafka must
 hold exactly the new primary's rows, each once; and a bridge pointed at the old primary,
 started again, must refuse it (older timeline).
@@ -12,28 +13,41 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from services.failover.drill import Workload, drill, follow_primary, settings_for, subscribe
+import pytest
+
+from services.failover.drill import (
+    Workload,
+    drill,
+    fence_by_stopping,
+    follow_primary,
+    settings_for,
+    subscribe,
+)
 from services.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, wait_for
 
 TABLE = "drill"
 
 
+@pytest.mark.parametrize("old_primary", ["shut_down", "crashed"])
 def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
-                                               tmp_path: Path) -> None:
+                                               tmp_path: Path, old_primary: str) -> None:
     stack = fresh_stack()
+    planned = old_primary == "shut_down"
     subscribe(stack, TABLE)
     pipe = Pipeline(stack, [f"public.{TABLE}"], tmp_path)
     pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = follow_primary(stack.primary_dsn, stack.standby_dsn)
-    config = settings_for(stack, tmp_path / "failover.yaml", bridge_slots=[pipe.name])
+    fence = {"fence_command": fence_by_stopping(stack)} if planned else {}
+    config = settings_for(stack, tmp_path / "failover.yaml", bridge_slots=[pipe.name], **fence)
     pipe.start()
     try:
         pipe.wait_caught_up(60)
         stack.wait_slot_synced(pipe.name, timeout=90)
         started = time.monotonic()
         result = drill(config, "standby", Workload(follow_primary(
-            stack.primary_dsn, stack.standby_dsn), TABLE), extra=("--force",),
-            before=lambda: stack.node("primary").stop("immediate"))
+            stack.primary_dsn, stack.standby_dsn), TABLE),
+            extra=() if planned else ("--force",),
+            before=None if planned else lambda: stack.node("primary").stop("immediate"))
         assert result.promote_exit == 0, result.output
         assert result.committed_after_promote > 0
 
@@ -51,11 +65,13 @@ def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
         assert ids == source, "Kafka and the new primary differ"
         assert pipe.proc is not None and pipe.proc.poll() is None
         assert "session ended, reconnecting" in pipe.output()
-        print(f"\nBRIDGE DRILL rows={len(ids)} promote_s={result.promote_seconds:.2f} "
+        print(f"\nBRIDGE DRILL ({old_primary}) rows={len(ids)} "
+              f"promote_s={result.promote_seconds:.2f} "
               f"promote_start_to_kafka_caught_up_s={caught_up_s:.2f}")
         pipe.stop()
 
-        # The old primary comes back (still writable after a crash): the bridge refuses it.
+        # The old primary comes back (fenced read-only, or writable after a crash): a bridge
+        # pointed at it refuses it.
         old = stack.node("primary")
         old.start()
         pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = stack.primary_dsn

@@ -20,6 +20,7 @@ from services.failover.drill import (
     DrillResult,
     Workload,
     drill,
+    fence_by_stopping,
     follow_primary,
     run_promote,
     settings_for,
@@ -29,13 +30,6 @@ from services.stack.cluster import wait_until
 from services.stack.stack import Stack
 
 TABLE = "drill"
-
-
-def _fence_command(stack: Stack) -> list[str]:
-    """A fence_command that stops the stack's primary, as a real one would stop a VM."""
-    code = ("import sys; from pathlib import Path; from services.stack.stack import Stack; "
-            "sys.exit(0 if Stack(Path(sys.argv[1])).node('primary').stop('fast') else 1)")
-    return [sys.executable, "-c", code, str(stack.state_dir)]
 
 
 def _rows(stack: Stack, node: str) -> list[tuple[Any, ...]]:
@@ -75,7 +69,7 @@ def _setup(stack: Stack, **extra: Any) -> tuple[Path, str]:
 def test_drill_old_primary_shut_down(fresh_stack: Callable[[], Stack]) -> None:
     """Planned failover under writes: the runbook fences and stops the old primary."""
     stack = fresh_stack()
-    config, sub = _setup(stack, fence_command=_fence_command(stack))
+    config, sub = _setup(stack, fence_command=fence_by_stopping(stack))
     workload = Workload(follow_primary(stack.primary_dsn, stack.standby_dsn), TABLE)
     result = drill(config, "standby", workload)
     assert not stack.node("primary").is_running(), "fence_command did not stop the primary"
