@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -86,3 +86,15 @@ def fresh_stack() -> Iterator[Callable[[], Stack]]:
     for dedicated in made:
         dedicated.down(purge=True)
         shutil.rmtree(dedicated.state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local-mode Spark session for every Spark test (a JVM start costs ~10 s)."""
+    from spark_consumers.job import build_session
+    from spark_consumers.settings import ConsumerSettings
+
+    settings = ConsumerSettings(kafka_bootstrap="unused:9", warehouse="/unused",
+                                checkpoint_dir="/unused", spark_master="local[2]",
+                                shuffle_partitions=2)
+    yield build_session(settings)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import FloatType, StringType, TimestampType
 
 from services.stack.stack import Stack
-from spark_consumers.job import build_session, start_query
+from spark_consumers.job import start_query
 from spark_consumers.schema import spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
@@ -41,14 +40,6 @@ pytestmark = pytest.mark.spark
 REPO = Path(__file__).resolve().parents[2]
 NUM = ((10 << 16) | 2) + 4  # numeric(10,2)
 TS_FORMAT = "yyyy-MM-dd HH:mm:ss.SSSSSS"
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    settings = ConsumerSettings(kafka_bootstrap="unused:9", warehouse="/unused",
-                                checkpoint_dir="/unused", spark_master="local[2]",
-                                shuffle_partitions=2)
-    yield build_session(settings)
 
 
 def consumer_settings(stack: Stack, prefix: str, root: Path, **extra: Any) -> ConsumerSettings:

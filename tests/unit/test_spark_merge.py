@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ from pyspark.sql.types import (
 
 from services.bridge.records import UNCHANGED_TOAST
 from spark_consumers.batch import BatchProcessor
-from spark_consumers.job import build_session
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
@@ -79,14 +77,6 @@ def row(id_: int, name: str = "n", **over: Any) -> dict[str, Any]:
 def _comparable(values: dict[str, Any]) -> dict[str, Any]:
     """NaN != NaN would make equal rows differ."""
     return {k: "NaN" if isinstance(v, float) and v != v else v for k, v in values.items()}
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    settings = ConsumerSettings(kafka_bootstrap="unused:9", warehouse="/unused",
-                                checkpoint_dir="/unused", spark_master="local[2]",
-                                shuffle_partitions=2)
-    yield build_session(settings)
 
 
 class Harness:
