@@ -59,8 +59,15 @@ def status(config: Path | None, as_json: bool) -> None:
 
 
 def _print_table(report: dict[str, Any]) -> None:
+    snapshot = report.pop("snapshot", {})
     width = max(len(k) for k in report)
     for key, value in report.items():
         if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items())
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
         click.echo(f"{key:<{width}}  {value if value is not None else '-'}")
+    if isinstance(snapshot, str) or not snapshot:
+        click.echo(f"{'snapshot':<{width}}  {snapshot or 'none taken by this daemon'}")
+        return
+    for table, entry in snapshot.items():
+        click.echo(f"{'snapshot':<{width}}  {table}: {entry['state']}, {entry['rows_done']:,} of "
+                   f"~{entry['rows_estimated']:,} rows, as of {entry['lsn']}")

@@ -25,6 +25,7 @@ from confluent_kafka import KafkaException
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential
 
 from services.bridge.assembler import Assembler, AssemblyError
+from services.bridge.coverage import SnapshotCoverage
 from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import EventBuilder, KnownVersion, RelationCatalog, RowTooLarge
 from services.bridge.metrics import BridgeMetrics
@@ -40,14 +41,17 @@ from services.bridge.progress import (
     read_kafka_progress,
     read_topic,
 )
-from services.bridge.publisher import GapError, Publisher, TxnQueue
+from services.bridge.publisher import GapError, Publisher, SnapshotRequest, TxnQueue
+from services.bridge.records import ProgressRecord
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaSink, SinkError, kafka_client_config
-from services.bridge.snapshot import take_snapshot
+from services.bridge.snapshot import AddedTableSnapshots, SnapshotProgress, take_snapshot
 from services.bridge.source import (
     check_slot,
     ensure_publication,
     preflight,
+    published_tables,
+    publishes_all_tables,
     slot_state,
     table_facts,
     warn_keyless_tables,
@@ -86,6 +90,7 @@ class Bridge:
     def __init__(self, settings: BridgeSettings) -> None:
         self.settings = settings
         self.spool_stats = SpoolStats()
+        self.snapshot_progress = SnapshotProgress()
         self.metrics = BridgeMetrics(settings.slot_name, self.spool_stats)
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
@@ -106,7 +111,8 @@ class Bridge:
         server = None
         if self.settings.http_port:
             server = HealthServer(self.settings.http_host, self.settings.http_port, self._live,
-                                  self._ready, self.metrics.registry).start()
+                                  self._ready, self.metrics.registry,
+                                  {"/snapshot": self.snapshot_progress.report}).start()
         try:
             for attempt in Retrying(retry=retry_if_exception(self._retryable),
                                     wait=wait_exponential(multiplier=0.5, max=30),
@@ -190,17 +196,15 @@ class Bridge:
                                                  s.slot_name)
             check_identity(identity, kafka_progress, s.slot_name)
             mark = high_water(origin.progress(), kafka_progress)
+            last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
             created = self._ensure_slot(sql, repl, system.dbname, snapshot_pending=mark == 0)
             if created is not None and created.snapshot_name is not None:
-                mark = self._snapshot(created, builder, sink, origin, identity)
+                mark = last_commit = self._snapshot(created, builder, sink, origin, identity)
                 if s.snapshot_mode == "initial_only":
                     repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
                     log_event(log, logging.INFO, "initial_only: snapshot published, slot "
                               "dropped", slot=s.slot_name)
                     return
-            log_event(log, logging.INFO, "session starting", slot=s.slot_name,
-                      system=identity.system_identifier, timeline=identity.timeline,
-                      high_water=format_lsn(mark))
 
             spool_dir = s.spool_dir / s.slot_name
             clear_spool_dir(spool_dir)
@@ -208,11 +212,20 @@ class Bridge:
             tracker = ConfirmTracker(0)
             queue = TxnQueue(_QUEUE_BYTES)
             replay = PgOutputDecoder(4, parallel_abort=parallel)
+            coverage = self._coverage(sql, builder, kafka_progress, mark)
+            log_event(log, logging.INFO, "session starting", slot=s.slot_name,
+                      system=identity.system_identifier, timeline=identity.timeline,
+                      high_water=format_lsn(mark), snapshots_pending=[
+                          f"{p.schema_}.{p.table}@{format_lsn(p.lsn)}"
+                          for p in (coverage.pending() if coverage is not None else ())])
             publisher = Publisher(
                 settings=s, sink=sink, origin=origin, builder=builder, tracker=tracker,
-                identity=identity, high_water=mark, queue=queue,
+                identity=identity, high_water=mark, last_commit_lsn=last_commit, queue=queue,
                 decode=lambda payload, streamed: replay.decode(payload, streamed),
-                metrics=self.metrics)
+                metrics=self.metrics, coverage=coverage,
+                snapshots=AddedTableSnapshots(self._dsn, s.slot_name, s.publication_name,
+                                              builder, sink, self.snapshot_progress)
+                if coverage is not None else None)
             control = PgOutputDecoder(4, parallel_abort=parallel)
             assembler = Assembler(
                 control.decode,
@@ -229,7 +242,7 @@ class Bridge:
             self.metrics.streaming.set(1)
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
                       publication=s.publication_name)
-            self._loop(sql, repl, assembler, queue, publisher, tracker)
+            self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
             # Clean stop: let the publisher commit what it holds, then confirm it.
             publisher.stop()
             publisher.join()
@@ -291,14 +304,30 @@ class Bridge:
         log_event(log, logging.INFO, "initial snapshot starting", slot=s.slot_name,
                   consistent_point=format_lsn(point))
         sink.begin()
-        take_snapshot(self._dsn, created.snapshot_name, s.publication_name, point, builder,
-                      sink)
+        tables = take_snapshot(self._dsn, created.snapshot_name, s.publication_name, point,
+                               builder, sink, self.snapshot_progress)
         sink.produce(s.progress_topic, progress_key(s.slot_name),
                      progress_value(s.slot_name, point, point, identity))
         failpoint("snapshot_before_commit")
         sink.commit()
         origin.advance(point)
+        self.snapshot_progress.published([f"{schema}.{table}" for schema, table in tables])
         return point
+
+    def _coverage(self, sql: psycopg.Connection[tuple[object, ...]], builder: EventBuilder,
+                  kafka_progress: ProgressRecord | None, mark: int) -> SnapshotCoverage | None:
+        """What tables Kafka holds, if tables added to the publication are to be snapshotted.
+
+        Not with ``snapshot_mode: never``, nor for a FOR ALL TABLES publication: its new
+        tables are published from their creation on, so the stream carries all their rows.
+        """
+        s = self.settings
+        if s.snapshot_mode != "initial" or publishes_all_tables(sql, s.publication_name):
+            return None
+        # Tables with a schema record have their rows in Kafka (see coverage.py).
+        return SnapshotCoverage(builder.catalog.known.keys(),
+                                kafka_progress.snapshots if kafka_progress is not None else (),
+                                mark)
 
     def _known_versions(self, schema_topic: str) -> dict[tuple[str, str], KnownVersion]:
         """Table versions already announced, so a restart reuses instead of re-minting."""
@@ -318,7 +347,7 @@ class Bridge:
 
     def _loop(self, sql: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
               assembler: Assembler, queue: TxnQueue, publisher: Publisher,
-              tracker: ConfirmTracker) -> None:
+              tracker: ConfirmTracker, coverage: SnapshotCoverage | None) -> None:
         s = self.settings
         received = 0  # highest WAL position seen
         queued_end = 0  # end LSN of the last sealed transaction handed to the publisher
@@ -326,6 +355,7 @@ class Bridge:
         sent = 0
         last_status = 0.0
         next_stats = 0.0
+        requested: set[tuple[str, str]] = set()  # tables this session asked to snapshot
         while not self._stop.is_set():
             now = time.monotonic()
             self._health.last_loop = now
@@ -368,6 +398,13 @@ class Bridge:
                 else 0)
             if now >= next_stats:
                 self._slot_stats(sql)
+                if coverage is not None:
+                    missing = [t for t in coverage.missing(published_tables(
+                        sql, s.publication_name)) if t not in requested]
+                    if missing:
+                        # Queued behind what was received so far: its place in the stream.
+                        queue.put(SnapshotRequest(tuple(missing)))
+                        requested.update(missing)
                 next_stats = now + _STATS_EVERY_S
 
     def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:

@@ -17,13 +17,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from services.bridge.records import ProgressRecord
+from services.bridge.records import PendingSnapshot, ProgressRecord
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
 
@@ -192,11 +192,13 @@ def progress_key(slot: str) -> bytes:
     return json.dumps({"slot": slot}).encode()
 
 
-def progress_value(slot: str, end_lsn: int, commit_lsn: int, identity: ServerIdentity) -> bytes:
+def progress_value(slot: str, end_lsn: int, commit_lsn: int, identity: ServerIdentity,
+                   snapshots: Sequence[PendingSnapshot] = ()) -> bytes:
     return json.dumps({
         "slot": slot, "end_lsn": end_lsn, "commit_lsn": commit_lsn,
         "system_identifier": identity.system_identifier, "timeline": identity.timeline,
         "ts_ms": int(time.time() * 1000),
+        "snapshots": [snap.model_dump(by_alias=True) for snap in snapshots],
     }).encode()
 
 

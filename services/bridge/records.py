@@ -114,11 +114,22 @@ class TableSchemaRecord(_Strict):
     ts_ms: int
 
 
+class PendingSnapshot(_Strict):
+    """A table snapshotted while streaming, whose rows as of ``lsn`` are in Kafka."""
+
+    schema_: str = Field(alias="schema")
+    table: str
+    lsn: int = Field(description="the snapshot's consistent point: the stream's changes to "
+                                 "this table committed before it are in the snapshot")
+
+
 class ProgressRecord(_Strict):
     """Value on the compacted progress topic, keyed by slot name.
 
     ``end_lsn`` is the end of the last source transaction whose records are committed in
     Kafka; with the replication origin it forms the bridge's high-water mark.
+    ``snapshots`` lists tables snapshotted past ``end_lsn``: a restart must keep dropping
+    their older changes until the stream reaches the snapshot's point.
     """
 
     slot: str
@@ -127,6 +138,7 @@ class ProgressRecord(_Strict):
     system_identifier: str
     timeline: int
     ts_ms: int
+    snapshots: list[PendingSnapshot] = Field(default_factory=list)
 
 
 SCHEMAS: dict[str, type[BaseModel]] = {

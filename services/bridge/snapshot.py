@@ -1,32 +1,42 @@
-"""The initial snapshot: every published table as of the slot's consistent point.
+"""Snapshots: tables' rows as of a consistent point, as ``op: "r"`` records.
 
-The slot is created with an exported snapshot; the tables are read inside it (``SET
-TRANSACTION SNAPSHOT``), so the rows are exactly the state at the consistent point and the
-stream that follows starts right after it: no gap, no overlap.
+The initial snapshot reads every published table inside the snapshot the slot exported
+when it was created (``SET TRANSACTION SNAPSHOT``): exactly the state at the slot's
+consistent point, and the stream that follows starts right after it: no gap, no overlap.
+It is ONE Kafka transaction, ended by a progress record at the consistent point. Killed
+half-way, it leaves nothing a ``read_committed`` consumer can see; the next start finds a
+slot with no progress, drops it and snapshots again from a fresh point.
 
-The whole snapshot is ONE Kafka transaction, ended by a progress record at the consistent
-point. Killed half-way, it leaves nothing a ``read_committed`` consumer can see; the next
-start finds a slot with no progress, drops it and snapshots again from a fresh point.
+A table added to the publication later is read the same way inside the snapshot of a
+temporary slot (``snapshot_tables``); ``coverage.py`` says which of the stream's changes
+that snapshot already holds.
 
 Values are read as the raw text the types' output functions produce: byte for byte what
-pgoutput sends, so one set of converters serves both paths.
+pgoutput sends, so one set of converters serves both paths. A server-side cursor keeps
+memory flat however large the table; a key- or ctid-range scan would buy resumability,
+but no exported snapshot outlives its session, so an interrupted snapshot starts over.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
 
 import psycopg
 from psycopg import sql
 from psycopg.types.string import TextLoader
 
 from services.bridge import messages as m
+from services.bridge.coverage import TableName
 from services.bridge.events import EventBuilder
 from services.bridge.sink import KafkaSink
-from services.bridge.stream import SESSION_OPTIONS
+from services.bridge.source import published_tables
+from services.bridge.stream import SESSION_OPTIONS, ReplicationConnection
 from services.common.logs import log_event
+from services.common.lsn import format_lsn
 from services.common.pg import SourceError, connect
 
 log = logging.getLogger(__name__)
@@ -52,40 +62,106 @@ ORDER BY a.attnum
 """
 
 
-def published_tables(conn: psycopg.Connection[tuple[object, ...]],
-                     publication: str) -> list[tuple[str, str]]:
-    with conn.cursor() as cur:
-        cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s"
-                    " ORDER BY 1, 2", (publication,))
-        return [(str(s), str(t)) for s, t in cur.fetchall()]
+class SnapshotProgress:
+    """Rows done per table of the snapshots this process took: for ``/snapshot`` and status.
+
+    Written by whichever thread snapshots, read by the HTTP server's threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tables: dict[str, dict[str, Any]] = {}
+
+    def table(self, name: str, lsn: int, estimate: int) -> None:
+        with self._lock:
+            self._tables[name] = {"state": "reading", "lsn": format_lsn(lsn), "rows_done": 0,
+                                  "rows_estimated": estimate, "started_at": time.time()}
+
+    def rows(self, name: str, done: int, finished: bool = False) -> None:
+        with self._lock:
+            entry = self._tables[name]
+            entry["rows_done"] = done
+            if finished:
+                entry["state"] = "read"
+
+    def published(self, names: Collection[str]) -> None:
+        with self._lock:
+            for name in names:
+                self._tables[name]["state"] = "published"
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            return {"tables": {name: dict(entry) for name, entry in self._tables.items()}}
 
 
 def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_point: int,
-                  builder: EventBuilder, sink: KafkaSink) -> int:
-    """Publish every published table's rows into the open Kafka transaction; returns rows."""
+                  builder: EventBuilder, sink: KafkaSink, progress: SnapshotProgress,
+                  only: Collection[TableName] | None = None) -> list[TableName]:
+    """Publish the rows of the published tables (or of ``only`` those) into the open Kafka
+    transaction, as of the exported snapshot; returns the tables read."""
     total = 0
     started = time.monotonic()
+    # Records sort before every change the stream carries from the consistent point on,
+    # a commit exactly at it included (consumers order by commit LSN).
+    position = consistent_point - 1
     with connect(dsn, autocommit=False, options=SESSION_OPTIONS) as conn:
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
-        for schema, table in published_tables(conn, publication):
+        # Publication membership as of the snapshot: a table removed since is not read.
+        tables = [t for t in published_tables(conn, publication) if only is None or t in only]
+        for schema, table in tables:
             relation, estimate = _relation(conn, schema, table)
-            done = 0
+            progress.table(f"{schema}.{table}", consistent_point, estimate)
             for topic, key, value in builder.transaction(
-                    0, consistent_point, _now_pg_us(),
-                    _rows(conn, relation, estimate), snapshot="true"):
+                    0, position, _now_pg_us(), _rows(conn, relation, estimate, progress),
+                    snapshot="true"):
                 if topic == builder.transaction_topic:
                     continue  # a snapshot is not a source transaction
                 if topic not in sink.known_topics:
                     sink.ensure_topics({topic: topic == builder.schema_topic})
                 sink.produce(topic, key, value)
-                done += 1
-            total += done
+                total += topic != builder.schema_topic
         conn.rollback()
     seconds = time.monotonic() - started
-    log_event(log, logging.INFO, "snapshot read", rows=total, seconds=round(seconds, 1),
-              rows_per_s=round(total / seconds) if seconds else None)
-    return total
+    log_event(log, logging.INFO, "snapshot read", tables=len(tables), rows=total,
+              seconds=round(seconds, 1), rows_per_s=round(total / seconds) if seconds else None)
+    return tables
+
+
+class AddedTableSnapshots:
+    """Snapshots of tables added to the publication while the bridge streams.
+
+    Each is read inside the snapshot a temporary slot exports: the slot's consistent
+    point tells exactly which of the stream's changes the snapshot already holds.
+    Creating the slot waits for the transactions open at that moment to end, prepared
+    ones included, so a long transaction delays the snapshot (and the stream behind it).
+    """
+
+    def __init__(self, dsn: str, slot_name: str, publication: str, builder: EventBuilder,
+                 sink: KafkaSink, progress: SnapshotProgress) -> None:
+        self._dsn = dsn
+        self._slot = f"{slot_name[:57]}_snap"
+        self._publication = publication
+        self._builder = builder
+        self._sink = sink
+        self._progress = progress
+
+    def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
+        repl = ReplicationConnection(self._dsn)
+        try:
+            log_event(log, logging.INFO, "snapshot of added tables starting",
+                      tables=[f"{s}.{t}" for s, t in tables])
+            created = repl.export_snapshot(self._slot)
+            assert created.snapshot_name is not None
+            read = take_snapshot(self._dsn, created.snapshot_name, self._publication,
+                                 created.consistent_point, self._builder, self._sink,
+                                 self._progress, only=tables)
+        finally:
+            repl.close()  # drops the temporary slot
+        return created.consistent_point, read
+
+    def published(self, tables: Sequence[TableName]) -> None:
+        self._progress.published([f"{s}.{t}" for s, t in tables])
 
 
 def _relation(conn: psycopg.Connection[tuple[object, ...]], schema: str,
@@ -99,8 +175,8 @@ def _relation(conn: psycopg.Connection[tuple[object, ...]], schema: str,
     return m.Relation(None, rel_oid, schema, table, ident, columns), max(estimate, 0)
 
 
-def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation,
-          estimate: int) -> Iterator[tuple[int, m.Message]]:
+def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, estimate: int,
+          progress: SnapshotProgress) -> Iterator[tuple[int, m.Message]]:
     yield 0, relation
     name = f"{relation.namespace}.{relation.name}"
     # Raw text output of every column (what pgoutput sends): not a ::text cast, which
@@ -120,15 +196,17 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation,
             for row in cur:
                 done += 1
                 yield 0, m.Insert(None, relation.oid, list(row))  # type: ignore[arg-type]
-                if time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+                if done % 1000 == 0 and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                     last_report = time.monotonic()
+                    progress.rows(name, done)
                     log_event(log, logging.INFO, "snapshot progress", table=name,
                               rows_done=done, rows_estimated=estimate)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise SourceError(f"cannot read table {name} for the snapshot: "
                           f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the bridge's "
                           "role, or remove the table from the publication") from None
-    log_event(log, logging.INFO, "snapshot table done", table=name, rows=done)
+    progress.rows(name, done, finished=True)
+    log_event(log, logging.INFO, "snapshot table read", table=name, rows=done)
 
 
 def _now_pg_us() -> int:

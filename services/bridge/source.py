@@ -122,6 +122,21 @@ def warn_keyless_tables(conn: Conn, publication: str) -> list[str]:
     return keyless
 
 
+def published_tables(conn: Conn, publication: str) -> list[tuple[str, str]]:
+    """(schema, table) of every table the publication covers, as the connection sees it."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s"
+                    " ORDER BY 1, 2", (publication,))
+        return [(str(s), str(t)) for s, t in cur.fetchall()]
+
+
+def publishes_all_tables(conn: Conn, publication: str) -> bool:
+    with conn.cursor() as cur:
+        cur.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (publication,))
+        row = cur.fetchone()
+    return bool(row and row[0])
+
+
 def slot_state(conn: Conn, slot: str) -> SlotState | None:
     with conn.cursor() as cur:
         cur.execute("SELECT plugin, failover, two_phase, active_pid, confirmed_flush_lsn::text,"

@@ -1,7 +1,11 @@
-"""What ``slotbridge status`` reports: the slot, the origin and Kafka's progress record."""
+"""What ``slotbridge status`` reports: the slot, the origin, Kafka's progress record, and
+the snapshot progress the running daemon serves on its HTTP port."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from typing import Any
 
 from services.bridge.progress import ProgressError, read_kafka_progress
@@ -53,4 +57,22 @@ def collect(settings: BridgeSettings) -> dict[str, Any]:
     else:
         report["kafka_published_lsn"] = format_lsn(progress.end_lsn) if progress else None
         report["kafka_progress_timeline"] = progress.timeline if progress else None
+        report["snapshots_pending"] = {
+            f"{p.schema_}.{p.table}": format_lsn(p.lsn) for p in progress.snapshots
+        } if progress else {}
+    report["snapshot"] = _daemon_snapshot(settings)
     return report
+
+
+def _daemon_snapshot(settings: BridgeSettings) -> dict[str, Any] | str:
+    """Per-table snapshot progress of the daemon, if one runs with its HTTP server here."""
+    if not settings.http_port:
+        return "unknown: the daemon's HTTP server is off (http_port 0)"
+    host = "127.0.0.1" if settings.http_host in ("0.0.0.0", "::", "") else settings.http_host
+    url = f"http://{host}:{settings.http_port}/snapshot"
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            tables: dict[str, Any] = json.load(response)["tables"]
+            return tables
+    except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
+        return f"unknown: no daemon answered at {url} ({exc})"

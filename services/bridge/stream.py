@@ -99,9 +99,16 @@ class ReplicationConnection:
         rows = self.command(
             f"CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput "
             f"(FAILOVER true, TWO_PHASE {str(two_phase).lower()}, SNAPSHOT '{snapshot}')")
-        slot, point, snap, _plugin = rows[0]
-        assert slot is not None and point is not None
-        return SlotCreated(slot, parse_lsn(point), snap)
+        return _created(rows)
+
+    def export_snapshot(self, name: str) -> SlotCreated:
+        """A temporary slot, for its exported snapshot and consistent point only.
+
+        The snapshot stays valid while this connection runs no other command; closing the
+        connection drops the slot. A temporary slot cannot be a failover slot.
+        """
+        return _created(self.command(
+            f"CREATE_REPLICATION_SLOT {name} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"))
 
     def start(self, slot: str, lsn: int, options: dict[str, str]) -> None:
         opts = ", ".join(f"{k} '{v}'" for k, v in options.items())
@@ -169,3 +176,9 @@ class ReplicationConnection:
         if res is not None and res.error_message:
             return "replication stream ended: " + res.error_message.decode(errors="replace").strip()
         return "replication stream ended: " + self._error()
+
+
+def _created(rows: list[tuple[str | None, ...]]) -> SlotCreated:
+    slot, point, snap, _plugin = rows[0]
+    assert slot is not None and point is not None
+    return SlotCreated(slot, parse_lsn(point), snap)

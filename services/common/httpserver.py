@@ -1,8 +1,9 @@
 """The small HTTP server every daemon runs: /healthz, /readyz and Prometheus /metrics.
 
 Liveness and readiness are callables the daemon supplies, returning ``(ok, reason)``, so
-the server itself knows nothing of slots or standbys. It runs in a daemon thread and
-never touches a secret: metrics are whatever the registry holds.
+the server itself knows nothing of slots or standbys; so are any JSON documents it serves
+(the bridge's snapshot progress). It runs in a daemon thread and never touches a secret:
+metrics are whatever the registry holds.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 Probe = Callable[[], tuple[bool, str]]
+Document = Callable[[], dict[str, Any]]
 
 
 class HealthServer:
     def __init__(self, host: str, port: int, live: Probe, ready: Probe,
-                 registry: CollectorRegistry = REGISTRY) -> None:
+                 registry: CollectorRegistry = REGISTRY,
+                 documents: dict[str, Document] | None = None) -> None:
         probes = {"/healthz": live, "/readyz": ready}
+        docs = documents or {}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -31,6 +36,8 @@ class HealthServer:
                     ok, reason = probes[path]()
                     body = json.dumps({"ok": ok, "reason": reason}).encode()
                     self._send(200 if ok else 503, "application/json", body)
+                elif path in docs:
+                    self._send(200, "application/json", json.dumps(docs[path]()).encode())
                 else:
                     self._send(404, "text/plain", b"not found\n")
 

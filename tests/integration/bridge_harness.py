@@ -53,7 +53,25 @@ class Record:
 
 
 def read_topics(bootstrap: str, topics: list[str], timeout: float = 20.0) -> list[Record]:
-    """Everything committed (read_committed) on the topics, in partition order."""
+    """Everything committed (read_committed) on the topics, in partition order.
+
+    Kafka answers a transaction's commit before it has written the commit markers into
+    the partitions, so for a moment a reader stops short of the newest committed records.
+    A read that ended below a partition's high watermark is therefore read again.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        records, behind = _read_once(bootstrap, topics, timeout)
+        if not behind:
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{behind} still hold records past the last stable offset "
+                                 f"after {timeout}s: a Kafka transaction is open")
+        time.sleep(0.3)
+
+
+def _read_once(bootstrap: str, topics: list[str],
+               timeout: float) -> tuple[list[Record], list[tuple[str, int]]]:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{uuid.uuid4()}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "enable.partition.eof": True})
@@ -62,9 +80,10 @@ def read_topics(bootstrap: str, topics: list[str], timeout: float = 20.0) -> lis
         parts = [TopicPartition(t, p, 0) for t in topics if t in meta
                  for p in meta[t].partitions]
         if not parts:
-            return []
+            return [], []
         consumer.assign(parts)
         pending = {(p.topic, p.partition) for p in parts}
+        ends: dict[tuple[str, int], int] = {}
         out: list[Record] = []
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
@@ -74,6 +93,7 @@ def read_topics(bootstrap: str, topics: list[str], timeout: float = 20.0) -> lis
             if msg.error():
                 if msg.error().code() == KafkaError._PARTITION_EOF:
                     pending.discard((msg.topic(), msg.partition()))
+                    ends[(msg.topic(), msg.partition())] = msg.offset()
                     continue
                 raise AssertionError(f"consumer error {msg.error()}")
             key = json.loads(msg.key()) if msg.key() else None
@@ -81,7 +101,9 @@ def read_topics(bootstrap: str, topics: list[str], timeout: float = 20.0) -> lis
             out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset()))
         if pending:
             raise AssertionError(f"did not reach the end of {sorted(pending)} in {timeout}s")
-        return out
+        behind = [tp for tp, end in ends.items()
+                  if end < consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1]]
+        return out, behind
     finally:
         consumer.close()
 

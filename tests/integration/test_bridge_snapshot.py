@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
+from services.stack.cluster import free_ports
 from services.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, sql
+from tests.integration.bridge_harness import Pipeline, sql, wait_for
 
 SCHEMA = "snap"
 ROWS = {"a": 120_000, "b": 60_000, "c": 20_000}  # 200k rows across three tables
@@ -27,19 +33,25 @@ def _load(stack: Stack) -> None:
     sql(stack.primary_dsn, "; ".join(statements))
 
 
-def _writer(dsn: str, stop: threading.Event) -> threading.Thread:
-    """Concurrent writes while the snapshot runs: new rows, updates, deletes."""
+def _writer(dsn: str, stop: threading.Event,
+            step: Callable[[psycopg.Connection[Any], int], None]) -> threading.Thread:
+    """Runs ``step(conn, n)`` for n = 1, 2, ... until stopped."""
     def run() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             n = 0
             while not stop.is_set():
                 n += 1
-                conn.execute(f"INSERT INTO {SCHEMA}.a VALUES (%s, 1, 'new')", (1_000_000 + n,))
-                conn.execute(f"UPDATE {SCHEMA}.b SET v = v + 1 WHERE id = %s", (n % 500 + 1,))
-                conn.execute(f"DELETE FROM {SCHEMA}.c WHERE id = %s", (n,))
+                step(conn, n)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
+
+
+def _snapshot_writes(conn: psycopg.Connection[Any], n: int) -> None:
+    """Concurrent writes while the snapshot runs: new rows, updates, deletes."""
+    conn.execute(f"INSERT INTO {SCHEMA}.a VALUES (%s, 1, 'new')", (1_000_000 + n,))
+    conn.execute(f"UPDATE {SCHEMA}.b SET v = v + 1 WHERE id = %s", (n % 500 + 1,))
+    conn.execute(f"DELETE FROM {SCHEMA}.c WHERE id = %s", (n,))
 
 
 def _state_from_topics(pipe: Pipeline, table: str) -> tuple[dict[int, Any], int]:
@@ -77,7 +89,7 @@ def test_snapshot_with_concurrent_writes_then_kill_and_restart(stack: Stack,
     _load(stack)
     pipe = Pipeline(stack, [f"{SCHEMA}.{t}" for t in ROWS], tmp_path)
     stop = threading.Event()
-    writer = _writer(stack.primary_dsn, stop)
+    writer = _writer(stack.primary_dsn, stop, _snapshot_writes)
     try:
         # First attempt dies right before its Kafka commit: nothing may become visible.
         code, output = pipe.run_to_exit(300, SLOTBRIDGE_FAILPOINTS="snapshot_before_commit=kill")
@@ -111,7 +123,9 @@ def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> 
         DROP SCHEMA IF EXISTS snapdeny CASCADE; CREATE SCHEMA snapdeny;
         CREATE TABLE snapdeny.open (id int PRIMARY KEY); INSERT INTO snapdeny.open VALUES (1);
         CREATE TABLE snapdeny.secret (id int PRIMARY KEY); INSERT INTO snapdeny.secret VALUES (1);
-        DROP ROLE IF EXISTS sb_cdc; CREATE ROLE sb_cdc LOGIN REPLICATION;
+        DO $$ BEGIN IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'sb_cdc') THEN
+            DROP OWNED BY sb_cdc; DROP ROLE sb_cdc; END IF; END $$;
+        CREATE ROLE sb_cdc LOGIN REPLICATION;
         GRANT USAGE ON SCHEMA snapdeny TO sb_cdc; GRANT SELECT ON snapdeny.open TO sb_cdc;
         GRANT EXECUTE ON FUNCTION pg_replication_origin_create(text),
               pg_replication_origin_advance(text, pg_lsn),
@@ -128,4 +142,98 @@ def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> 
         assert "snapdeny.secret" in errors[0] and "GRANT SELECT" in errors[0]
         assert pipe.changes("snapdeny.open") == []  # the aborted snapshot stays invisible
     finally:
+        pipe.cleanup()
+
+
+ADDED = "snapadd"
+
+
+def _added_writes(conn: psycopg.Connection[Any], n: int) -> None:
+    """Writes to a published table and to one not yet published."""
+    with conn.transaction():
+        conn.execute(f"INSERT INTO {ADDED}.base VALUES (%s, 'b')", (n,))
+        conn.execute(f"INSERT INTO {ADDED}.late VALUES (%s, 0, 'new')", (1_000_000 + n,))
+    conn.execute(f"UPDATE {ADDED}.late SET v = v + 1 WHERE id = %s", (n % 700 + 1,))
+    conn.execute(f"DELETE FROM {ADDED}.late WHERE id = %s", (40_000 - n,))
+
+
+def _replay(pipe: Pipeline, table: str) -> tuple[dict[int, Any], list[str]]:
+    """The table a consumer rebuilds from the topic, and the topic's ops in order."""
+    rows: dict[int, Any] = {}
+    ops = []
+    for r in pipe.changes(f"{ADDED}.{table}"):
+        ops.append(r.value["op"])
+        if r.value["op"] == "d":
+            rows.pop(r.key["id"], None)
+        else:
+            rows[r.key["id"]] = tuple(r.value["after"][c] for c in sorted(r.value["after"])
+                                      if c != "id")
+    return rows, ops
+
+
+def _source_rows(dsn: str, table: str) -> dict[int, Any]:
+    rows = sql(dsn, f"SELECT to_jsonb(t) FROM {ADDED}.{table} t")
+    return {r["id"]: tuple(r[c] for c in sorted(r) if c != "id") for (r,) in rows}
+
+
+@pytest.mark.slow
+def test_table_added_to_publication_is_snapshotted_while_streaming(
+        stack: Stack, tmp_path: Path) -> None:
+    """ALTER PUBLICATION ... ADD TABLE under writes: each added table's topic holds its rows
+    once (snapshot, then only later changes), the stream never stops, and a kill right
+    after the snapshot's Kafka commit changes nothing."""
+    dsn = stack.primary_dsn
+    sql(dsn, f"""
+        DROP SCHEMA IF EXISTS {ADDED} CASCADE; CREATE SCHEMA {ADDED};
+        CREATE TABLE {ADDED}.base (id int PRIMARY KEY, note text);
+        CREATE TABLE {ADDED}.late (id int PRIMARY KEY, v int NOT NULL, note text);
+        INSERT INTO {ADDED}.late SELECT g, 0, md5(g::text) FROM generate_series(1, 40000) g;
+        CREATE TABLE {ADDED}.quiet (id int PRIMARY KEY, note text);
+        INSERT INTO {ADDED}.quiet SELECT g, 'q' || g FROM generate_series(1, 1000) g;""")
+    pipe = Pipeline(stack, [f"{ADDED}.base"], tmp_path)
+    (http_port,) = free_ports(1)
+    pipe.extra["SLOTBRIDGE_HTTP_PORT"] = str(http_port)
+    stop = threading.Event()
+    try:
+        pipe.start(SLOTBRIDGE_FAILPOINTS="after_snapshot_commit=kill")
+        pipe.wait_for_log("streaming", 60)
+        writer = _writer(dsn, stop, _added_writes)
+        # (No topic reads while the writer runs: a partition written to without a pause
+        # never reports its end to a reader.)
+        pipe.wait_for_log(f"created topic topic={pipe.prefix}.{ADDED}.base", 60)
+        sql(dsn, f"ALTER PUBLICATION {pipe.name} ADD TABLE {ADDED}.late, {ADDED}.quiet")
+        # Dies right after the first snapshot's Kafka commit; the restart must keep
+        # dropping the changes that snapshot holds, and snapshot what is still missing.
+        assert pipe.proc is not None and pipe.proc.wait(120) == -9, pipe.output()[-3000:]
+        pipe.start()
+        wait_for(lambda: pipe.output().count("snapshot of added tables published") >= 1
+                 and {r.value["op"] for r in pipe.changes(f"{ADDED}.quiet")} == {"r"}, 120,
+                 "both added tables snapshotted")
+        time.sleep(2)  # writes go on after the snapshots
+        stop.set()
+        writer.join(30)
+        pipe.wait_caught_up(120)
+        report = json.loads(subprocess.run(
+            [sys.executable, "-m", "services.cli", "status", "--json"], env=pipe.env(),
+            capture_output=True, check=True, text=True).stdout)
+        assert pipe.stop() == 0
+        assert sql(dsn, "SELECT count(*) FROM pg_replication_slots WHERE temporary")[0][0] == 0
+        for table in ("base", "late", "quiet"):
+            replayed, ops = _replay(pipe, table)
+            assert replayed == _source_rows(dsn, table), table
+        _, ops = _replay(pipe, "late")
+        snapshot_ops = ops[:ops.count("r")]
+        assert snapshot_ops == ["r"] * len(snapshot_ops), "snapshot rows must precede changes"
+        assert ops.count("r") >= 39_000 and {"c", "u", "d"} <= set(ops[ops.count("r"):]), ops[-9:]
+        late_keys = [r.key["id"] for r in pipe.changes(f"{ADDED}.late") if r.value["op"] == "r"]
+        inserted_later = {r.key["id"] for r in pipe.changes(f"{ADDED}.late")
+                          if r.value["op"] == "c"}
+        assert not inserted_later & set(late_keys), "a row both in the snapshot and the stream"
+        # A restart before the stream passed the snapshot point re-reads the pending entry.
+        assert "snapshot of added tables starting" in pipe.output()
+        tables = report["snapshot"]
+        assert tables[f"{ADDED}.quiet"]["state"] == "published", report
+        assert tables[f"{ADDED}.quiet"]["rows_done"] == 1000, report
+    finally:
+        stop.set()
         pipe.cleanup()
