@@ -76,6 +76,7 @@ class KafkaSink:
         self._known_topics: set[str] = set()
         self._failure: KafkaError | None = None
         self._in_txn = False
+        self._began = 0.0  # monotonic time the open transaction began
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Register the transactional id, fencing any older producer and its open txn."""
@@ -132,19 +133,23 @@ class KafkaSink:
         except KafkaException as exc:
             raise self._classify(exc) from None
         self._in_txn = True
+        self._began = time.monotonic()
 
     def produce(self, topic: str, key: bytes | None, value: bytes | None) -> None:
         if self._failure is not None:
-            raise SinkError(f"Kafka delivery failed: {_explain(self._failure)}")
-        while True:
-            try:
-                self._producer.produce(topic, value=value, key=key)
-                return
-            except BufferError:
-                # The local queue is full: let librdkafka send, then try again.
-                self._producer.poll(0.05)
-            except KafkaException as exc:
-                raise self._classify(exc) from None
+            raise self._classify(self._failure, "Kafka delivery failed: ")
+        try:
+            while True:
+                try:
+                    self._producer.produce(topic, value=value, key=key)
+                    return
+                except BufferError:
+                    # The local queue is full: let librdkafka send, then try again.
+                    self._producer.poll(0.05)
+        except (KafkaException, SystemError) as exc:
+            # SystemError: confluent-kafka raises it when it serves a delivery report
+            # while a fatal producer error is pending.
+            raise self._classify(exc) from None
 
     def commit(self) -> float:
         """Commit the open transaction; returns the seconds it took."""
@@ -152,13 +157,13 @@ class KafkaSink:
         try:
             undelivered = self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)
             if self._failure is not None:
-                raise SinkError(f"Kafka delivery failed: {_explain(self._failure)}")
+                raise self._classify(self._failure, "Kafka delivery failed: ")
             if undelivered:
                 # Never commit a transaction we cannot prove whole.
                 raise SinkError(f"{undelivered} records of this transaction were not delivered "
                                 "in time; aborting it")
             self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
-        except KafkaException as exc:
+        except (KafkaException, SystemError) as exc:
             raise self._classify(exc) from None
         self._in_txn = False
         return time.monotonic() - started
@@ -175,19 +180,35 @@ class KafkaSink:
                       error=_explain(exc))
 
     def close(self) -> None:
+        """Abort what is open and let go; never raises, so the error that ended the session
+        is the one reported."""
         self.abort()
-        self._producer.flush(5)
+        try:
+            self._producer.flush(5)
+        except (KafkaException, SystemError) as exc:
+            log_event(log, logging.WARNING, "Kafka producer did not close cleanly",
+                      error=_explain(exc))
 
     def _delivered(self, err: KafkaError | None, _msg: object) -> None:
         if err is not None and self._failure is None:
             self._failure = err
 
-    def _classify(self, exc: KafkaException) -> SinkError:
-        err = exc.args[0]
+    def _classify(self, exc: KafkaException | KafkaError | SystemError,
+                  what: str = "Kafka: ") -> SinkError:
+        timeout_ms = self._settings.kafka_transaction_timeout_ms
+        age = time.monotonic() - self._began
+        if self._in_txn and age * 1000 > timeout_ms:
+            # The coordinator aborts a transaction open past its timeout and fences the
+            # producer: the error then reads "fenced", but nobody else took over.
+            return SinkError(
+                f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
+                f"({timeout_ms} ms), and the broker aborted it; raise kafka_transaction_timeout_ms"
+                " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large")
+        err = exc.args[0] if isinstance(exc, KafkaException) else exc
         if isinstance(err, KafkaError) and err.code() in (
                 KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                 KafkaError.INVALID_PRODUCER_EPOCH):
             return FencedError(
                 f"another bridge took over slot {self._settings.slot_name} "
                 f"(transactional id {self._settings.transactional_id}); this one stops")
-        return SinkError(f"Kafka: {_explain(exc)}")
+        return SinkError(f"{what}{_explain(err)}")

@@ -1,16 +1,17 @@
-"""The transactional sink against the real broker: a record Kafka refuses fails the commit."""
+"""The transactional sink against the real broker: what Kafka refuses must fail the commit."""
 
 from __future__ import annotations
 
 import base64
 import os
+import time
 import uuid
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink, SinkError
+from services.bridge.sink import FencedError, KafkaSink, SinkError
 from services.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
@@ -37,3 +38,26 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
     finally:
         sink.close()  # aborts
     assert read_topics(stack.kafka_bootstrap, [name]) == []  # nothing of it is visible
+
+
+def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
+    """The broker aborts it and fences the producer; the error must name the setting, not
+    blame another bridge."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    settings = BridgeSettings(source_dsn="host=unused", kafka_bootstrap=stack.kafka_bootstrap,
+                              slot_name=name, topic_prefix=name, http_port=0,
+                              kafka_transaction_timeout_ms=1000)
+    sink = KafkaSink(settings)
+    try:
+        sink.start()
+        sink.ensure_topics({name: False})
+        sink.begin()
+        deadline = time.monotonic() + 60  # the broker looks for expired ones every 10s
+        with pytest.raises(SinkError, match="past kafka_transaction_timeout_ms") as caught:
+            while time.monotonic() < deadline:
+                sink.produce(name, b"k", b'"v"')
+                time.sleep(0.2)
+        assert not isinstance(caught.value, FencedError)
+    finally:
+        sink.close()
+    assert read_topics(stack.kafka_bootstrap, [name]) == []
