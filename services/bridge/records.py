@@ -42,7 +42,9 @@ class Source(_Strict):
     table: str
     txId: int | None = Field(description="source transaction id; null in a snapshot")
     lsn: int | None = Field(description="WAL position of the change")
-    commit_lsn: int | None = Field(description="WAL position of the transaction's commit")
+    commit_lsn: int | None = Field(description=(
+        "WAL position of the transaction's commit; in a snapshot record (op r), one less than "
+        "the snapshot's consistent point, so that it sorts before every change streamed after"))
     ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
     snapshot: Literal["true", "last", "false"]
     sequence: str = Field(description='JSON array ["<commit_lsn>","<lsn>"] (Debezium style)')
