@@ -69,5 +69,7 @@ def _print_table(report: dict[str, Any]) -> None:
         click.echo(f"{'snapshot':<{width}}  {snapshot or 'none taken by this daemon'}")
         return
     for table, entry in snapshot.items():
+        estimate = entry["rows_estimated"]
         click.echo(f"{'snapshot':<{width}}  {table}: {entry['state']}, {entry['rows_done']:,} of "
-                   f"~{entry['rows_estimated']:,} rows, as of {entry['lsn']}")
+                   f"{f'~{estimate:,}' if estimate is not None else 'unknown'} rows, "
+                   f"as of {entry['lsn']}")

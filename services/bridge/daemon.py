@@ -248,9 +248,10 @@ class Bridge:
             publisher.join()
             if publisher.error is not None:
                 raise publisher.error
-            repl.send_status(tracker.confirmable(), tracker.confirmable())
+            confirmed = tracker.confirmable()
+            repl.send_status(confirmed, confirmed)
             log_event(log, logging.INFO, "stopped cleanly",
-                      confirmed=format_lsn(tracker.confirmable()))
+                      confirmed=format_lsn(confirmed) if confirmed else "nothing this session")
         finally:
             self._health.streaming = False
             self.metrics.streaming.set(0)

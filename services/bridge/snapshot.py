@@ -72,7 +72,7 @@ class SnapshotProgress:
         self._lock = threading.Lock()
         self._tables: dict[str, dict[str, Any]] = {}
 
-    def table(self, name: str, lsn: int, estimate: int) -> None:
+    def table(self, name: str, lsn: int, estimate: int | None) -> None:
         with self._lock:
             self._tables[name] = {"state": "reading", "lsn": format_lsn(lsn), "rows_done": 0,
                                   "rows_estimated": estimate, "started_at": time.time()}
@@ -165,17 +165,19 @@ class AddedTableSnapshots:
 
 
 def _relation(conn: psycopg.Connection[tuple[object, ...]], schema: str,
-              table: str) -> tuple[m.Relation, int]:
+              table: str) -> tuple[m.Relation, int | None]:
     with conn.cursor() as cur:
         cur.execute(_COLUMNS_SQL, (schema, table))
         rows = cur.fetchall()
     columns = tuple(m.Column(str(name), int(str(oid)), int(str(mod)), bool(key))
                     for name, oid, mod, key, *_ in rows)
     rel_oid, ident, estimate = int(str(rows[0][4])), str(rows[0][5]), int(str(rows[0][6]))
-    return m.Relation(None, rel_oid, schema, table, ident, columns), max(estimate, 0)
+    # reltuples is -1 until the table was first vacuumed or analysed: no estimate then.
+    return m.Relation(None, rel_oid, schema, table, ident, columns), \
+        estimate if estimate >= 0 else None
 
 
-def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, estimate: int,
+def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, estimate: int | None,
           progress: SnapshotProgress) -> Iterator[tuple[int, m.Message]]:
     yield 0, relation
     name = f"{relation.namespace}.{relation.name}"
