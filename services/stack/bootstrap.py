@@ -35,7 +35,9 @@ KAFKA_VERSION = "4.1.2"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
 MAVEN_SETS = {
-    "kafka": [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}"],
+    # The broker logs through SLF4J 1.7: without a binding its log stays empty.
+    "kafka": [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}",
+              "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3"],
     "spark": [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
