@@ -99,14 +99,14 @@ def _run(rows: int, txn_size: int, memory: int) -> tuple[float, _CountingSink]:
     sink = _CountingSink()
     publisher: Any = Publisher(
         settings=None, sink=sink, origin=None, builder=builder, tracker=None,  # type: ignore[arg-type]
-        identity=None, high_water=0, queue=None,  # type: ignore[arg-type]
+        identity=None, high_water=0, last_commit_lsn=0, queue=None,  # type: ignore[arg-type]
         decode=lambda payload, streamed: decoder.decode(payload, streamed),
         metrics=_Metrics())  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory() as folder:
         txns = _transactions(rows, txn_size, memory, Path(folder))
         started = time.perf_counter()
         for txn in txns:
-            publisher._publish(txn)
+            publisher._publish(txn, None)
         seconds = time.perf_counter() - started
     return rows / seconds, sink
 
