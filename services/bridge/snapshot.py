@@ -189,7 +189,7 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, es
     query = sql.SQL("SELECT {} FROM {}").format(
         columns, sql.Identifier(relation.namespace, relation.name))
     done = 0
-    last_report = time.monotonic()
+    started = last_report = time.monotonic()
     try:
         # A named (server-side) cursor streams the table in batches: memory stays flat.
         with conn.cursor(name=f"snap_{relation.oid}") as cur:
@@ -201,8 +201,11 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, es
                 if done % 1000 == 0 and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                     last_report = time.monotonic()
                     progress.rows(name, done)
+                    rate = done / (last_report - started)
                     log_event(log, logging.INFO, "snapshot progress", table=name,
-                              rows_done=done, rows_estimated=estimate)
+                              rows_done=done, rows_estimated=estimate, rows_per_s=round(rate),
+                              eta_s=round((estimate - done) / rate)
+                              if estimate is not None and estimate > done else None)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise SourceError(f"cannot read table {name} for the snapshot: "
                           f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the bridge's "
