@@ -73,6 +73,7 @@ TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, A
 FATAL = (FencedError, GapError, RowTooLarge, DecodeError)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
+_STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
 
 
 class SlotBusy(SourceError):
@@ -213,6 +214,8 @@ class Bridge:
             queue = TxnQueue(_QUEUE_BYTES)
             replay = PgOutputDecoder(4, parallel_abort=parallel)
             coverage = self._coverage(sql, builder, kafka_progress, mark)
+            snapshots = AddedTableSnapshots(self._dsn, s.slot_name, s.publication_name, builder,
+                                            sink, self.snapshot_progress)
             log_event(log, logging.INFO, "session starting", slot=s.slot_name,
                       system=identity.system_identifier, timeline=identity.timeline,
                       high_water=format_lsn(mark), snapshots_pending=[
@@ -223,9 +226,7 @@ class Bridge:
                 identity=identity, high_water=mark, last_commit_lsn=last_commit, queue=queue,
                 decode=lambda payload, streamed: replay.decode(payload, streamed),
                 metrics=self.metrics, coverage=coverage,
-                snapshots=AddedTableSnapshots(self._dsn, s.slot_name, s.publication_name,
-                                              builder, sink, self.snapshot_progress)
-                if coverage is not None else None)
+                snapshots=snapshots if coverage is not None else None)
             control = PgOutputDecoder(4, parallel_abort=parallel)
             assembler = Assembler(
                 control.decode,
@@ -245,7 +246,16 @@ class Bridge:
             self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
             # Clean stop: let the publisher commit what it holds, then confirm it.
             publisher.stop()
-            publisher.join()
+            publisher.join(_STOP_GRACE_S)
+            if publisher.is_alive():
+                # Most likely a snapshot of added tables waiting for a long transaction:
+                # give it up; its Kafka transaction aborts and the next start redoes it.
+                snapshots.cancel()
+                publisher.join(_STOP_GRACE_S)
+                log_event(log, logging.WARNING, "stopped before the publisher finished: its "
+                          "open batch is not committed and will be published at the next start",
+                          waited_s=2 * _STOP_GRACE_S)
+                return
             if publisher.error is not None:
                 raise publisher.error
             confirmed = tracker.confirmable()
@@ -257,7 +267,7 @@ class Bridge:
             self.metrics.streaming.set(0)
             if publisher is not None and publisher.is_alive():
                 publisher.stop()
-                publisher.join(30)
+                publisher.join(_STOP_GRACE_S)
             if assembler is not None:
                 assembler.discard_all()
             if sink is not None:

@@ -145,13 +145,24 @@ class AddedTableSnapshots:
         self._builder = builder
         self._sink = sink
         self._progress = progress
+        self._creating: ReplicationConnection | None = None
+
+    def cancel(self) -> None:
+        """Cancel a temporary slot creation that is waiting for transactions to end."""
+        repl = self._creating
+        if repl is not None:
+            repl.cancel()
 
     def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
         repl = ReplicationConnection(self._dsn)
         try:
             log_event(log, logging.INFO, "snapshot of added tables starting",
                       tables=[f"{s}.{t}" for s, t in tables])
-            created = repl.export_snapshot(self._slot)
+            self._creating = repl
+            try:
+                created = repl.export_snapshot(self._slot)
+            finally:
+                self._creating = None
             assert created.snapshot_name is not None
             read = take_snapshot(self._dsn, created.snapshot_name, self._publication,
                                  created.consistent_point, self._builder, self._sink,

@@ -110,6 +110,10 @@ class ReplicationConnection:
         return _created(self.command(
             f"CREATE_REPLICATION_SLOT {name} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"))
 
+    def cancel(self) -> None:
+        """Ask the server to cancel the command running now (safe from another thread)."""
+        self.conn.get_cancel().cancel()
+
     def start(self, slot: str, lsn: int, options: dict[str, str]) -> None:
         opts = ", ".join(f"{k} '{v}'" for k, v in options.items())
         sql = f"START_REPLICATION SLOT {slot} LOGICAL {format_lsn(lsn)} ({opts})"

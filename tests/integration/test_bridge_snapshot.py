@@ -237,3 +237,41 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
     finally:
         stop.set()
         pipe.cleanup()
+
+
+def test_sigterm_while_an_added_table_waits_for_a_long_transaction(
+        stack: Stack, tmp_path: Path) -> None:
+    """The temporary slot of an added table's snapshot waits for open transactions; SIGTERM
+    must still stop the bridge promptly, and the next start takes the snapshot."""
+    dsn = stack.primary_dsn
+    sql(dsn, f"""
+        DROP SCHEMA IF EXISTS {ADDED}w CASCADE; CREATE SCHEMA {ADDED}w;
+        CREATE TABLE {ADDED}w.base (id int PRIMARY KEY);
+        CREATE TABLE {ADDED}w.late (id int PRIMARY KEY);
+        INSERT INTO {ADDED}w.late SELECT generate_series(1, 500);""")
+    pipe = Pipeline(stack, [f"{ADDED}w.base"], tmp_path)
+    blocker = psycopg.connect(dsn)
+    try:
+        pipe.start()
+        pipe.wait_for_log("streaming", 60)
+        blocker.execute(f"INSERT INTO {ADDED}w.base VALUES (-1)")  # holds an xid, uncommitted
+        sql(dsn, f"ALTER PUBLICATION {pipe.name} ADD TABLE {ADDED}w.late")
+        sql(dsn, f"INSERT INTO {ADDED}w.late VALUES (501)")
+        pipe.wait_for_log("snapshot of added tables starting", 60)
+        started = time.monotonic()
+        assert pipe.stop(60) == 0, pipe.output()[-3000:]
+        assert time.monotonic() - started < 40
+        assert "stopped before the publisher finished" in pipe.output()
+        wait_for(lambda: not sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE temporary"), 30,
+                 "the temporary slot to go")
+        blocker.commit()
+        pipe.start()
+        pipe.wait_for_log("snapshot of added tables published", 60)
+        pipe.wait_caught_up(60)
+        assert pipe.stop() == 0
+        late = pipe.changes(f"{ADDED}w.late")
+        assert sorted(r.key["id"] for r in late) == list(range(1, 502))
+        assert {r.value["op"] for r in late} == {"r"}
+    finally:
+        blocker.close()
+        pipe.cleanup()
