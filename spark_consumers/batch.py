@@ -21,7 +21,7 @@ from services.common.logs import log_event
 from spark_consumers import schema as s
 from spark_consumers.deadletter import quarantine
 from spark_consumers.kafka import refresh_registry
-from spark_consumers.merge import BatchFacts, Position, TableWriter
+from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
 from spark_consumers.parse import KAFKA_COLUMNS, REASON, TABLE, envelopes, typed_rows
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
@@ -38,6 +38,7 @@ class _Survey:
     truncates: list[Position] = field(default_factory=list)
     deletes: bool = False
     toast: bool = False
+    oldest_lsn: int | None = None
 
 
 class BatchProcessor:
@@ -81,7 +82,8 @@ class BatchProcessor:
                         F.col("e.source.commit_lsn"), F.col("e.transaction.total_order"))))
                      .alias("truncates"),
                      F.max((op == "d").cast("int")).alias("deletes"),
-                     F.max(F.instr("value_text", UNCHANGED_TOAST) > 0).alias("toast"))
+                     F.max(F.instr("value_text", UNCHANGED_TOAST) > 0).alias("toast"),
+                     F.min("e.source.commit_lsn").alias("oldest"))
                 .collect())
         surveys: dict[str, _Survey] = defaultdict(_Survey)
         for row in rows:
@@ -92,6 +94,9 @@ class BatchProcessor:
                                     if t[0] is not None and t[1] is not None)
             survey.deletes = survey.deletes or bool(row["deletes"])
             survey.toast = survey.toast or bool(row["toast"])
+            oldest = row["oldest"]
+            if oldest is not None and (survey.oldest_lsn is None or oldest < survey.oldest_lsn):
+                survey.oldest_lsn = int(oldest)
         return dict(surveys)
 
     def _apply_table(self, envs: DataFrame, table: str, survey: _Survey,
@@ -104,7 +109,8 @@ class BatchProcessor:
             quarantine(self.spark, dead_letters, bad, batch_id)
             return TableCounts(quarantined=bad.count())
         schema = self.registry.merged(table)
-        typed = typed_rows(envs, schema, known).withColumn(TABLE, F.lit(table)).persist()
+        typed = with_neighbours(typed_rows(envs, schema, known), schema).withColumn(
+            TABLE, F.lit(table)).persist()
         try:
             split = {bool(r["good"]): int(r["n"]) for r in typed.groupBy(
                 F.col(REASON).isNull().alias("good")).agg(F.count("*").alias("n")).collect()}
@@ -125,6 +131,9 @@ class BatchProcessor:
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
             writer = self.writers[schema.name] = TableWriter(self.spark, paths)
+        # Good rows all have a commit LSN, so the survey found one.
+        assert survey.oldest_lsn is not None
         writer.apply(good, schema, BatchFacts(truncates=tuple(sorted(survey.truncates)),
                                               has_deletes=survey.deletes,
-                                              has_toast_markers=survey.toast))
+                                              has_toast_markers=survey.toast,
+                                              oldest_lsn=survey.oldest_lsn))

@@ -87,6 +87,10 @@ def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consum
         # Delta rebuilds table state with this many tasks (default 50): far too many for
         # the small transaction logs of per-table CDC targets.
         "spark.databricks.delta.snapshotPartitions": str(settings.shuffle_partitions),
+        # Every MERGE first copies its source (ours is never a plain Delta scan), by default
+        # to disk only; kept in memory, spilling when it must, the copy is cheaper to write
+        # and to read back in the MERGE's two passes.
+        "spark.databricks.delta.merge.materializeSource.rddStorageLevel": "MEMORY_AND_DISK",
         "spark.sql.streaming.stopGracefullyOnShutdown": "false",
         **settings.spark_conf,
     }

@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from spark_consumers import schema as s
-from spark_consumers.parse import can_be_toasted, toast_flag
+from spark_consumers.parse import REASON, can_be_toasted, toast_flag
 from spark_consumers.tables import (
     IS_TRUNCATE,
     TablePaths,
@@ -37,6 +37,9 @@ from spark_consumers.tables import (
 
 Position = tuple[int, int]
 _KIND = "_merge_kind"
+_NEXT = "_next_change"
+_FIRST = "_first_change"
+_POINT = f"struct<{quote(s.COMMIT_LSN)}:bigint,{quote(s.TOTAL_ORDER)}:bigint>"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class BatchFacts:
     truncates: tuple[Position, ...]
     has_deletes: bool
     has_toast_markers: bool
+    # The smallest commit LSN among the batch's changes: a stored history row before it
+    # can only be matched as an open version, so the history MERGE skips the closed ones.
+    oldest_lsn: int
 
 
 def newer(a: str, b: str) -> str:
@@ -88,6 +94,42 @@ def _assign(target: StructType) -> dict[str, Column | str]:
 
 def _position_order() -> list[Column]:
     return [F.col(s.COMMIT_LSN), F.col(s.TOTAL_ORDER)]
+
+
+def with_neighbours(rows: DataFrame, table: s.TableSchema) -> DataFrame:
+    """Typed rows + what ``TableWriter.apply`` needs of each change's neighbours.
+
+    ``_NEXT`` is the position of the key's next change in the batch (null for its newest),
+    ``_FIRST`` tells the key's first change in the batch. One window serves both tables and
+    rides along with the batch's one cached copy, so a batch is shuffled and sorted by key
+    once. Truncates (no key) and rows with a ``_reason`` (dead letters) get partitions of
+    their own, so they are nobody's neighbour; the history finds the next truncate with
+    ``_next_truncate``.
+    """
+    if not table.key_columns:
+        return rows.withColumn(_NEXT, F.lit(None).cast(_POINT))
+    by_key = Window.partitionBy(*[F.col(quote(k)) for k in table.key_columns],
+                                F.col(s.OP) == "t", F.col(REASON).isNull()).orderBy(
+        *_position_order())
+    return (rows.withColumn(_NEXT, F.lead(F.struct(*_position_order())).over(by_key))
+            .withColumn(_FIRST, F.row_number().over(by_key) == 1))
+
+
+def _next_truncate(truncates: tuple[Position, ...]) -> Column:
+    """The position of the batch's first truncate after the row's (null if none).
+
+    The driver knows the batch's truncates, so this is a CASE over them rather than a
+    window over the whole batch, which Spark would run in a single task.
+    """
+    def point(position: Position) -> Column:
+        return F.struct(F.lit(position[0]).cast("long").alias(s.COMMIT_LSN),
+                        F.lit(position[1]).cast("long").alias(s.TOTAL_ORDER))
+
+    first, *later = sorted(truncates)
+    result = F.when(F.expr(_older_than(first)), point(first))
+    for position in later:
+        result = result.when(F.expr(_older_than(position)), point(position))
+    return result
 
 
 def resolve_toast(spark: SparkSession, rows: DataFrame, table: s.TableSchema,
@@ -155,17 +197,24 @@ class TableWriter:
 
     def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
         """Both tables for one batch: history first, so a crash in between leaves the
-        current state behind, never ahead of the history (replay fixes either)."""
+        current state behind, never ahead of the history (replay fixes either).
+
+        ``rows`` are good rows from ``with_neighbours``, cached by the caller: both MERGEs
+        read them.
+        """
         if self._tombstones is None and table.key_columns:
             self._load_tombstone_state(table)
-        rows = (resolve_toast(self.spark, rows, table, self.paths) if facts.has_toast_markers
-                else rows).persist()
+        # Filled-in TOAST values come from windows and a join: computed once for both tables.
+        toasted = (resolve_toast(self.spark, rows, table, self.paths).persist()
+                   if facts.has_toast_markers else None)
         try:
-            self._merge_history(rows, table, facts)
+            changes = rows if toasted is None else toasted
+            self._merge_history(changes, table, facts)
             if table.key_columns:
-                self._merge_current(rows, table, facts)
+                self._merge_current(changes, table, facts)
         finally:
-            rows.unpersist()
+            if toasted is not None:
+                toasted.unpersist()
 
     def _target(self, path: str, table: s.TableSchema, wanted: StructType) -> StructType:
         known = self._schemas.get(path)
@@ -193,14 +242,10 @@ class TableWriter:
         target = self._target(self.paths.history, table, history_struct(table))
         keys = table.key_columns
         op = F.col(s.OP)
-        point = F.struct(F.col(s.COMMIT_LSN), F.col(s.TOTAL_ORDER))
-        following = (F.lead(point).over(Window.partitionBy(*[F.col(quote(k)) for k in keys])
-                                        .orderBy(*_position_order()))
-                     if keys else F.lit(None))
+        following = F.col(_NEXT)
         if facts.truncates:
-            after = Window.orderBy(*_position_order()).rowsBetween(1, Window.unboundedFollowing)
-            next_truncate = F.first(F.when(op == "t", point), ignorenulls=True).over(after)
-            following = F.least(following, next_truncate) if keys else next_truncate
+            following = F.least(following, _next_truncate(facts.truncates)) if keys \
+                else _next_truncate(facts.truncates)
         valid_to = following[s.COMMIT_LSN]
         if self._floor is not None:
             valid_to = F.coalesce(valid_to, F.when(F.expr(_older_than(self._floor)),
@@ -221,10 +266,7 @@ class TableWriter:
                        f"t.{quote(s.TOTAL_ORDER)} = s.{quote(s.TOTAL_ORDER)} AND "
                        f"t.{quote(s.OP)} = s.{quote(s.OP)}")
         if keys:
-            first = Window.partitionBy(*[F.col(quote(k)) for k in keys]).orderBy(
-                *_position_order())
-            closers = (changes.where(op != "t").withColumn("_n", F.row_number().over(first))
-                       .where("_n = 1")
+            closers = (changes.where((op != "t") & F.col(_FIRST))
                        .select(*[F.col(quote(k)) for k in keys], F.col(s.COMMIT_LSN),
                                F.col(s.TOTAL_ORDER), F.lit("c").alias(_KIND)))
             source = inserts.unionByName(_align(closers, target, (_KIND,)),
@@ -234,6 +276,10 @@ class TableWriter:
                          f"{newer('s', 't')}))")
         else:
             source, condition = inserts, same_change
+        # Implied by both branches and about the target alone, so Spark filters the stored
+        # rows before the join: only open versions and rows as new as the batch take part.
+        condition += (f" AND (t.{quote(s.VALID_TO)} IS NULL OR "
+                      f"t.{quote(s.COMMIT_LSN)} >= {facts.oldest_lsn})")
         (history.alias("t").merge(source.alias("s"), condition)
          .whenMatchedUpdate(condition=f"s.{_KIND} = 'c'",
                             set={quote(s.VALID_TO): f"s.{quote(s.COMMIT_LSN)}"})
@@ -251,14 +297,10 @@ class TableWriter:
         if facts.truncates:
             latest_truncate = max(facts.truncates)
             current.delete(_older_than(latest_truncate))
-        changes = rows.where(F.col(s.OP) != "t")
+        latest = rows.where((F.col(s.OP) != "t") & F.col(_NEXT).isNull())
         floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
         if floor is not None:
-            changes = changes.where(_newer_than(floor))
-        newest_first = Window.partitionBy(*[F.col(quote(k)) for k in keys]).orderBy(
-            F.col(s.COMMIT_LSN).desc(), F.col(s.TOTAL_ORDER).desc())
-        latest = (changes.withColumn("_n", F.row_number().over(newest_first))
-                  .where("_n = 1").drop("_n"))
+            latest = latest.where(_newer_than(floor))
         if self._tombstones and stones is not None:
             deleted = (stones.toDF().where(~F.col(IS_TRUNCATE))
                        .select(*[F.col(quote(k)) for k in keys],
