@@ -12,9 +12,11 @@ temporary slot (``snapshot_tables``); ``coverage.py`` says which of the stream's
 that snapshot already holds.
 
 Values are read as the raw text the types' output functions produce: byte for byte what
-pgoutput sends, so one set of converters serves both paths. A server-side cursor keeps
-memory flat however large the table; a key- or ctid-range scan would buy resumability,
-but no exported snapshot outlives its session, so an interrupted snapshot starts over.
+pgoutput sends, so one set of converters serves both paths. A table is read in ctid
+ranges (TID range scans), each through a server-side cursor: memory stays flat however
+large the table, and pages done out of the heap's size give progress even for a table
+never analysed. Ranges do not make a snapshot resumable, though: no exported snapshot
+outlives its session, so an interrupted snapshot starts over.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -42,6 +45,7 @@ from services.common.pg import SourceError, connect
 log = logging.getLogger(__name__)
 
 _FETCH = 5_000
+_RANGE_PAGES = 1_024  # 8 MB of heap per ctid range
 _PROGRESS_EVERY_S = 5.0
 
 _COLUMNS_SQL = """
@@ -54,7 +58,8 @@ SELECT a.attname, a.atttypid::int, a.atttypmod,
          ELSE EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid
                       AND i.indisprimary AND a.attnum = ANY(i.indkey))
        END,
-       c.oid::int, c.relreplident, c.reltuples::bigint
+       c.oid::int, c.relreplident, c.reltuples::bigint,
+       pg_relation_size(c.oid) / current_setting('block_size')::int
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
 WHERE n.nspname = %s AND c.relname = %s
@@ -77,10 +82,12 @@ class SnapshotProgress:
             self._tables[name] = {"state": "reading", "lsn": format_lsn(lsn), "rows_done": 0,
                                   "rows_estimated": estimate, "started_at": time.time()}
 
-    def rows(self, name: str, done: int, finished: bool = False) -> None:
+    def rows(self, name: str, done: int, estimate: int | None,
+             finished: bool = False) -> None:
         with self._lock:
             entry = self._tables[name]
             entry["rows_done"] = done
+            entry["rows_estimated"] = estimate
             if finished:
                 entry["state"] = "read"
 
@@ -110,10 +117,10 @@ def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_poi
         # Publication membership as of the snapshot: a table removed since is not read.
         tables = [t for t in published_tables(conn, publication) if only is None or t in only]
         for schema, table in tables:
-            relation, estimate = _relation(conn, schema, table)
-            progress.table(f"{schema}.{table}", consistent_point, estimate)
+            relation, heap = _relation(conn, schema, table)
+            progress.table(f"{schema}.{table}", consistent_point, heap.rows)
             for topic, key, value in builder.transaction(
-                    0, position, _now_pg_us(), _rows(conn, relation, estimate, progress),
+                    0, position, _now_pg_us(), _rows(conn, relation, heap, progress),
                     snapshot="true"):
                 if topic == builder.transaction_topic:
                     continue  # a snapshot is not a source transaction
@@ -175,20 +182,39 @@ class AddedTableSnapshots:
         self._progress.published([f"{s}.{t}" for s, t in tables])
 
 
+@dataclass(frozen=True, slots=True)
+class _Heap:
+    pages: int  # 0 for a partitioned table: its rows live in its partitions
+    rows: int | None  # the planner's estimate; None until first vacuumed or analysed
+
+
 def _relation(conn: psycopg.Connection[tuple[object, ...]], schema: str,
-              table: str) -> tuple[m.Relation, int | None]:
+              table: str) -> tuple[m.Relation, _Heap]:
     with conn.cursor() as cur:
         cur.execute(_COLUMNS_SQL, (schema, table))
         rows = cur.fetchall()
     columns = tuple(m.Column(str(name), int(str(oid)), int(str(mod)), bool(key))
                     for name, oid, mod, key, *_ in rows)
-    rel_oid, ident, estimate = int(str(rows[0][4])), str(rows[0][5]), int(str(rows[0][6]))
-    # reltuples is -1 until the table was first vacuumed or analysed: no estimate then.
-    return m.Relation(None, rel_oid, schema, table, ident, columns), \
-        estimate if estimate >= 0 else None
+    rel_oid, ident, estimate, pages = (int(str(rows[0][4])), str(rows[0][5]),
+                                       int(str(rows[0][6])), int(str(rows[0][7])))
+    return (m.Relation(None, rel_oid, schema, table, ident, columns),
+            _Heap(pages, estimate if estimate >= 0 else None))
 
 
-def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, estimate: int | None,
+def _ranges(pages: int) -> list[sql.Composable]:
+    """WHERE clauses covering the heap in ctid ranges. The heap is read after the snapshot
+    was taken, so pages added since hold no row it sees; the last range is open all the
+    same, which costs nothing."""
+    if pages == 0:
+        return [sql.SQL("")]
+    starts = range(0, pages, _RANGE_PAGES)
+    return [sql.SQL(" WHERE ctid >= {}::tid").format(sql.Literal(f"({start},0)"))
+            + (sql.SQL(" AND ctid < {}::tid").format(sql.Literal(f"({start + _RANGE_PAGES},0)"))
+               if start + _RANGE_PAGES < pages else sql.SQL(""))
+            for start in starts]
+
+
+def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, heap: _Heap,
           progress: SnapshotProgress) -> Iterator[tuple[int, m.Message]]:
     yield 0, relation
     name = f"{relation.namespace}.{relation.name}"
@@ -197,31 +223,38 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, es
     for column in relation.columns:
         conn.adapters.register_loader(column.type_oid, TextLoader)
     columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
-    query = sql.SQL("SELECT {} FROM {}").format(
+    select = sql.SQL("SELECT {} FROM {}").format(
         columns, sql.Identifier(relation.namespace, relation.name))
+    ranges = _ranges(heap.pages)
+    estimate = heap.rows
     done = 0
     started = last_report = time.monotonic()
     try:
-        # A named (server-side) cursor streams the table in batches: memory stays flat.
-        with conn.cursor(name=f"snap_{relation.oid}") as cur:
-            cur.itersize = _FETCH
-            cur.execute(query)
-            for row in cur:
-                done += 1
-                yield 0, m.Insert(None, relation.oid, list(row))  # type: ignore[arg-type]
-                if done % 1000 == 0 and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
-                    last_report = time.monotonic()
-                    progress.rows(name, done)
-                    rate = done / (last_report - started)
-                    log_event(log, logging.INFO, "snapshot progress", table=name,
-                              rows_done=done, rows_estimated=estimate, rows_per_s=round(rate),
-                              eta_s=round((estimate - done) / rate)
-                              if estimate is not None and estimate > done else None)
+        for n, where in enumerate(ranges, 1):
+            # A named (server-side) cursor streams the range in batches: memory stays flat.
+            with conn.cursor(name=f"snap_{relation.oid}") as cur:
+                cur.itersize = _FETCH
+                cur.execute(select + where)
+                for row in cur:
+                    done += 1
+                    yield 0, m.Insert(None, relation.oid, list(row))  # type: ignore[arg-type]
+                    if done % 1000 == 0 and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+                        last_report = time.monotonic()
+                        progress.rows(name, done, estimate)
+                        rate = done / (last_report - started)
+                        log_event(log, logging.INFO, "snapshot progress", table=name,
+                                  rows_done=done, rows_estimated=estimate,
+                                  ranges_done=f"{n - 1}/{len(ranges)}", rows_per_s=round(rate),
+                                  eta_s=round((estimate - done) / rate)
+                                  if estimate is not None and estimate > done else None)
+            if heap.rows is None and n < len(ranges):
+                # Never analysed: extrapolate from the share of the heap read so far.
+                estimate = round(done * len(ranges) / n)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise SourceError(f"cannot read table {name} for the snapshot: "
                           f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the bridge's "
                           "role, or remove the table from the publication") from None
-    progress.rows(name, done, finished=True)
+    progress.rows(name, done, done, finished=True)
     log_event(log, logging.INFO, "snapshot table read", table=name, rows=done)
 
 
