@@ -98,14 +98,14 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path) -> dict[s
     output = log_path.read_text(errors="replace")
     if code != 0:
         raise SystemExit(f"bridge exited with {code}; see {log_path}")
-    found = re.search(r"snapshot read .*rows=(\d+) seconds=([\d.]+)", output)
+    found = re.search(r"snapshot read .*rows=(\d+) seconds=[\d.]+ rows_per_s=(\d+)", output)
     if found is None:
         raise SystemExit(f"no 'snapshot read' line in {log_path}")
-    rows, seconds = int(found.group(1)), float(found.group(2))
+    rows, rate = int(found.group(1)), int(found.group(2))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"DROP PUBLICATION snap_{tag}")
         conn.execute("SELECT pg_replication_origin_drop(%s)", (f"slotbridge_snap_{tag}",))
-    return {"rows": rows, "snapshot_s": seconds, "wall_s": wall,
+    return {"rows": rows, "snapshot_rows_per_s": rate, "wall_s": wall,
             "topic": f"snapbench{tag}.public.{table}",
             # Children waited for so far: this run's daemon is the largest of them.
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
@@ -160,7 +160,7 @@ def main() -> None:
                              f" and the topic holds {published}")
         with psycopg.connect(stack.primary_dsn, autocommit=True) as conn:
             conn.execute(f"DROP TABLE {table}")
-        results.append({"ceiling": ceiling_rate, "snapshot": args.rows / run["snapshot_s"],
+        results.append({"ceiling": ceiling_rate, "snapshot": run["snapshot_rows_per_s"],
                         "process": args.rows / run["wall_s"], "rss": run["peak_rss_mb"],
                         "load_s": load_s})
         r = results[-1]
