@@ -1,8 +1,9 @@
 """The foreachBatch function: one micro-batch of raw change records to every table.
 
 Per batch the driver runs one small aggregation to learn which tables, schema versions,
-truncates, deletes and TOAST markers the batch holds, refreshes the schema registry if a
-version is new, and then, table by table, quarantines bad rows and merges the good ones.
+truncates and deletes the batch holds, refreshes the schema registry if a version is new,
+and then, table by table, counts bad rows (and TOAST markers among the good ones),
+quarantines the bad rows and merges the good ones.
 Every write is idempotent (see merge.py), so Spark replaying a batch after a crash is safe.
 """
 
@@ -12,17 +13,26 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import or_
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from services.bridge.records import UNCHANGED_TOAST
 from services.common.logs import log_event
 from spark_consumers import schema as s
 from spark_consumers.deadletter import quarantine
 from spark_consumers.kafka import refresh_registry
 from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
-from spark_consumers.parse import KAFKA_COLUMNS, REASON, TABLE, envelopes, typed_rows
+from spark_consumers.parse import (
+    COORDINATES,
+    REASON,
+    TABLE,
+    envelopes,
+    kafka_texts,
+    toast_flag,
+    typed_rows,
+)
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
 from spark_consumers.tables import dead_letter_path, table_paths
@@ -37,7 +47,6 @@ class _Survey:
     versions: set[int] = field(default_factory=set)
     truncates: list[Position] = field(default_factory=list)
     deletes: bool = False
-    toast: bool = False
     oldest_lsn: int | None = None
 
 
@@ -56,13 +65,14 @@ class BatchProcessor:
         started = time.monotonic()
         envs = envelopes(raw, self.settings.topic_prefix).persist()
         try:
-            counts = self._process(envs, batch_id)
+            counts = self._process(raw, envs, batch_id)
         finally:
             envs.unpersist()
         self.status.record_batch(batch_id, counts, time.monotonic() - started)
         self.status.write(self.settings.status_path)
 
-    def _process(self, envs: DataFrame, batch_id: int) -> dict[str, TableCounts]:
+    def _process(self, raw: DataFrame, envs: DataFrame, batch_id: int,
+                 ) -> dict[str, TableCounts]:
         surveys = self._survey(envs)
         missing = [t for t, sv in surveys.items()
                    if any(not self.registry.has(t, v) for v in sv.versions)]
@@ -71,7 +81,7 @@ class BatchProcessor:
                 log_event(log, logging.WARNING, problem)
         counts: dict[str, TableCounts] = {}
         for table, survey in sorted(surveys.items()):
-            counts[table] = self._apply_table(envs.where(F.col(TABLE) == table), table,
+            counts[table] = self._apply_table(raw, envs.where(F.col(TABLE) == table), table,
                                               survey, batch_id)
         return counts
 
@@ -82,7 +92,6 @@ class BatchProcessor:
                         F.col("e.source.commit_lsn"), F.col("e.transaction.total_order"))))
                      .alias("truncates"),
                      F.max((op == "d").cast("int")).alias("deletes"),
-                     F.max(F.instr("value_text", UNCHANGED_TOAST) > 0).alias("toast"),
                      F.min("e.source.commit_lsn").alias("oldest"))
                 .collect())
         surveys: dict[str, _Survey] = defaultdict(_Survey)
@@ -93,40 +102,45 @@ class BatchProcessor:
             survey.truncates.extend((int(t[0]), int(t[1])) for t in row["truncates"]
                                     if t[0] is not None and t[1] is not None)
             survey.deletes = survey.deletes or bool(row["deletes"])
-            survey.toast = survey.toast or bool(row["toast"])
             oldest = row["oldest"]
             if oldest is not None and (survey.oldest_lsn is None or oldest < survey.oldest_lsn):
                 survey.oldest_lsn = int(oldest)
         return dict(surveys)
 
-    def _apply_table(self, envs: DataFrame, table: str, survey: _Survey,
+    def _apply_table(self, raw: DataFrame, envs: DataFrame, table: str, survey: _Survey,
                      batch_id: int) -> TableCounts:
         dead_letters = dead_letter_path(self.settings.warehouse)
         known = sorted(self.registry.versions.get(table, {}))
         if not known:
-            bad = envs.select(*KAFKA_COLUMNS, F.col(TABLE),
+            bad = envs.select(*COORDINATES, F.col(TABLE),
                               F.lit("no schema record for this table").alias(REASON))
-            quarantine(self.spark, dead_letters, bad, batch_id)
+            quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
             return TableCounts(quarantined=bad.count())
         schema = self.registry.merged(table)
         typed = with_neighbours(typed_rows(envs, schema, known), schema).withColumn(
             TABLE, F.lit(table)).persist()
         try:
-            split = {bool(r["good"]): int(r["n"]) for r in typed.groupBy(
-                F.col(REASON).isNull().alias("good")).agg(F.count("*").alias("n")).collect()}
-            good_n, bad_n = split.get(True, 0), split.get(False, 0)
+            toast = reduce(or_, [F.col(toast_flag(i)) for i in range(len(schema.columns))],
+                           F.lit(False))
+            split = {bool(r["good"]): r for r in typed.groupBy(
+                F.col(REASON).isNull().alias("good")).agg(
+                    F.count("*").alias("n"), F.max(toast).alias("toast")).collect()}
+            good_n = int(split[True]["n"]) if True in split else 0
+            bad_n = int(split[False]["n"]) if False in split else 0
             if bad_n:
-                quarantine(self.spark, dead_letters, typed.where(F.col(REASON).isNotNull()),
-                           batch_id)
+                bad = typed.where(F.col(REASON).isNotNull()).select(*COORDINATES, TABLE, REASON)
+                quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
                 log_event(log, logging.WARNING, "records quarantined", table=table,
                           count=bad_n, batch_id=batch_id)
             if good_n:
-                self._merge(typed.where(F.col(REASON).isNull()), schema, survey)
+                self._merge(typed.where(F.col(REASON).isNull()), schema, survey,
+                            bool(split[True]["toast"]))
         finally:
             typed.unpersist()
         return TableCounts(applied=good_n, quarantined=bad_n)
 
-    def _merge(self, good: DataFrame, schema: s.TableSchema, survey: _Survey) -> None:
+    def _merge(self, good: DataFrame, schema: s.TableSchema, survey: _Survey,
+               has_toast: bool) -> None:
         writer = self.writers.get(schema.name)
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
@@ -135,5 +149,12 @@ class BatchProcessor:
         assert survey.oldest_lsn is not None
         writer.apply(good, schema, BatchFacts(truncates=tuple(sorted(survey.truncates)),
                                               has_deletes=survey.deletes,
-                                              has_toast_markers=survey.toast,
+                                              has_toast_markers=has_toast,
                                               oldest_lsn=survey.oldest_lsn))
+
+
+def _with_texts(bad: DataFrame, raw: DataFrame) -> DataFrame:
+    """Dead letters with their key and value text, read again from the batch's records:
+    the texts are too big to carry through parsing and the per-key shuffle for the rare
+    bad record."""
+    return bad.join(kafka_texts(raw), list(COORDINATES))

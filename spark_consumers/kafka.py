@@ -35,6 +35,9 @@ def change_stream(spark: SparkSession, settings: ConsumerSettings) -> DataFrame:
     # Topics are created by the bridge on first use; a configured table whose topic does
     # not exist yet must not fail the job, nor must compaction of deleted keys.
     reader = reader.option("failOnDataLoss", "false")
+    # A topic partition is otherwise one task, and parsing and typing a batch happen before
+    # any shuffle: a table with one partition would use one core of the whole job.
+    reader = reader.option("minPartitions", str(spark.sparkContext.defaultParallelism))
     if settings.max_offsets_per_trigger is not None:
         reader = reader.option("maxOffsetsPerTrigger", str(settings.max_offsets_per_trigger))
     return reader.load()

@@ -36,8 +36,9 @@ ENVELOPE = (
 )
 REASON = "_reason"
 TABLE = "_table"
-# Kafka coordinates carried to the dead-letter table.
-KAFKA_COLUMNS = ("topic", "partition", "offset", "key_text", "value_text")
+# A Kafka record's coordinates, and all a dead letter keeps of it.
+COORDINATES = ("topic", "partition", "offset")
+KAFKA_COLUMNS = (*COORDINATES, "key_text", "value_text")
 _NON_NUMBERS = ("NaN", "Infinity", "-Infinity")
 
 
@@ -51,18 +52,23 @@ def can_be_toasted(data_type: DataType) -> bool:
     return isinstance(data_type, StringType | BinaryType | DecimalType | ArrayType)
 
 
+def kafka_texts(raw: DataFrame) -> DataFrame:
+    """The non-tombstone records as ``KAFKA_COLUMNS``: key and value as text."""
+    return raw.where(F.col("value").isNotNull()).select(
+        *COORDINATES,
+        F.col("key").cast("string").alias("key_text"),
+        F.col("value").cast("string").alias("value_text"),
+    )
+
+
 def envelopes(raw: DataFrame, topic_prefix: str) -> DataFrame:
-    """Parse the value of every non-tombstone record; adds ``e`` (struct) and ``_table``."""
+    """Parse the value of every non-tombstone record: ``COORDINATES``, ``e`` (struct) and
+    ``_table``. The texts are left out: only dead letters need them (``kafka_texts``)."""
     prefix_len = len(topic_prefix) + 1
-    return (
-        raw.where(F.col("value").isNotNull())
-        .select(
-            "topic", "partition", "offset",
-            F.col("key").cast("string").alias("key_text"),
-            F.col("value").cast("string").alias("value_text"),
-        )
-        .withColumn("e", F.from_json("value_text", ENVELOPE))
-        .withColumn(TABLE, F.expr(f"substring(topic, {prefix_len + 1})"))
+    return kafka_texts(raw).select(
+        *COORDINATES,
+        F.from_json("value_text", ENVELOPE).alias("e"),
+        F.expr(f"substring(topic, {prefix_len + 1})").alias(TABLE),
     )
 
 
@@ -81,12 +87,12 @@ def envelope_reason() -> Column:
         (op.isin("d") & e["before"].isNull(), "before missing"),
     ]
     return F.when(e.isNull() | op.isNull(), F.lit("value is not a change record")).otherwise(
-        _first_reasons(checks))
+        _reasons(checks))
 
 
-def _first_reasons(checks: list[tuple[Column, str]]) -> Column:
-    parts = [F.when(cond, F.lit(text)) for cond, text in checks]
-    return F.nullif(F.concat_ws("; ", *parts), F.lit(""))
+def _reasons(checks: list[tuple[Column, str]]) -> Column:
+    """The texts of the checks that hold, joined; empty when none does."""
+    return F.concat_ws("; ", *[F.when(cond, F.lit(text)) for cond, text in checks])
 
 
 def _scalar(raw: Column, data_type: DataType) -> Column:
@@ -98,40 +104,8 @@ def _scalar(raw: Column, data_type: DataType) -> Column:
     return raw.try_cast(data_type)
 
 
-def _converter(data_type: DataType, json_text: bool) -> tuple[
-        Callable[[Column, Column], Column], Callable[[Column, Column], Column]]:
-    """(convert, failed) for one column type: both take (variant, text form).
-
-    ``failed`` is true when a present value did not convert. NaN/Infinity in a decimal
-    column convert to null on purpose (a Spark decimal cannot hold them).
-    """
-    if json_text:
-        return (lambda v, raw: F.when(raw.isNotNull(), F.to_json(v)),
-                lambda v, raw: F.lit(False))
-    if isinstance(data_type, ArrayType):
-        element = data_type.elementType
-
-        def convert(v: Column, raw: Column) -> Column:
-            texts = F.from_json(raw, ArrayType(StringType()))
-            return F.transform(texts, lambda x: _scalar(x, element))
-
-        def failed(v: Column, raw: Column) -> Column:
-            texts = F.from_json(raw, ArrayType(StringType()))
-            typed = convert(v, raw)
-            present = F.size(F.filter(texts, lambda x: x.isNotNull()))
-            converted = F.size(F.filter(typed, lambda x: x.isNotNull()))
-            return raw.isNotNull() & (texts.isNull() | (present != converted))
-        return convert, failed
-
-    def convert_scalar(v: Column, raw: Column) -> Column:
-        return _scalar(raw, data_type)
-
-    def failed_scalar(v: Column, raw: Column) -> Column:
-        bad = raw.isNotNull() & convert_scalar(v, raw).isNull()
-        if isinstance(data_type, DecimalType):
-            bad = bad & ~raw.isin(*_NON_NUMBERS)
-        return bad
-    return convert_scalar, failed_scalar
+def _element(data_type: DataType) -> Callable[[Column], Column]:
+    return lambda x: _scalar(x, data_type)
 
 
 def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int]) -> DataFrame:
@@ -139,38 +113,74 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
 
     The row image is ``after`` for c/u/r and ``before`` for d (the key, or the whole old row
     under REPLICA IDENTITY FULL); a truncate has none.
+
+    Built in steps, each naming what the next uses: a value's variant, text form and typed
+    form are each referenced by several checks, and Spark neither merges steps that would
+    compute an expression twice nor shares expressions inside CASE branches, so written as
+    one expression per output column the variant lookups and casts ran once per reference.
+    NaN/Infinity in a decimal column convert to null on purpose (a Spark decimal cannot
+    hold them).
     """
     e = F.col("e")
     op = e["op"]
+    columns = list(enumerate(table.columns))
     image = F.when(op == "d", e["before"]).otherwise(e["after"])
-    values: list[Column] = []
-    flags: list[Column] = []
-    checks: list[tuple[Column, str]] = []
-    for index, column in enumerate(table.columns):
-        data_type = column.spark_type
-        v = F.try_element_at(image, F.lit(column.name))
-        raw = F.try_variant_get(v, "$", "string")
-        convert, failed = _converter(data_type, column.is_json)
-        if can_be_toasted(data_type):
-            marker = F.coalesce(raw == F.lit(UNCHANGED_TOAST), F.lit(False))
-            flags.append(marker.alias(toast_flag(index)))
-            values.append(F.when(~marker, convert(v, raw)).alias(column.name))
-            bad = ~marker & failed(v, raw)
+    variant, text, items, typed = "_variant_{}".format, "_text_{}".format, \
+        "_items_{}".format, "_typed_{}".format
+    steps = envs.select(*COORDINATES, e, F.col(TABLE), image.alias("_image"))
+    steps = steps.withColumns({
+        **{variant(i): F.try_element_at(F.col("_image"), F.lit(c.name)) for i, c in columns},
+        **{f"_no_key_{n}": F.try_element_at(F.col("_image"), F.lit(key)).isNull()
+           for n, key in enumerate(table.key_columns)},
+    })
+    steps = steps.withColumns({text(i): F.try_variant_get(F.col(variant(i)), "$", "string")
+                               for i, _ in columns})
+    steps = steps.withColumns({items(i): F.from_json(F.col(text(i)), ArrayType(StringType()))
+                               for i, c in columns
+                               if isinstance(c.spark_type, ArrayType) and not c.is_json})
+    converted: dict[str, Column] = {}
+    for i, column in columns:
+        raw = F.col(text(i))
+        if column.is_json:
+            converted[typed(i)] = F.when(raw.isNotNull(), F.to_json(F.col(variant(i))))
+        elif isinstance(column.spark_type, ArrayType):
+            element = column.spark_type.elementType
+            converted[typed(i)] = F.transform(F.col(items(i)), _element(element))
         else:
-            flags.append(F.lit(False).alias(toast_flag(index)))
-            values.append(convert(v, raw).alias(column.name))
-            bad = failed(v, raw)
-        checks.append((bad, f"column {column.name}: cannot convert to {data_type.simpleString()}"))
-    for key in table.key_columns:
-        checks.append(((op != "t") & F.try_element_at(image, F.lit(key)).isNull(),
-                       f"key column {key} missing"))
+            converted[typed(i)] = _scalar(raw, column.spark_type)
+        converted[toast_flag(i)] = (F.coalesce(raw == F.lit(UNCHANGED_TOAST), F.lit(False))
+                                    if can_be_toasted(column.spark_type) else F.lit(False))
+    steps = steps.withColumns(converted)
+    values: list[Column] = []
+    checks: list[tuple[Column, str]] = []
+    for i, column in columns:
+        raw, value, marker = F.col(text(i)), F.col(typed(i)), F.col(toast_flag(i))
+        if column.is_json:
+            failed = F.lit(False)
+        elif isinstance(column.spark_type, ArrayType):
+            texts = F.col(items(i))
+            present = F.size(F.filter(texts, lambda x: x.isNotNull()))
+            kept = F.size(F.filter(value, lambda x: x.isNotNull()))
+            failed = raw.isNotNull() & (texts.isNull() | (present != kept))
+        else:
+            failed = raw.isNotNull() & value.isNull()
+            if isinstance(column.spark_type, DecimalType):
+                failed = failed & ~raw.isin(*_NON_NUMBERS)
+        if can_be_toasted(column.spark_type):
+            values.append(F.when(~marker, value).alias(column.name))
+            failed = ~marker & failed
+        else:
+            values.append(value.alias(column.name))
+        checks.append((failed, f"column {column.name}: cannot convert to "
+                               f"{column.spark_type.simpleString()}"))
+    for n, key in enumerate(table.key_columns):
+        checks.append(((op != "t") & F.col(f"_no_key_{n}"), f"key column {key} missing"))
     checks.append((~e["source"]["schema_version"].isin(*known_versions),
                    "unknown schema version"))
-    reason = F.coalesce(envelope_reason(), _first_reasons(checks))
-    return envs.select(
-        *KAFKA_COLUMNS,
+    steps = steps.select(
+        *COORDINATES,
         *values,
-        *flags,
+        *[F.col(toast_flag(i)) for i, _ in columns],
         op.alias(s.OP),
         e["source"]["commit_lsn"].alias(s.COMMIT_LSN),
         e["transaction"]["total_order"].alias(s.TOTAL_ORDER),
@@ -178,5 +188,10 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
         e["source"]["txId"].alias(s.TX_ID),
         F.timestamp_millis(e["source"]["ts_ms"]).alias(s.COMMIT_TS),
         e["source"]["schema_version"].alias(s.SCHEMA_VERSION),
-        reason.alias(REASON),
+        envelope_reason().alias("_envelope_reason"),
+        _reasons(checks).alias("_row_reasons"),
     )
+    # The envelope's problems hide the row's: a record that is no change has no columns.
+    reason = F.coalesce(F.nullif(F.col("_envelope_reason"), F.lit("")),
+                        F.nullif(F.col("_row_reasons"), F.lit("")))
+    return steps.withColumn(REASON, reason).drop("_envelope_reason", "_row_reasons")

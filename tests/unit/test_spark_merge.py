@@ -237,6 +237,9 @@ def test_bad_records_go_to_dead_letter(spark: SparkSession, tmp_path: Path) -> N
         ("public.t", 2): "column big: cannot convert to bigint",
         ("public.unknown", 4): "no schema record for this table",
     }
+    texts = {d["offset"]: (d["key_text"], d["value_text"]) for d in h.dead_letters()}
+    assert texts[1] == ('{"id": 2}', "{this is not json")
+    assert texts[4] == ('{"id": 1}', '{"op": "c"}')
     assert h.processor.status.tables["public.t"].quarantined == 2
 
 
