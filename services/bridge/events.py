@@ -191,11 +191,14 @@ class EventBuilder:
                 info = catalog.by_oid[msg.relation_oid]
                 total += 1
                 order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-                new = msg.new
-                yield info.topic, _key(info, new), self._value(
+                row = _row(info, msg.new, None)
+                # An insert has no unchanged-TOAST value: its key is already in the row,
+                # converted once.
+                key = (_dumps({info.names[i]: row[info.names[i]] for i in info.key_idx})
+                       .encode() if info.key_idx else None)
+                yield info.topic, key, self._value(
                     info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
-                    "r" if snapshot != "false" else "c", None, _row(info, new, None), txid,
-                    total, order)
+                    "r" if snapshot != "false" else "c", None, row, txid, total, order)
                 continue
             if isinstance(msg, m.Relation):
                 info = catalog.apply(msg)
