@@ -60,7 +60,7 @@ from services.bridge.spool import Spool, SpoolStats, clear_spool_dir
 from services.bridge.stream import ReplicationConnection, SlotCreated, StreamError
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer
-from services.common.logs import log_event
+from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
 from services.common.pg import SourceError, connect, with_password
 
@@ -128,7 +128,7 @@ class Bridge:
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            log_event(log, logging.ERROR, _one_line(exc), error=type(exc).__name__)
+            log_event(log, logging.ERROR, one_line(exc), error=type(exc).__name__)
             return 1
         finally:
             if server is not None:
@@ -148,7 +148,7 @@ class Bridge:
     def _before_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         self.metrics.reconnects.inc()
-        self._health.error = _one_line(exc) if exc else ""
+        self._health.error = one_line(exc) if exc else ""
         sleep = state.next_action.sleep if state.next_action else 0
         log_event(log, logging.WARNING, "session ended, reconnecting",
                   error=self._health.error, attempt=state.attempt_number,
@@ -435,8 +435,3 @@ def _lag_seconds(commit_ts_us: int) -> float:
     if not commit_ts_us:
         return 0.0
     return max(0.0, time.time() - (commit_ts_us / 1_000_000 + 946_684_800))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

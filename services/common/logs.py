@@ -53,3 +53,10 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
 
 def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
     logger.log(level, msg, extra={"fields": fields})
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an error's text (drivers append hints and context lines), or its
+    type when it has no text: what a log field or a status line should carry."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 from psycopg import conninfo
 
+from services.common.logs import one_line
 from services.common.lsn import parse_lsn
 from services.common.pg import SourceError, connect
 from services.failover.facts import (
@@ -141,7 +142,7 @@ def probe_server(name: str, node: Node, *, senders: bool = False) -> Server:
                 senders=read_senders(conn) if senders and not row[0] else (),
             )
     except (SourceError, psycopg.Error) as exc:
-        return Server(name=name, reachable=False, error=_one_line(exc))
+        return Server(name=name, reachable=False, error=one_line(exc))
 
 
 def read_subscriptions(conn: Conn) -> tuple[Subscription, ...]:
@@ -159,7 +160,7 @@ def probe_subscriber(name: str, node: Node) -> SubscriberFacts:
             return SubscriberFacts(name=name, reachable=True,
                                    subscriptions=read_subscriptions(conn))
     except (SourceError, psycopg.Error) as exc:
-        return SubscriberFacts(name=name, reachable=False, error=_one_line(exc))
+        return SubscriberFacts(name=name, reachable=False, error=one_line(exc))
 
 
 def probe_cluster(settings: FailoverSettings) -> ClusterFacts:
@@ -174,8 +175,3 @@ def probe_cluster(settings: FailoverSettings) -> ClusterFacts:
             for n, s in settings.subscribers.items()
         },
     )
-
-
-def _one_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

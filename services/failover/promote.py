@@ -33,7 +33,7 @@ import psycopg
 from psycopg import conninfo, sql
 
 from services.common.failpoints import FailpointError, failpoint
-from services.common.logs import log_event
+from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn, parse_lsn
 from services.common.pg import SourceError, connect
 from services.failover.checks import Thresholds, evaluate, managed_subscriptions
@@ -188,7 +188,7 @@ class Runbook:
                 result, detail = action()
             except (PromoteError, SourceError, psycopg.Error, subprocess.SubprocessError,
                     OSError, FailpointError) as exc:
-                self._record(name, "failed", began, str(exc).strip().splitlines()[0])
+                self._record(name, "failed", began, one_line(exc))
                 self.result.error = f"step {name} failed: {exc}".strip()
                 return self.result
             self._record(name, result, began, detail)

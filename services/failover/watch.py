@@ -28,7 +28,7 @@ import psycopg
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.httpserver import HealthServer
-from services.common.logs import log_event
+from services.common.logs import log_event, one_line
 from services.common.pg import SourceError
 from services.failover.checks import Report, Thresholds, evaluate
 from services.failover.facts import ClusterFacts, Server
@@ -139,7 +139,7 @@ class Watcher:
                 conn.execute("SELECT pg_log_standby_snapshot()")
         except (SourceError, psycopg.Error) as exc:
             log_event(log, logging.WARNING, "remedy pg_log_standby_snapshot failed",
-                      error=str(exc).strip().splitlines()[0])
+                      error=one_line(exc))
             return
         self.metrics.remedies.labels("pg_log_standby_snapshot").inc()
         log_event(log, logging.INFO, "remedy: logged a standby snapshot on the primary so "

@@ -18,6 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 import click
 import psycopg
 
+from services.common.logs import one_line
 from services.stack.bootstrap import ROOT
 from services.stack.stack import Stack, StackError
 
@@ -40,8 +41,7 @@ def _one_line_errors(func: Callable[P, R]) -> Callable[P, R]:
             sys.exit(1)
         except (OSError, psycopg.Error, subprocess.SubprocessError) as exc:
             # Not foreseen by the stack code, but still the environment's fault, not a bug.
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            click.echo(f"slotbridge stack: {type(exc).__name__}: {reason}", err=True)
+            click.echo(f"slotbridge stack: {type(exc).__name__}: {one_line(exc)}", err=True)
             sys.exit(1)
     return wrapper
 
