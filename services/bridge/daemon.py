@@ -24,6 +24,7 @@ import psycopg
 from confluent_kafka import KafkaException
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential
 
+from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
 from services.bridge.coverage import SnapshotCoverage
 from services.bridge.decoder import DecodeError, PgOutputDecoder
@@ -434,4 +435,4 @@ class Bridge:
 def _lag_seconds(commit_ts_us: int) -> float:
     if not commit_ts_us:
         return 0.0
-    return max(0.0, time.time() - (commit_ts_us / 1_000_000 + 946_684_800))
+    return max(0.0, time.time() - (commit_ts_us + m.PG_EPOCH_UNIX_US) / 1_000_000)

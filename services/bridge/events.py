@@ -22,8 +22,7 @@ from services.bridge.records import CONNECTOR, UNCHANGED_TOAST
 from services.bridge.values import TYPE_NAMES, JsonValue, converter_for
 
 VERSION = "0.1.0"
-# Seconds between the Unix epoch and PostgreSQL's (2000-01-01).
-_PG_EPOCH_MS = 946_684_800_000
+_PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 # JSONEncoder.encode builds a new C encoder (and a circular-reference dict) on every

@@ -37,7 +37,7 @@ from services.bridge.coverage import TableName
 from services.bridge.events import EventBuilder
 from services.bridge.sink import KafkaSink
 from services.bridge.source import published_tables
-from services.bridge.stream import SESSION_OPTIONS, ReplicationConnection
+from services.bridge.stream import SESSION_OPTIONS, ReplicationConnection, now_pg_us
 from services.common.logs import log_event
 from services.common.lsn import format_lsn
 from services.common.pg import SourceError, connect
@@ -120,7 +120,7 @@ def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_poi
             relation, heap = _relation(conn, schema, table)
             progress.table(f"{schema}.{table}", consistent_point, heap.rows)
             for topic, key, value in builder.transaction(
-                    0, position, _now_pg_us(), _rows(conn, relation, heap, progress),
+                    0, position, now_pg_us(), _rows(conn, relation, heap, progress),
                     snapshot="true"):
                 if topic == builder.transaction_topic:
                     continue  # a snapshot is not a source transaction
@@ -256,7 +256,3 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, he
                           "role, or remove the table from the publication") from None
     progress.rows(name, done, done, finished=True)
     log_event(log, logging.INFO, "snapshot table read", table=name, rows=done)
-
-
-def _now_pg_us() -> int:
-    return int(time.time() * 1_000_000) - 946_684_800_000_000

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 from psycopg import conninfo, pq
 
+from services.bridge import messages as m
 from services.common.lsn import format_lsn, parse_lsn
 from services.common.pg import redact_dsn
 
 _XLOGDATA = struct.Struct("!QQQ")  # dataStart, walEnd, sendTime
 _KEEPALIVE = struct.Struct("!QQB")  # walEnd, sendTime, replyRequested
 _STATUS = struct.Struct("!cQQQQB")
-_PG_EPOCH_US = 946_684_800_000_000
-
 # Session settings that make text output canonical for the value converters.
 SESSION_OPTIONS = (
     "-c DateStyle=ISO -c IntervalStyle=iso_8601 -c TimeZone=UTC -c extra_float_digits=3"
@@ -49,8 +48,9 @@ class SlotCreated:
     snapshot_name: str | None
 
 
-def _now_us() -> int:
-    return int(time.time() * 1_000_000) - _PG_EPOCH_US
+def now_pg_us() -> int:
+    """Now, as pgoutput and standby status messages count time."""
+    return int(time.time() * 1_000_000) - m.PG_EPOCH_UNIX_US
 
 
 class ReplicationConnection:
@@ -154,7 +154,7 @@ class ReplicationConnection:
                 yield "k", end, 0, bool(reply)
 
     def send_status(self, written: int, flushed: int, reply: bool = False) -> None:
-        msg = _STATUS.pack(b"r", written, flushed, flushed, _now_us(), 1 if reply else 0)
+        msg = _STATUS.pack(b"r", written, flushed, flushed, now_pg_us(), 1 if reply else 0)
         if self.conn.put_copy_data(msg) != 1:
             raise StreamError(f"cannot send status update: {self._error()}")
         deadline = time.monotonic() + 10
