@@ -28,7 +28,13 @@ from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
 from services.bridge.coverage import SnapshotCoverage
 from services.bridge.decoder import DecodeError, PgOutputDecoder
-from services.bridge.events import EventBuilder, KnownVersion, RelationCatalog, RowTooLarge
+from services.bridge.events import (
+    EventBuilder,
+    KnownVersion,
+    RelationCatalog,
+    RowTooLarge,
+    known_versions,
+)
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
     ConfirmTracker,
@@ -343,19 +349,9 @@ class Bridge:
 
     def _known_versions(self, schema_topic: str) -> dict[tuple[str, str], KnownVersion]:
         """Table versions already announced, so a restart reuses instead of re-minting."""
-        known: dict[tuple[str, str], KnownVersion] = {}
-        for _key, value in read_topic(kafka_client_config(self.settings), schema_topic):
-            if value is None:
-                continue
-            rec = json.loads(value)
-            ident = rec["replica_identity"]
-            fingerprint = (ident, *(
-                (c["name"], c["type_oid"], c["type_modifier"], ident == "f" or c["key"])
-                for c in rec["columns"]))
-            name = (rec["schema"], rec["table"])
-            if name not in known or known[name].version < rec["version"]:
-                known[name] = KnownVersion(rec["version"], fingerprint)
-        return known
+        return known_versions(json.loads(value) for _key, value in
+                              read_topic(kafka_client_config(self.settings), schema_topic)
+                              if value is not None)
 
     def _loop(self, sql: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
               assembler: Assembler, queue: TxnQueue, publisher: Publisher,

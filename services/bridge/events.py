@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,7 @@ class RelationCatalog:
     by_oid: dict[int, RelationInfo] = field(default_factory=dict)
 
     def apply(self, rel: m.Relation) -> RelationInfo:
-        fingerprint = (rel.replica_identity, *(
+        fingerprint = _fingerprint(rel.replica_identity, (
             (c.name, c.type_oid, c.type_modifier, c.is_key) for c in rel.columns))
         name = (rel.namespace, rel.name)
         known = self.known.get(name)
@@ -150,6 +150,30 @@ class RelationCatalog:
             names=names, converters=tuple(converter_for(c.type_oid) for c in rel.columns),
             key_idx=key_idx, replica_identity=rel.replica_identity, schema_record=record,
         )
+
+
+def _fingerprint(identity: str,
+                 columns: Iterable[tuple[str, int, int, bool]]) -> tuple[Any, ...]:
+    """What makes a table version: its replica identity and (name, type, typmod, key flag)
+    per column, as a Relation message gives them."""
+    return (identity, *columns)
+
+
+def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, str],
+                                                                     KnownVersion]:
+    """The newest version per table among schema records (``RelationCatalog.known``)."""
+    known: dict[tuple[str, str], KnownVersion] = {}
+    for rec in schema_records:
+        ident = rec["replica_identity"]
+        # A Relation message flags every column as key under REPLICA IDENTITY FULL; the
+        # record flags the primary key instead.
+        fingerprint = _fingerprint(ident, (
+            (c["name"], c["type_oid"], c["type_modifier"], ident == "f" or c["key"])
+            for c in rec["columns"]))
+        name = (rec["schema"], rec["table"])
+        if name not in known or known[name].version < rec["version"]:
+            known[name] = KnownVersion(rec["version"], fingerprint)
+    return known
 
 
 # One output record: topic, key bytes (or None), value bytes (or None for a tombstone).
