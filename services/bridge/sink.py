@@ -3,6 +3,10 @@
 The ``transactional.id`` is derived from the slot, so a second bridge on the same slot
 fences the first (its next commit fails with a fatal error and it stops). Keys are
 partitioned Java-compatibly (murmur2) so Kafka Streams/Connect consumers co-partition.
+
+What Kafka acknowledged must be in the log, or exactly-once is a claim, not a fact: every
+broker before 4.5 can lose a producer's first request to a partition (KAFKA-15591), so the
+first record to each partition is sent alone (``FirstWrites``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
+from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
 from services.common.logs import log_event
 
@@ -41,11 +46,56 @@ def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
 
 
 def _explain(err: KafkaError | KafkaException | BaseException) -> str:
+    # confluent-kafka raises SystemError ("<function ...> returned a result with an exception
+    # set") when a callback runs while a fatal error is pending; the real error is its cause.
+    while isinstance(err, SystemError) and (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
     if isinstance(err, KafkaException):
         err = err.args[0]
     if isinstance(err, KafkaError):
         return f"{err.name()}: {err.str()}"
     return str(err)
+
+
+class FirstWrites:
+    """Which partitions this producer has written: the guard against KAFKA-15591.
+
+    A broker that holds no state for a producer on a partition accepts any first sequence
+    from it. When the producer's first request there fails retriably (NOT_LEADER_OR_FOLLOWER
+    while the broker applies the partition's creation) and a later request is already in
+    flight, the later one is stored and the first, retried, is taken for a duplicate: its
+    records are gone and nobody hears of it. So until a partition has been written once,
+    its first record goes alone and nothing follows it there before the broker acknowledged
+    it. "Written" means by this producer session: a topic that exists but that this producer
+    id never wrote is as new as a created one. The broker forgets an idle producer after
+    ``producer.id.expiration.ms`` (one day by default); proofs older than ``renew_s`` are
+    dropped at a transaction's start, so a partition idle that long is treated as new again.
+    """
+
+    def __init__(self, renew_s: float = 3600.0) -> None:
+        self.settled: set[str] = set()  # topics whose every partition is written
+        self._written: dict[str, set[int]] = {}
+        self._renew_s = renew_s
+        self._since = time.monotonic()
+
+    def is_new(self, topic: str, partition: int) -> bool:
+        return partition not in self._written.get(topic, ())
+
+    def written(self, topic: str, partition: int, partitions: int) -> None:
+        done = self._written.setdefault(topic, set())
+        done.add(partition)
+        if len(done) >= partitions:
+            self.settled.add(topic)
+
+    def forget(self) -> None:
+        """After an abort, or a new producer id or epoch, nothing is proven any more."""
+        self.settled.clear()
+        self._written.clear()
+        self._since = time.monotonic()
+
+    def renew_if_old(self) -> None:
+        if time.monotonic() - self._since > self._renew_s:
+            self.forget()
 
 
 class KafkaSink:
@@ -74,6 +124,8 @@ class KafkaSink:
             "delivery.report.only.error": True,
         })
         self._known_topics: set[str] = set()
+        self._partitions: dict[str, int] = {}  # partition count per topic
+        self._first = FirstWrites()
         self._failure: KafkaError | None = None
         self._in_txn = False
         self._began = 0.0  # monotonic time the open transaction began
@@ -85,11 +137,26 @@ class KafkaSink:
         except KafkaException as exc:
             raise SinkError(f"cannot start Kafka transactions at {self._settings.kafka_bootstrap}:"
                             f" {_explain(exc)}") from None
-        self._known_topics |= set(self._admin.list_topics(timeout=timeout_s).topics)
+        self._learn(self._admin.list_topics(timeout=timeout_s).topics)
 
     @property
     def known_topics(self) -> set[str]:
         return self._known_topics
+
+    def _learn(self, topics: dict[str, Any]) -> None:
+        for name, meta in topics.items():
+            if meta.error is None and meta.partitions:
+                self._known_topics.add(name)
+                self._partitions[name] = len(meta.partitions)
+
+    def _partition_count(self, topic: str) -> int:
+        count = self._partitions.get(topic)
+        if count is None:
+            self._learn(self._admin.list_topics(topic, timeout=30).topics)
+            count = self._partitions.get(topic)
+            if count is None:
+                raise SinkError(f"topic {topic} has no partitions; check the Kafka brokers")
+        return count
 
     def ensure_topics(self, topics: dict[str, bool]) -> None:
         """Create the given topics (name -> compacted) that do not exist yet."""
@@ -110,16 +177,17 @@ class KafkaSink:
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise SinkError(f"cannot create topic {topic}: {_explain(exc)}") from None
         self._wait_for_leaders(list(missing))
-        self._known_topics |= set(missing)
 
     def _wait_for_leaders(self, topics: list[str], timeout_s: float = 30.0) -> None:
         # A new topic answers "not leader" until its partitions have one; reading or
-        # writing it before then fails for no reason an operator should see.
+        # writing it before then fails for no reason an operator should see. (A leader in
+        # the metadata does not mean the broker is ready to write: see FirstWrites.)
         deadline = time.monotonic() + timeout_s
         while True:
             meta = self._admin.list_topics(timeout=timeout_s).topics
             if all(t in meta and meta[t].partitions
                    and all(p.leader >= 0 for p in meta[t].partitions.values()) for t in topics):
+                self._learn({t: meta[t] for t in topics})
                 return
             if time.monotonic() > deadline:
                 raise SinkError(f"topics {', '.join(topics)} have no partition leader after "
@@ -128,6 +196,7 @@ class KafkaSink:
 
     def begin(self) -> None:
         self._failure = None
+        self._first.renew_if_old()
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
@@ -139,29 +208,45 @@ class KafkaSink:
         if self._failure is not None:
             raise self._classify(self._failure, "Kafka delivery failed: ")
         try:
-            while True:
-                try:
-                    self._producer.produce(topic, value=value, key=key)
-                    return
-                except BufferError:
-                    # The local queue is full: let librdkafka send, then try again.
-                    self._producer.poll(0.05)
+            if topic in self._first.settled:
+                self._send(topic, key, value, -1)  # librdkafka's murmur2 partitioner
+                return
+            partitions = self._partition_count(topic)
+            partition = partition_for(key, partitions)
+            first = self._first.is_new(topic, partition)
+            self._send(topic, key, value, partition)
+            if first:
+                self._deliver_all()  # alone in flight to its partition until acknowledged
+                self._first.written(topic, partition, partitions)
         except (KafkaException, SystemError) as exc:
             # SystemError: confluent-kafka raises it when it serves a delivery report
             # while a fatal producer error is pending.
             raise self._classify(exc) from None
 
+    def _send(self, topic: str, key: bytes | None, value: bytes | None, partition: int) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, partition=partition)
+                return
+            except BufferError:
+                # The local queue is full: let librdkafka send, then try again.
+                self._producer.poll(0.05)
+
+    def _deliver_all(self) -> None:
+        """Wait until every record produced so far is acknowledged, or raise."""
+        undelivered = self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)
+        if self._failure is not None:
+            raise self._classify(self._failure, "Kafka delivery failed: ")
+        if undelivered:
+            # Never commit a transaction we cannot prove whole.
+            raise SinkError(f"{undelivered} records of this transaction were not delivered "
+                            "in time; aborting it")
+
     def commit(self) -> float:
         """Commit the open transaction; returns the seconds it took."""
         started = time.monotonic()
         try:
-            undelivered = self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)
-            if self._failure is not None:
-                raise self._classify(self._failure, "Kafka delivery failed: ")
-            if undelivered:
-                # Never commit a transaction we cannot prove whole.
-                raise SinkError(f"{undelivered} records of this transaction were not delivered "
-                                "in time; aborting it")
+            self._deliver_all()
             self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
         except (KafkaException, SystemError) as exc:
             raise self._classify(exc) from None
@@ -173,6 +258,8 @@ class KafkaSink:
         if not self._in_txn:
             return
         self._in_txn = False
+        # An aborted first write may never have reached its partition: prove them again.
+        self._first.forget()
         try:
             self._producer.abort_transaction(10)
         except KafkaException as exc:

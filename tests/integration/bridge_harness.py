@@ -21,6 +21,8 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from services.stack.kafka import Kafka
+from services.stack.kafka_audit import AuditReport, audit, open_transaction_from
 from services.stack.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,26 +54,33 @@ class Record:
     offset: int
 
 
-def read_topics(bootstrap: str, topics: list[str], timeout: float = 20.0) -> list[Record]:
+def read_topics(kafka: Kafka, topics: list[str], timeout: float = 20.0) -> list[Record]:
     """Everything committed (read_committed) on the topics, in partition order.
 
-    Kafka answers a transaction's commit before it has written the commit markers into
-    the partitions, so for a moment a reader stops short of the newest committed records.
-    A read that ended below a partition's high watermark is therefore read again.
+    A read_committed reader stops at the last stable offset: below the high watermark
+    only while a Kafka transaction there has no COMMIT/ABORT marker yet (the broker writes
+    markers just after answering the commit). A short read is read again only while the
+    broker's log shows such an open transaction past where it stopped; anything else is a
+    missing record and fails.
     """
     deadline = time.monotonic() + timeout
     while True:
-        records, behind = _read_once(bootstrap, topics, timeout)
+        records, behind = _read_once(kafka.bootstrap, topics, timeout)
         if not behind:
             return records
+        unexplained = [(t, p, end) for t, p, end in behind
+                       if not open_transaction_from(kafka, t, p, end)]
+        if unexplained:
+            raise AssertionError(f"read_committed stopped below the high watermark at "
+                                 f"{unexplained} with no open transaction in the log")
         if time.monotonic() > deadline:
-            raise AssertionError(f"{behind} still hold records past the last stable offset "
-                                 f"after {timeout}s: a Kafka transaction is open")
+            raise AssertionError(f"{behind} still hold records of open Kafka transactions "
+                                 f"after {timeout}s")
         time.sleep(0.3)
 
 
 def _read_once(bootstrap: str, topics: list[str],
-               timeout: float) -> tuple[list[Record], list[tuple[str, int]]]:
+               timeout: float) -> tuple[list[Record], list[tuple[str, int, int]]]:
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{uuid.uuid4()}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
                          "enable.partition.eof": True})
@@ -101,7 +110,7 @@ def _read_once(bootstrap: str, topics: list[str],
             out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset()))
         if pending:
             raise AssertionError(f"did not reach the end of {sorted(pending)} in {timeout}s")
-        behind = [tp for tp, end in ends.items()
+        behind = [(*tp, end) for tp, end in ends.items()
                   if end < consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1]]
         return out, behind
     finally:
@@ -208,15 +217,30 @@ class Pipeline:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def published_end_lsn(self) -> int:
-        records = read_topics(self.stack.kafka_bootstrap, [self.progress_topic], timeout=30)
+        records = read_topics(self.stack.kafka, [self.progress_topic], timeout=30)
         mine = [r.value for r in records if r.key == {"slot": self.name}]
         return max((v["end_lsn"] for v in mine if v), default=0)
 
     def wait_caught_up(self, timeout: float = 120) -> None:
-        """Until Kafka's progress record covers everything the source has written now."""
+        """Until the bridge has published everything the source has written now.
+
+        The slot's confirmed position alone says too little: a new slot starts confirmed at
+        its consistent point, before the initial snapshot is in Kafka. The bridge confirms
+        only what Kafka holds, and advances its replication origin right after each Kafka
+        commit (the snapshot's first), so: origin moved (unless no snapshot is taken) and
+        slot confirmed up to now.
+        """
         target = _lsn(sql(self.stack.primary_dsn, "SELECT pg_current_wal_insert_lsn()::text")[0][0])
-        wait_for(lambda: self._confirmed() >= target, timeout,
-                 f"slot {self.name} to confirm {target:X}\n{self.output()[-3000:]}")
+        snapshot = self.env().get("SLOTBRIDGE_SNAPSHOT_MODE", "initial") != "never"
+        wait_for(lambda: self._confirmed() >= target and (not snapshot or self._origin() > 0),
+                 timeout, f"slot {self.name} to confirm {target:X} after its snapshot\n"
+                 f"{self.output()[-3000:]}")
+
+    def _origin(self) -> int:
+        rows = sql(self.stack.primary_dsn, "SELECT pg_replication_origin_progress(roname, true)"
+                   "::text FROM pg_replication_origin WHERE roname = %s",
+                   (f"slotbridge_{self.name}",))
+        return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
     def _confirmed(self) -> int:
         if self.proc is not None and self.proc.poll() is not None:
@@ -227,8 +251,16 @@ class Pipeline:
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
     def changes(self, table: str) -> list[Record]:
-        return [r for r in read_topics(self.stack.kafka_bootstrap, [self.topic(table)])
+        return [r for r in read_topics(self.stack.kafka, [self.topic(table)])
                 if r.value is not None]
+
+    def audit(self) -> AuditReport:
+        """The broker-log audit of everything this pipeline's bridges wrote; fails on any
+        gap, loss, duplicate or open transaction. Call it with no bridge running."""
+        report = audit(self.stack.kafka, self.prefix, [self.progress_topic])
+        print(f"\n{self.name} {report.summary()}")
+        report.assert_clean()
+        return report
 
     def cleanup(self) -> None:
         self.kill()

@@ -80,7 +80,7 @@ def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_types_and_dml_kinds(published: Pipeline) -> None:
-    records = read_topics(published.stack.kafka_bootstrap, [published.topic("rec.everything")])
+    records = read_topics(published.stack.kafka, [published.topic("rec.everything")])
     ops = [(r.value["op"] if r.value else None) for r in records]
     # insert, update, key change (delete + tombstone of the old key, then the update), delete
     assert ops == ["c", "u", "d", None, "u", "d", None]
@@ -125,7 +125,7 @@ def test_every_record_validates_against_schemas(published: Pipeline) -> None:
     topics[f"{published.prefix}.transaction"] = "transaction"
     topics[f"{published.prefix}.schema"] = "table_schema"
     topics[published.progress_topic] = "progress"
-    records = read_topics(published.stack.kafka_bootstrap, list(topics))
+    records = read_topics(published.stack.kafka, list(topics))
     checked = 0
     for r in records:
         if r.value is None:
@@ -138,7 +138,7 @@ def test_every_record_validates_against_schemas(published: Pipeline) -> None:
 
 
 def test_schema_topic_describes_columns(published: Pipeline) -> None:
-    records = read_topics(published.stack.kafka_bootstrap, [f"{published.prefix}.schema"])
+    records = read_topics(published.stack.kafka, [f"{published.prefix}.schema"])
     everything = [r.value for r in records if r.value["table"] == "everything"]
     assert len(everything) == 1
     cols = {c["name"]: c for c in everything[0]["columns"]}

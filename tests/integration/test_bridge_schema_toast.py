@@ -55,7 +55,7 @@ def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
             ({"id": 3, "a": 30, "c": "3.5"}, 3),
             ({"id": 4, "a": 40000000000, "c": "4.5"}, 4),
         ]
-        schema_records = [r.value for r in read_topics(stack.kafka_bootstrap,
+        schema_records = [r.value for r in read_topics(stack.kafka,
                                                        [f"{pipe.prefix}.schema"])
                           if r.value["table"] == "shape"]
         assert [s["version"] for s in schema_records] == [1, 2, 3, 4]

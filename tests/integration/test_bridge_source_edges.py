@@ -145,6 +145,6 @@ def test_huge_row_stops_the_bridge_and_confirms_nothing_of_it(stack: Stack, sche
                          "pg_replication_slots WHERE slot_name = %s", (pipe.name,))[0][0])
         commit = _lsn(sql(stack.primary_dsn, "SELECT pg_current_wal_lsn()::text")[0][0])
         assert before <= after < commit
-        assert read_topics(stack.kafka_bootstrap, [pipe.progress_topic])
+        assert read_topics(stack.kafka, [pipe.progress_topic])
     finally:
         pipe.cleanup()

@@ -37,7 +37,7 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
             sink.commit()
     finally:
         sink.close()  # aborts
-    assert read_topics(stack.kafka_bootstrap, [name]) == []  # nothing of it is visible
+    assert read_topics(stack.kafka, [name]) == []  # nothing of it is visible
 
 
 def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
@@ -60,4 +60,4 @@ def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
         assert not isinstance(caught.value, FencedError)
     finally:
         sink.close()
-    assert read_topics(stack.kafka_bootstrap, [name]) == []
+    assert read_topics(stack.kafka, [name]) == []

@@ -1,0 +1,312 @@
+"""What the broker's own log holds, checked against the bridge's exactly-once promise.
+
+Test and bench tooling. A consumer shows what it happened to read; the log segments show
+what the broker stored. KAFKA-15591 lost records that a consumer-side check "explained"
+as a read race, so every exactly-once test ends here:
+
+- Kafka's ``DumpLogSegments`` (from the jar cache, on the segment files) gives every
+  batch's producer id, epoch and sequences and every COMMIT/ABORT marker;
+- a read_uncommitted consumer gives the records themselves, matched by offset;
+- then, per partition and producer (id, epoch): sequences start at 0 and are contiguous;
+  per producer id: each data record belongs to a committed, aborted or still open Kafka
+  transaction; across topics: every source transaction's END record is committed once,
+  with its BEGIN, and the change records (and logical messages) committed for it are
+  exactly its ``event_count``, none twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from services.stack.kafka import Kafka
+
+_PARTITION_DIR = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
+_FIELD = re.compile(r"(\w+): (\S+)")
+
+
+@dataclass
+class Batch:
+    base_offset: int
+    last_offset: int
+    count: int
+    base_sequence: int
+    last_sequence: int
+    producer_id: int
+    epoch: int
+    transactional: bool
+    control: bool
+    marker: str = ""  # COMMIT or ABORT, for a control batch
+
+
+@dataclass
+class Partition:
+    topic: str
+    partition: int
+    log_start: int = 0
+    batches: list[Batch] = field(default_factory=list)
+
+
+@dataclass
+class AuditReport:
+    partitions: int = 0
+    batches: int = 0
+    committed: int = 0
+    aborted: int = 0
+    open: int = 0
+    source_transactions: int = 0
+    change_records: int = 0
+    snapshot_records: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"audit: {self.partitions} partitions, {self.batches} batches, records "
+                f"committed={self.committed} aborted={self.aborted} open={self.open}; source "
+                f"transactions={self.source_transactions}, change records="
+                f"{self.change_records}, snapshot records={self.snapshot_records}; "
+                f"problems={len(self.problems)}")
+
+    def assert_clean(self) -> None:
+        if self.problems:
+            shown = "\n".join(self.problems[:40])
+            more = len(self.problems) - 40
+            raise AssertionError(f"{self.summary()}\n{shown}"
+                                 + (f"\n... and {more} more" if more > 0 else ""))
+
+
+def partition_dirs(data_dir: Path, topics: Iterable[str]) -> list[tuple[str, int, Path]]:
+    """The live partition folders of ``topics`` (a deleted topic's folder is renamed)."""
+    wanted = set(topics)
+    found = []
+    for path in data_dir.iterdir():
+        match = _PARTITION_DIR.match(path.name)
+        if match and match["topic"] in wanted and path.is_dir():
+            found.append((match["topic"], int(match["partition"]), path))
+    return sorted(found)
+
+
+def topics_with_prefix(data_dir: Path, prefix: str) -> list[str]:
+    names = {m["topic"] for p in data_dir.iterdir()
+             if (m := _PARTITION_DIR.match(p.name)) and m["topic"].startswith(prefix + ".")}
+    return sorted(names)
+
+
+def dump_segments(jars: Path, dirs: list[tuple[str, int, Path]]) -> list[Partition]:
+    """Batches and markers of every segment, through Kafka's own DumpLogSegments."""
+    by_file: dict[str, Partition] = {}
+    started: set[int] = set()
+    files = []
+    for topic, number, path in dirs:
+        part = Partition(topic, number)
+        for segment in sorted(path.glob("*.log")):
+            by_file[str(segment)] = part
+            files.append(str(segment))
+    if not files:
+        return []
+    proc = subprocess.run(
+        ["java", "-cp", f"{jars}/*", "kafka.tools.DumpLogSegments", "--deep-iteration",
+         "--files", ",".join(files)], capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"DumpLogSegments failed: {proc.stderr[-2000:]}")
+    current: Partition | None = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("Dumping "):
+            current = by_file[line[len("Dumping "):].strip()]
+        elif line.startswith("Log starting offset: ") and current is not None:
+            # Segments come oldest first: the first one's base offset is where the log
+            # starts (above 0 once retention or compaction removed older segments).
+            if id(current) not in started:
+                current.log_start = int(line.rsplit(" ", 1)[1])
+                started.add(id(current))
+        elif line.startswith("baseOffset: ") and current is not None:
+            f = dict(_FIELD.findall(line))
+            current.batches.append(Batch(
+                int(f["baseOffset"]), int(f["lastOffset"]), int(f["count"]),
+                int(f["baseSequence"]), int(f["lastSequence"]), int(f["producerId"]),
+                int(f["producerEpoch"]), f["isTransactional"] == "true",
+                f["isControl"] == "true"))
+        elif "endTxnMarker: " in line and current is not None and current.batches:
+            current.batches[-1].marker = line.split("endTxnMarker: ", 1)[1].split()[0]
+        elif line.startswith(("Found ", "Exception")):
+            raise AssertionError(f"DumpLogSegments: {line}")
+    return list({id(p): p for p in by_file.values()}.values())
+
+
+def read_records(bootstrap: str, parts: list[Partition],
+                 timeout_s: float = 120.0) -> dict[tuple[str, int, int], tuple[Any, Any]]:
+    """(topic, partition, offset) -> (key, value) of every data record, aborted included
+    (values parsed as JSON: the bridge writes nothing else)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4()}",
+                         "isolation.level": "read_uncommitted", "enable.auto.commit": False,
+                         "enable.partition.eof": True, "log_level": 0})
+    out: dict[tuple[str, int, int], tuple[Any, Any]] = {}
+    try:
+        assign = [TopicPartition(p.topic, p.partition, p.log_start) for p in parts
+                  if any(not b.control for b in p.batches)]
+        if not assign:
+            return out
+        consumer.assign(assign)
+        pending = {(tp.topic, tp.partition) for tp in assign}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"audit read did not reach the end of {sorted(pending)}")
+            for msg in consumer.consume(10_000, 0.5):
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        pending.discard((msg.topic(), msg.partition()))
+                        continue
+                    raise AssertionError(f"audit read: {error}")
+                key, value = msg.key(), msg.value()
+                out[(str(msg.topic()), int(msg.partition() or 0), int(msg.offset() or 0))] = (
+                    json.loads(key) if key else None,
+                    json.loads(value) if value is not None else None)
+    finally:
+        consumer.close()
+    return out
+
+
+def check_sequences(part: Partition, report: AuditReport) -> None:
+    """Per producer (id, epoch): the first batch starts at 0, each next one follows on."""
+    last: dict[tuple[int, int], int] = {}
+    where = f"{part.topic}-{part.partition}"
+    for b in part.batches:
+        if b.control or b.producer_id < 0:
+            continue
+        if b.last_sequence - b.base_sequence + 1 != b.count:
+            report.problems.append(f"{where} offset {b.base_offset}: {b.count} records but "
+                                   f"sequences {b.base_sequence}..{b.last_sequence}")
+        producer = (b.producer_id, b.epoch)
+        expected = last.get(producer)
+        if expected is None:
+            if b.base_sequence != 0 and part.log_start == 0:
+                report.problems.append(
+                    f"{where}: producer {b.producer_id} epoch {b.epoch} starts at sequence "
+                    f"{b.base_sequence} (offset {b.base_offset}); sequences 0.."
+                    f"{b.base_sequence - 1} were acknowledged but never stored")
+        elif b.base_sequence != expected + 1:
+            report.problems.append(
+                f"{where}: producer {b.producer_id} epoch {b.epoch} jumps from sequence "
+                f"{expected} to {b.base_sequence} at offset {b.base_offset}")
+        last[producer] = b.last_sequence
+
+
+def transaction_outcomes(part: Partition) -> dict[int, str]:
+    """Offset -> committed / aborted / open for every data record of the partition."""
+    outcome: dict[int, str] = {}
+    waiting: dict[int, list[int]] = defaultdict(list)  # producer id -> offsets in its txn
+    for b in part.batches:
+        offsets = list(range(b.base_offset, b.last_offset + 1))
+        if b.control:
+            verdict = "committed" if b.marker == "COMMIT" else "aborted"
+            for offset in waiting.pop(b.producer_id, []):
+                outcome[offset] = verdict
+        elif b.transactional:
+            waiting[b.producer_id].extend(offsets)
+        else:
+            outcome.update(dict.fromkeys(offsets, "committed"))
+    for offsets in waiting.values():
+        outcome.update(dict.fromkeys(offsets, "open"))
+    return outcome
+
+
+def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport,
+                                                              list[tuple[str, Any]]]:
+    """The log-level checks over ``topics``; also returns the committed (topic, value)s.
+    Run it while nobody writes them: an open transaction is reported."""
+    parts = dump_segments(kafka.jars, partition_dirs(kafka.data_dir, topics))
+    contents = read_records(kafka.bootstrap, parts)
+    report = AuditReport(partitions=len(parts))
+    committed: list[tuple[str, Any]] = []
+    for part in parts:
+        report.batches += len(part.batches)
+        check_sequences(part, report)
+        for offset, verdict in sorted(transaction_outcomes(part).items()):
+            setattr(report, verdict, getattr(report, verdict) + 1)
+            record = contents.get((part.topic, part.partition, offset))
+            if record is None:
+                report.problems.append(f"{part.topic}-{part.partition} offset {offset}: in "
+                                       "the log but not readable")
+            elif verdict == "committed":
+                committed.append((part.topic, record[1]))
+    if report.open:
+        report.problems.append(f"{report.open} records are in Kafka transactions still open")
+    return report, committed
+
+
+def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditReport:
+    """Everything a bridge with topic prefix ``prefix`` wrote (``{prefix}.*`` and
+    ``extra_topics``, i.e. its progress topic): the log-level checks, then the source
+    transactions against their END records."""
+    report, committed = audit_topics(
+        kafka, [*topics_with_prefix(kafka.data_dir, prefix), *extra_topics])
+    _check_source_transactions(prefix, committed, report)
+    return report
+
+
+def open_transaction_from(kafka: Kafka, topic: str, partition: int, offset: int) -> bool:
+    """Whether the partition's log, from ``offset`` on, holds data of a Kafka transaction
+    with no marker yet: the one reason a read_committed reader may stop below the high
+    watermark."""
+    [part] = dump_segments(kafka.jars, partition_dirs(kafka.data_dir, [topic])[partition:
+                                                                              partition + 1])
+    outcomes = transaction_outcomes(part)
+    return any(verdict == "open" for at, verdict in outcomes.items() if at >= offset)
+
+
+def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
+                               report: AuditReport) -> None:
+    transaction_topic, message_topic = f"{prefix}.transaction", f"{prefix}.message"
+    ends: Counter[str] = Counter()
+    begins: set[str] = set()
+    expected: dict[str, int] = {}
+    # Per source transaction, its events: ("change", total_order) or ("message", lsn). A
+    # key-changing update is two records (delete, update) of one event.
+    events: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    seen: Counter[tuple[str, str, int, str, str]] = Counter()
+    for topic, value in committed:
+        if value is None or topic == f"{prefix}.schema" or not topic.startswith(prefix + "."):
+            continue  # tombstones, table versions, the progress topic
+        if topic == transaction_topic:
+            if value["status"] == "END":
+                ends[value["id"]] += 1
+                expected[value["id"]] = value["event_count"]
+            else:
+                begins.add(value["id"])
+        elif topic == message_topic:
+            events[f"{value['txId']}:{value['commit_lsn']}"].add(("message", value["lsn"]))
+        elif value["source"]["snapshot"] != "false":
+            report.snapshot_records += 1
+        else:
+            report.change_records += 1
+            txn = value["transaction"]
+            events[txn["id"]].add(("change", txn["total_order"]))
+            seen[(txn["id"], topic, txn["total_order"], value["op"],
+                  json.dumps(value["after"] or value["before"], sort_keys=True))] += 1
+    report.source_transactions = len(ends)
+    for txid, count in ends.items():
+        if count > 1:
+            report.problems.append(f"source transaction {txid}: END committed {count} times")
+        if txid not in begins:
+            report.problems.append(f"source transaction {txid}: END without BEGIN")
+        held = len(events.get(txid, ()))
+        if held != expected[txid]:
+            report.problems.append(f"source transaction {txid}: END counts "
+                                   f"{expected[txid]} events, the log holds {held}")
+    for txid in events.keys() - ends.keys():
+        report.problems.append(f"source transaction {txid}: changes committed without its END")
+    for (txid, topic, order, op, _row), count in seen.items():
+        if count > 1:
+            report.problems.append(f"{topic}: change {order} ({op}) of source transaction "
+                                   f"{txid} committed {count} times")
