@@ -209,28 +209,24 @@ class KafkaSink:
             raise self._classify(self._failure, "Kafka delivery failed: ")
         try:
             if topic in self._first.settled:
-                self._send(topic, key, value, -1)  # librdkafka's murmur2 partitioner
-                return
-            partitions = self._partition_count(topic)
-            partition = partition_for(key, partitions)
-            first = self._first.is_new(topic, partition)
-            self._send(topic, key, value, partition)
+                partition, first = -1, False  # librdkafka's murmur2 partitioner
+            else:
+                partition = partition_for(key, self._partition_count(topic))
+                first = self._first.is_new(topic, partition)
+            while True:
+                try:
+                    self._producer.produce(topic, value=value, key=key, partition=partition)
+                    break
+                except BufferError:
+                    # The local queue is full: let librdkafka send, then try again.
+                    self._producer.poll(0.05)
             if first:
                 self._deliver_all()  # alone in flight to its partition until acknowledged
-                self._first.written(topic, partition, partitions)
+                self._first.written(topic, partition, self._partitions[topic])
         except (KafkaException, SystemError) as exc:
             # SystemError: confluent-kafka raises it when it serves a delivery report
             # while a fatal producer error is pending.
             raise self._classify(exc) from None
-
-    def _send(self, topic: str, key: bytes | None, value: bytes | None, partition: int) -> None:
-        while True:
-            try:
-                self._producer.produce(topic, value=value, key=key, partition=partition)
-                return
-            except BufferError:
-                # The local queue is full: let librdkafka send, then try again.
-                self._producer.poll(0.05)
 
     def _deliver_all(self) -> None:
         """Wait until every record produced so far is acknowledged, or raise."""

@@ -249,9 +249,11 @@ def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditR
     """Everything a bridge with topic prefix ``prefix`` wrote (``{prefix}.*`` and
     ``extra_topics``, i.e. its progress topic): the log-level checks, then the source
     transactions against their END records."""
+    internal = {*extra_topics, f"{prefix}.schema"}
     report, committed = audit_topics(
-        kafka, [*topics_with_prefix(kafka.data_dir, prefix), *extra_topics])
-    _check_source_transactions(prefix, committed, report)
+        kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal}))
+    _check_source_transactions(prefix, [(t, v) for t, v in committed if t not in internal],
+                               report)
     return report
 
 
@@ -276,8 +278,8 @@ def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
     events: dict[str, set[tuple[str, int]]] = defaultdict(set)
     seen: Counter[tuple[str, str, int, str, str]] = Counter()
     for topic, value in committed:
-        if value is None or topic == f"{prefix}.schema" or not topic.startswith(prefix + "."):
-            continue  # tombstones, table versions, the progress topic
+        if value is None:
+            continue  # a tombstone
         if topic == transaction_topic:
             if value["status"] == "END":
                 ends[value["id"]] += 1

@@ -9,92 +9,36 @@ log id exactly once.
 from __future__ import annotations
 
 import random
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from services.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, sql
+from tests.integration.bridge_harness import CounterWorkload, Pipeline
 
 SCHEMA = "crash"
-KEYS = 8
 FAILPOINTS = ["after_produce", "before_kafka_commit", "after_kafka_commit",
               "after_origin_advance", "after_slot_confirm"]
 
 
-class Workload(threading.Thread):
-    """Small transactions against the primary until stopped; counts what committed."""
-
-    def __init__(self, dsn: str) -> None:
-        super().__init__(daemon=True)
-        self.dsn = dsn
-        self.stop_flag = threading.Event()
-        self.committed = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        rng = random.Random(7)
-        try:
-            with psycopg.connect(self.dsn) as conn:
-                while not self.stop_flag.is_set():
-                    for _ in range(rng.randint(1, 3)):
-                        k = rng.randrange(KEYS)
-                        conn.execute(f"UPDATE {SCHEMA}.counters SET v = v + 1 WHERE k = %s",
-                                     (k,))
-                        conn.execute(f"INSERT INTO {SCHEMA}.log (k) VALUES (%s)", (k,))
-                    conn.commit()
-                    self.committed += 1
-                    time.sleep(0.005)
-        except BaseException as exc:  # reported by the test thread's owner
-            self.error = exc
-
-    def finish(self) -> None:
-        self.stop_flag.set()
-        self.join(30)
-        assert self.error is None, self.error
-
-
 @pytest.fixture
-def pipe(stack: Stack, tmp_path: Path) -> Iterator[Pipeline]:
-    sql(stack.primary_dsn, f"""
-        DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};
-        CREATE TABLE {SCHEMA}.counters (k int PRIMARY KEY, v int NOT NULL);
-        CREATE TABLE {SCHEMA}.log (id bigserial PRIMARY KEY, k int NOT NULL);""")
-    pipeline = Pipeline(stack, [f"{SCHEMA}.counters", f"{SCHEMA}.log"], tmp_path)
+def running(stack: Stack, tmp_path: Path) -> Iterator[tuple[Pipeline, CounterWorkload]]:
+    workload = CounterWorkload(stack.primary_dsn, SCHEMA)
+    pipeline = Pipeline(stack, workload.create(), tmp_path)
     pipeline.start()
     pipeline.wait_caught_up(60)
-    sql(stack.primary_dsn,
-        f"INSERT INTO {SCHEMA}.counters SELECT g, 0 FROM generate_series(0, {KEYS - 1}) g")
+    workload.seed_counters()
     try:
-        yield pipeline
+        yield pipeline, workload
     finally:
+        workload.stop_flag.set()
         pipeline.cleanup()
 
 
-def _verify(pipe: Pipeline) -> tuple[int, int]:
-    """Assert exactly-once and per-key order; returns (counter records, log records)."""
-    dsn = pipe.stack.primary_dsn
-    final = dict(sql(dsn, f"SELECT k, v FROM {SCHEMA}.counters"))
-    source_ids = [r[0] for r in sql(dsn, f"SELECT id FROM {SCHEMA}.log ORDER BY id")]
-    seen: dict[int, list[int]] = defaultdict(list)
-    counters = pipe.changes(f"{SCHEMA}.counters")
-    for r in counters:
-        seen[r.value["after"]["k"]].append(r.value["after"]["v"])
-    for k, v in final.items():
-        assert seen[k] == list(range(v + 1)), f"key {k}: {seen[k][:20]}... (source v={v})"
-    log_ids = [r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.log")]
-    assert len(log_ids) == len(set(log_ids)), "duplicate log rows in Kafka"
-    assert sorted(log_ids) == source_ids, "log rows missing from Kafka"
-    return len(counters), len(log_ids)
-
-
-def test_exactly_once_across_twenty_kills(pipe: Pipeline) -> None:
-    workload = Workload(pipe.stack.primary_dsn)
+def test_exactly_once_across_twenty_kills(running: tuple[Pipeline, CounterWorkload]) -> None:
+    pipe, workload = running
     workload.start()
     pipe.stop()
     kills = {"failpoint": 0, "random": 0}
@@ -117,15 +61,16 @@ def test_exactly_once_across_twenty_kills(pipe: Pipeline) -> None:
     pipe.start()
     pipe.wait_caught_up(180)
     assert pipe.stop() == 0
-    counted = _verify(pipe)
+    counted = workload.verify(pipe)
+    pipe.audit()
     print(f"kills {kills}, source transactions {workload.committed}, "
           f"records verified {counted}")
     assert kills["failpoint"] + kills["random"] >= 20
     assert workload.committed > 100
 
 
-def test_exactly_once_across_kafka_restart(pipe: Pipeline) -> None:
-    workload = Workload(pipe.stack.primary_dsn)
+def test_exactly_once_across_kafka_restart(running: tuple[Pipeline, CounterWorkload]) -> None:
+    pipe, workload = running
     workload.start()
     time.sleep(3)
     pipe.stack.kafka.stop()
@@ -136,4 +81,5 @@ def test_exactly_once_across_kafka_restart(pipe: Pipeline) -> None:
     pipe.wait_caught_up(300)
     assert pipe.proc is not None and pipe.proc.poll() is None, "bridge gave up"
     assert pipe.stop() == 0
-    _verify(pipe)
+    workload.verify(pipe)
+    pipe.audit()

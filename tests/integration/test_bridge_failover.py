@@ -68,7 +68,8 @@ def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
         print(f"\nBRIDGE DRILL ({old_primary}) rows={len(ids)} "
               f"promote_s={result.promote_seconds:.2f} "
               f"promote_start_to_kafka_caught_up_s={caught_up_s:.2f}")
-        pipe.stop()
+        assert pipe.stop() == 0
+        pipe.audit()
 
         # The old primary comes back (fenced read-only, or writable after a crash): a bridge
         # pointed at it refuses it.

@@ -75,6 +75,8 @@ def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         sql(dsn, f"TRUNCATE {SCHEMA}.full_ident")
         pipe.wait_caught_up(90)
         yield pipe
+        assert pipe.stop() == 0
+        pipe.audit()
     finally:
         pipe.cleanup()
 

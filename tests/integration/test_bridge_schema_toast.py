@@ -81,6 +81,8 @@ def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
         assert float(events[0].split()[-1]) >= 8
         assert 'stat="stream_bytes"' in metrics and 'stat="total_txns"' in metrics
         assert "password" not in metrics.lower()
+        assert pipe.stop() == 0
+        pipe.audit()
     finally:
         pipe.cleanup()
     # After the daemon is gone nothing answers (it did not linger).

@@ -102,6 +102,7 @@ def test_snapshot_with_concurrent_writes_then_kill_and_restart(stack: Stack,
         pipe.wait_caught_up(300)
         assert pipe.stop() == 0
         _assert_topics_equal_tables(pipe)
+        pipe.audit()
         log = pipe.output()
         assert "slot has no published snapshot; recreating it" in log
         snapshot_records = [r for r in pipe.changes(f"{SCHEMA}.a") if r.value["op"] == "r"]
@@ -229,6 +230,7 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
         inserted_later = {r.key["id"] for r in pipe.changes(f"{ADDED}.late")
                           if r.value["op"] == "c"}
         assert not inserted_later & set(late_keys), "a row both in the snapshot and the stream"
+        pipe.audit()
         # A restart before the stream passed the snapshot point re-reads the pending entry.
         assert "snapshot of added tables starting" in pipe.output()
         tables = report["snapshot"]

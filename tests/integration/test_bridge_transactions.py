@@ -35,6 +35,8 @@ def pipe(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pip
     try:
         pipeline.wait_caught_up(60)
         yield pipeline
+        assert pipeline.stop() == 0
+        pipeline.audit()
     finally:
         pipeline.cleanup()
 
