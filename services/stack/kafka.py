@@ -36,6 +36,9 @@ def new_cluster_id() -> str:
 
 _LOG4J2 = """\
 status = warn
+# Log4j's own JVM shutdown hook would close the file while the broker's hook still logs its
+# shutdown (4.4 lost all of it, older brokers the end); the appender flushes every line.
+shutdownHook = disable
 appender.file.type = File
 appender.file.name = FILE
 appender.file.fileName = {log}
