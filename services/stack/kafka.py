@@ -15,6 +15,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from services.stack import bootstrap
 from services.stack.cluster import (
     StackError,
     kill_all,
@@ -53,6 +54,34 @@ logger.server.level = INFO
 logger.broker.name = kafka.server.BrokerServer
 logger.broker.level = INFO
 """
+
+
+# What a partition really holds (producer ids, epochs, sequences, transaction markers), from
+# the broker's own files. It left the broker's jar (kafka.tools) for kafka-tools in 4.3.
+DUMP_LOG_SEGMENTS = "org.apache.kafka.tools.DumpLogSegments"
+
+
+def _java_binary() -> str:
+    java = shutil.which("java")
+    if java is None:
+        raise StackError("kafka: `java` (17+) is not on PATH; install a JDK 17")
+    return java
+
+
+def dump_log_segments(*segments: Path) -> str:
+    """DumpLogSegments --print-data-log of the segment files (``.log``) of any broker version.
+
+    Runs the kafka-tools jar set of the cache, which reads every broker version we support.
+    """
+    jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_TOOLS_SET)
+    proc = subprocess.run(
+        [_java_binary(), "-cp", f"{jars}/*", DUMP_LOG_SEGMENTS,
+         "--files", ",".join(str(s) for s in segments), "--print-data-log"],
+        capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise StackError(f"kafka: DumpLogSegments failed (exit {proc.returncode}; tools in "
+                         f"{jars}): {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
 
 
 class Kafka:
@@ -104,10 +133,7 @@ class Kafka:
         return "".join(f"{k}={v}\n" for k, v in settings.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
-        java = shutil.which("java")
-        if java is None:
-            raise StackError("kafka: `java` (17+) is not on PATH; install a JDK 17")
-        return [java, self.HEAP, "-Xms256m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+        return [_java_binary(), self.HEAP, "-Xms256m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
                 f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
                 "-cp", f"{self.jars}/*", main, *args]
 
