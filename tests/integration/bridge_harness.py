@@ -117,8 +117,13 @@ class Pipeline:
     workdir: Path
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
     extra: dict[str, str] = field(default_factory=dict)
+    # Another broker than the stack's (a test on another Kafka version); empty: the stack's.
+    kafka_bootstrap: str = ""
     proc: subprocess.Popen[bytes] | None = None
     runs: int = 0
+
+    def __post_init__(self) -> None:
+        self.kafka_bootstrap = self.kafka_bootstrap or self.stack.kafka_bootstrap
 
     @property
     def prefix(self) -> str:
@@ -139,7 +144,7 @@ class Pipeline:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
         env.update({
             "SLOTBRIDGE_SOURCE_DSN": self.stack.primary_dsn,
-            "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.stack.kafka_bootstrap,
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
             "SLOTBRIDGE_SLOT_NAME": self.name,
             "SLOTBRIDGE_PUBLICATION_NAME": self.name,
             "SLOTBRIDGE_TOPIC_PREFIX": self.prefix,
@@ -208,7 +213,7 @@ class Pipeline:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def published_end_lsn(self) -> int:
-        records = read_topics(self.stack.kafka_bootstrap, [self.progress_topic], timeout=30)
+        records = read_topics(self.kafka_bootstrap, [self.progress_topic], timeout=30)
         mine = [r.value for r in records if r.key == {"slot": self.name}]
         return max((v["end_lsn"] for v in mine if v), default=0)
 
@@ -227,7 +232,7 @@ class Pipeline:
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
     def changes(self, table: str) -> list[Record]:
-        return [r for r in read_topics(self.stack.kafka_bootstrap, [self.topic(table)])
+        return [r for r in read_topics(self.kafka_bootstrap, [self.topic(table)])
                 if r.value is not None]
 
     def cleanup(self) -> None:

@@ -30,9 +30,10 @@ FAILPOINTS = ["after_produce", "before_kafka_commit", "after_kafka_commit",
 class Workload(threading.Thread):
     """Small transactions against the primary until stopped; counts what committed."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, schema: str = SCHEMA) -> None:
         super().__init__(daemon=True)
         self.dsn = dsn
+        self.schema = schema
         self.stop_flag = threading.Event()
         self.committed = 0
         self.error: BaseException | None = None
@@ -44,9 +45,9 @@ class Workload(threading.Thread):
                 while not self.stop_flag.is_set():
                     for _ in range(rng.randint(1, 3)):
                         k = rng.randrange(KEYS)
-                        conn.execute(f"UPDATE {SCHEMA}.counters SET v = v + 1 WHERE k = %s",
-                                     (k,))
-                        conn.execute(f"INSERT INTO {SCHEMA}.log (k) VALUES (%s)", (k,))
+                        conn.execute(f"UPDATE {self.schema}.counters SET v = v + 1 "
+                                     "WHERE k = %s", (k,))
+                        conn.execute(f"INSERT INTO {self.schema}.log (k) VALUES (%s)", (k,))
                     conn.commit()
                     self.committed += 1
                     time.sleep(0.005)
@@ -59,35 +60,43 @@ class Workload(threading.Thread):
         assert self.error is None, self.error
 
 
-@pytest.fixture
-def pipe(stack: Stack, tmp_path: Path) -> Iterator[Pipeline]:
+def start_pipeline(stack: Stack, workdir: Path, schema: str = SCHEMA,
+                   kafka_bootstrap: str = "") -> Pipeline:
+    """The workload's tables, created fresh, and a running bridge that publishes them."""
     sql(stack.primary_dsn, f"""
-        DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};
-        CREATE TABLE {SCHEMA}.counters (k int PRIMARY KEY, v int NOT NULL);
-        CREATE TABLE {SCHEMA}.log (id bigserial PRIMARY KEY, k int NOT NULL);""")
-    pipeline = Pipeline(stack, [f"{SCHEMA}.counters", f"{SCHEMA}.log"], tmp_path)
+        DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema};
+        CREATE TABLE {schema}.counters (k int PRIMARY KEY, v int NOT NULL);
+        CREATE TABLE {schema}.log (id bigserial PRIMARY KEY, k int NOT NULL);""")
+    pipeline = Pipeline(stack, [f"{schema}.counters", f"{schema}.log"], workdir,
+                        kafka_bootstrap=kafka_bootstrap)
     pipeline.start()
     pipeline.wait_caught_up(60)
     sql(stack.primary_dsn,
-        f"INSERT INTO {SCHEMA}.counters SELECT g, 0 FROM generate_series(0, {KEYS - 1}) g")
+        f"INSERT INTO {schema}.counters SELECT g, 0 FROM generate_series(0, {KEYS - 1}) g")
+    return pipeline
+
+
+@pytest.fixture
+def pipe(stack: Stack, tmp_path: Path) -> Iterator[Pipeline]:
+    pipeline = start_pipeline(stack, tmp_path)
     try:
         yield pipeline
     finally:
         pipeline.cleanup()
 
 
-def _verify(pipe: Pipeline) -> tuple[int, int]:
+def verify_exactly_once(pipe: Pipeline, schema: str = SCHEMA) -> tuple[int, int]:
     """Assert exactly-once and per-key order; returns (counter records, log records)."""
     dsn = pipe.stack.primary_dsn
-    final = dict(sql(dsn, f"SELECT k, v FROM {SCHEMA}.counters"))
-    source_ids = [r[0] for r in sql(dsn, f"SELECT id FROM {SCHEMA}.log ORDER BY id")]
+    final = dict(sql(dsn, f"SELECT k, v FROM {schema}.counters"))
+    source_ids = [r[0] for r in sql(dsn, f"SELECT id FROM {schema}.log ORDER BY id")]
     seen: dict[int, list[int]] = defaultdict(list)
-    counters = pipe.changes(f"{SCHEMA}.counters")
+    counters = pipe.changes(f"{schema}.counters")
     for r in counters:
         seen[r.value["after"]["k"]].append(r.value["after"]["v"])
     for k, v in final.items():
         assert seen[k] == list(range(v + 1)), f"key {k}: {seen[k][:20]}... (source v={v})"
-    log_ids = [r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.log")]
+    log_ids = [r.value["after"]["id"] for r in pipe.changes(f"{schema}.log")]
     assert len(log_ids) == len(set(log_ids)), "duplicate log rows in Kafka"
     assert sorted(log_ids) == source_ids, "log rows missing from Kafka"
     return len(counters), len(log_ids)
@@ -117,7 +126,7 @@ def test_exactly_once_across_twenty_kills(pipe: Pipeline) -> None:
     pipe.start()
     pipe.wait_caught_up(180)
     assert pipe.stop() == 0
-    counted = _verify(pipe)
+    counted = verify_exactly_once(pipe)
     print(f"kills {kills}, source transactions {workload.committed}, "
           f"records verified {counted}")
     assert kills["failpoint"] + kills["random"] >= 20
@@ -136,4 +145,4 @@ def test_exactly_once_across_kafka_restart(pipe: Pipeline) -> None:
     pipe.wait_caught_up(300)
     assert pipe.proc is not None and pipe.proc.poll() is None, "bridge gave up"
     assert pipe.stop() == 0
-    _verify(pipe)
+    verify_exactly_once(pipe)
