@@ -2,7 +2,8 @@
 
 The broker is its own controller (one process, two listeners). Every internal topic gets
 replication factor 1, or transactions and consumer groups would wait forever for replicas
-that do not exist. Storage is formatted once; a restart keeps the data.
+that do not exist. Storage is formatted once; a restart keeps the data. The same class runs
+any broker version from 3.3 on: give it that version's jar folder.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def _java_binary() -> str:
     if java is None:
         raise StackError("kafka: `java` (17+) is not on PATH; install a JDK 17")
     return java
+
+
+def has_broker(jars: Path) -> bool:
+    return any(jars.glob("kafka_2.13-*.jar"))
 
 
 def dump_log_segments(*segments: Path) -> str:
@@ -169,6 +174,9 @@ class Kafka:
         """Launch the broker (formatting storage the first time); see wait_ready."""
         if self.is_running():
             return
+        if not has_broker(self.jars):
+            raise StackError(f"kafka: no broker jars in {self.jars}; run python3 -m "
+                             "services.stack.bootstrap")
         self.check_ports()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self._config())

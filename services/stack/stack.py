@@ -33,7 +33,7 @@ from services.stack.cluster import (
     say,
     wait_until,
 )
-from services.stack.kafka import Kafka, new_cluster_id
+from services.stack.kafka import Kafka, has_broker, new_cluster_id
 
 __all__ = ["NODE_NAMES", "Stack", "StackError"]
 
@@ -209,7 +209,7 @@ class Stack:
                 f"{self._state.get('pg_major')}, not {self.requested_major}; run `slotbridge "
                 f"stack down --purge --dir {self.state_dir}` first to rebuild it")
         postgres = self._pg_bin() / "postgres"
-        if not postgres.exists() or not any(self._kafka_jars().glob("kafka_2.13-*.jar")):
+        if not postgres.exists() or not has_broker(self._kafka_jars()):
             raise StackError(f"binary cache {self._cache()} lacks PostgreSQL "
                              f"{self.pg_major} or the Kafka jars; run python3 -m "
                              "services.stack.bootstrap")
