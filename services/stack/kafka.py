@@ -2,7 +2,8 @@
 
 The broker is its own controller (one process, two listeners). Every internal topic gets
 replication factor 1, or transactions and consumer groups would wait forever for replicas
-that do not exist. Storage is formatted once; a restart keeps the data.
+that do not exist. Storage is formatted once; a restart keeps the data. The same class runs
+any broker version from 3.3 on: give it that version's jar folder.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from services.stack import bootstrap
 from services.stack.cluster import (
     StackError,
     kill_all,
@@ -36,6 +38,9 @@ def new_cluster_id() -> str:
 
 _LOG4J2 = """\
 status = warn
+# Log4j's own JVM shutdown hook would close the file while the broker's hook still logs its
+# shutdown (4.4 lost all of it, older brokers the end); the appender flushes every line.
+shutdownHook = disable
 appender.file.type = File
 appender.file.name = FILE
 appender.file.fileName = {log}
@@ -50,6 +55,41 @@ logger.server.level = INFO
 logger.broker.name = kafka.server.BrokerServer
 logger.broker.level = INFO
 """
+
+
+# What a partition really holds (producer ids, epochs, sequences, transaction markers), from
+# the broker's own files. It left the broker's jar (kafka.tools) for kafka-tools in 4.3.
+DUMP_LOG_SEGMENTS = "org.apache.kafka.tools.DumpLogSegments"
+
+
+def _java_binary() -> str:
+    java = shutil.which("java")
+    if java is None:
+        raise StackError("kafka: `java` (17+) is not on PATH; install a JDK 17")
+    return java
+
+
+def has_broker(jars: Path) -> bool:
+    return any(jars.glob("kafka_2.13-*.jar"))
+
+
+def dump_log_segments(*segments: Path, payloads: bool = True) -> str:
+    """DumpLogSegments of the segment files (``.log``) of any broker version: every batch
+    and record, with keys and values when ``payloads``, else only the transaction markers'
+    contents (a much smaller dump of a large log).
+
+    Runs the kafka-tools jar set of the cache, which reads every broker version we support.
+    """
+    jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_TOOLS_SET)
+    proc = subprocess.run(
+        [_java_binary(), "-cp", f"{jars}/*", DUMP_LOG_SEGMENTS,
+         "--files", ",".join(str(s) for s in segments),
+         "--print-data-log" if payloads else "--deep-iteration"],
+        capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise StackError(f"kafka: DumpLogSegments failed (exit {proc.returncode}; tools in "
+                         f"{jars}): {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
 
 
 class Kafka:
@@ -101,10 +141,7 @@ class Kafka:
         return "".join(f"{k}={v}\n" for k, v in settings.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
-        java = shutil.which("java")
-        if java is None:
-            raise StackError("kafka: `java` (17+) is not on PATH; install a JDK 17")
-        return [java, self.HEAP, "-Xms256m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+        return [_java_binary(), self.HEAP, "-Xms256m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
                 f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
                 "-cp", f"{self.jars}/*", main, *args]
 
@@ -140,6 +177,9 @@ class Kafka:
         """Launch the broker (formatting storage the first time); see wait_ready."""
         if self.is_running():
             return
+        if not has_broker(self.jars):
+            raise StackError(f"kafka: no broker jars in {self.jars}; run python3 -m "
+                             "services.stack.bootstrap")
         self.check_ports()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self._config())

@@ -4,7 +4,7 @@ Test and bench tooling. A consumer shows what it happened to read; the log segme
 what the broker stored. KAFKA-15591 lost records that a consumer-side check "explained"
 as a read race, so every exactly-once test ends here:
 
-- Kafka's ``DumpLogSegments`` (from the jar cache, on the segment files) gives every
+- Kafka's ``DumpLogSegments`` (kafka-tools from the jar cache) gives every
   batch's producer id, epoch and sequences and every COMMIT/ABORT marker;
 - a read_uncommitted consumer gives the records themselves, matched by offset;
 - then, per partition and producer (id, epoch): sequences start at 0 and are contiguous;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -29,7 +28,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from services.stack.kafka import Kafka
+from services.stack.kafka import Kafka, dump_log_segments
 
 _PARTITION_DIR = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
 _FIELD = re.compile(r"(\w+): (\S+)")
@@ -101,7 +100,7 @@ def topics_with_prefix(data_dir: Path, prefix: str) -> list[str]:
     return sorted(names)
 
 
-def dump_segments(jars: Path, dirs: list[tuple[str, int, Path]]) -> list[Partition]:
+def dump_segments(dirs: list[tuple[str, int, Path]]) -> list[Partition]:
     """Batches and markers of every segment, through Kafka's own DumpLogSegments."""
     by_file: dict[str, Partition] = {}
     started: set[int] = set()
@@ -110,16 +109,12 @@ def dump_segments(jars: Path, dirs: list[tuple[str, int, Path]]) -> list[Partiti
         part = Partition(topic, number)
         for segment in sorted(path.glob("*.log")):
             by_file[str(segment)] = part
-            files.append(str(segment))
+            files.append(segment)
     if not files:
         return []
-    proc = subprocess.run(
-        ["java", "-cp", f"{jars}/*", "kafka.tools.DumpLogSegments", "--deep-iteration",
-         "--files", ",".join(files)], capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0:
-        raise AssertionError(f"DumpLogSegments failed: {proc.stderr[-2000:]}")
+    dump = dump_log_segments(*files, payloads=False)
     current: Partition | None = None
-    for line in proc.stdout.splitlines():
+    for line in dump.splitlines():
         if line.startswith("Dumping "):
             current = by_file[line[len("Dumping "):].strip()]
         elif line.startswith("Log starting offset: ") and current is not None:
@@ -225,7 +220,7 @@ def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport,
                                                               list[tuple[str, Any]]]:
     """The log-level checks over ``topics``; also returns the committed (topic, value)s.
     Run it while nobody writes them: an open transaction is reported."""
-    parts = dump_segments(kafka.jars, partition_dirs(kafka.data_dir, topics))
+    parts = dump_segments(partition_dirs(kafka.data_dir, topics))
     contents = read_records(kafka.bootstrap, parts)
     report = AuditReport(partitions=len(parts))
     committed: list[tuple[str, Any]] = []
@@ -261,8 +256,8 @@ def open_transaction_from(kafka: Kafka, topic: str, partition: int, offset: int)
     """Whether the partition's log, from ``offset`` on, holds data of a Kafka transaction
     with no marker yet: the one reason a read_committed reader may stop below the high
     watermark."""
-    [part] = dump_segments(kafka.jars, partition_dirs(kafka.data_dir, [topic])[partition:
-                                                                              partition + 1])
+    dirs = [d for d in partition_dirs(kafka.data_dir, [topic]) if d[1] == partition]
+    [part] = dump_segments(dirs)
     outcomes = transaction_outcomes(part)
     return any(verdict == "open" for at, verdict in outcomes.items() if at >= offset)
 

@@ -33,7 +33,7 @@ from services.stack.cluster import (
     say,
     wait_until,
 )
-from services.stack.kafka import Kafka, new_cluster_id
+from services.stack.kafka import Kafka, has_broker, new_cluster_id
 
 __all__ = ["NODE_NAMES", "Stack", "StackError"]
 
@@ -147,6 +147,9 @@ class Stack:
     def _pg_bin(self) -> Path:
         return bootstrap.pg_bin(self._cache(), self.pg_major)
 
+    def _kafka_jars(self) -> Path:
+        return bootstrap.jars_dir(self._cache(), bootstrap.KAFKA_SET)
+
     def _user(self) -> RunAs | None:
         if self._run_as is None:
             self._run_as = pg_os_user()
@@ -168,7 +171,7 @@ class Stack:
             ports = self.state["ports"]
             self._kafka = Kafka(self.state_dir, int(ports["kafka"]),
                                 int(ports["kafka_controller"]),
-                                self._cache() / "jars" / "kafka",
+                                self._kafka_jars(),
                                 str(self.state["kafka_cluster_id"]))
         return self._kafka
 
@@ -206,8 +209,7 @@ class Stack:
                 f"{self._state.get('pg_major')}, not {self.requested_major}; run `slotbridge "
                 f"stack down --purge --dir {self.state_dir}` first to rebuild it")
         postgres = self._pg_bin() / "postgres"
-        jars = self._cache() / "jars" / "kafka"
-        if not postgres.exists() or not any(jars.glob("kafka_2.13-*.jar")):
+        if not postgres.exists() or not has_broker(self._kafka_jars()):
             raise StackError(f"binary cache {self._cache()} lacks PostgreSQL "
                              f"{self.pg_major} or the Kafka jars; run python3 -m "
                              "services.stack.bootstrap")

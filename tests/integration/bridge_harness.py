@@ -128,8 +128,14 @@ class Pipeline:
     workdir: Path
     name: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
     extra: dict[str, str] = field(default_factory=dict)
+    # Another broker than the stack's (a test on another Kafka version); None: the stack's.
+    broker: Kafka | None = None
     proc: subprocess.Popen[bytes] | None = None
     runs: int = 0
+
+    @property
+    def kafka(self) -> Kafka:
+        return self.broker or self.stack.kafka
 
     @property
     def prefix(self) -> str:
@@ -150,7 +156,7 @@ class Pipeline:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
         env.update({
             "SLOTBRIDGE_SOURCE_DSN": self.stack.primary_dsn,
-            "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.stack.kafka_bootstrap,
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.kafka.bootstrap,
             "SLOTBRIDGE_SLOT_NAME": self.name,
             "SLOTBRIDGE_PUBLICATION_NAME": self.name,
             "SLOTBRIDGE_TOPIC_PREFIX": self.prefix,
@@ -219,7 +225,7 @@ class Pipeline:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def published_end_lsn(self) -> int:
-        records = read_topics(self.stack.kafka, [self.progress_topic], timeout=30)
+        records = read_topics(self.kafka, [self.progress_topic], timeout=30)
         mine = [r.value for r in records if r.key == {"slot": self.name}]
         return max((v["end_lsn"] for v in mine if v), default=0)
 
@@ -253,13 +259,13 @@ class Pipeline:
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
     def changes(self, table: str) -> list[Record]:
-        return [r for r in read_topics(self.stack.kafka, [self.topic(table)])
+        return [r for r in read_topics(self.kafka, [self.topic(table)])
                 if r.value is not None]
 
     def audit(self) -> AuditReport:
         """The broker-log audit of everything this pipeline's bridges wrote; fails on any
         gap, loss, duplicate or open transaction. Call it with no bridge running."""
-        report = audit(self.stack.kafka, self.prefix, [self.progress_topic])
+        report = audit(self.kafka, self.prefix, [self.progress_topic])
         print(f"\n{self.name} {report.summary()}")
         report.assert_clean()
         return report

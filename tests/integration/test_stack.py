@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from confluent_kafka import Consumer, Producer
 
 from services.stack.cluster import free_ports, pid_alive
+from services.stack.kafka import dump_log_segments
 from services.stack.stack import NODE_NAMES, Stack
 
 SLOTBRIDGE = str(Path(sys.executable).parent / "slotbridge")
@@ -153,6 +155,31 @@ def test_transactional_producer_read_committed(stack: Stack) -> None:
     finally:
         consumer.close()
     assert seen == [b"committed"]
+
+
+def test_broker_log_dump_shows_producer_sequences(stack: Stack) -> None:
+    """DumpLogSegments, the ground truth of exactly-once audits, reads the broker's files."""
+    topic = _name("stack_dump")
+    producer = Producer({"bootstrap.servers": stack.kafka_bootstrap,
+                         "transactional.id": _name("txn")})
+    producer.init_transactions(60)
+    for value in (b"first", b"second"):
+        producer.begin_transaction()
+        producer.produce(topic, value)
+        producer.commit_transaction(30)
+    segment = stack.kafka.data_dir / f"{topic}-0" / "00000000000000000000.log"
+
+    def both_committed() -> str | None:
+        # The commit returns before the broker has written the partition's marker.
+        dump = dump_log_segments(segment)
+        return dump if dump.count("endTxnMarker: COMMIT") == 2 else None
+
+    dump = _eventually(both_committed)
+    assert isinstance(dump, str), "commit markers never reached the segment"
+    batches = re.findall(r"baseSequence: (-?\d+) .* isTransactional: (\w+) isControl: false",
+                         dump)
+    assert batches == [("0", "true"), ("1", "true")], dump
+    assert "payload: first" in dump and "payload: second" in dump
 
 
 def test_up_twice_then_down_leaves_no_process(fresh_stack: Callable[[], Stack]) -> None:
