@@ -8,6 +8,9 @@ what PostgreSQL and Kafka durably hold, so a restart can neither lose nor duplic
 Errors that a retry cannot fix (bad settings, wrong server, a gap) end the daemon with
 one line and a non-zero exit; so does any error before the first session streamed,
 because at start-up a failure is far more often a typo than an outage.
+
+The wait between sessions doubles while sessions keep failing and starts over once one
+streamed: each outage is waited out on its own terms, whatever happened before it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from types import FrameType
 
 import psycopg
 from confluent_kafka import KafkaException
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential
 
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
@@ -88,6 +90,26 @@ class SlotBusy(SourceError):
 
 
 @dataclass
+class Backoff:
+    """The wait before the next session: ``first_s``, doubled for each further session in
+    a row that ended without streaming, at most ``max_s``.
+
+    A session that streamed resets the count: a daemon that rode out long outages earlier
+    must not wait ``max_s`` after every brief one later.
+    """
+
+    first_s: float = 0.5
+    max_s: float = 30.0
+    failures: int = 0  # sessions ended in a row, counting the last one that streamed
+
+    def session_ended(self, streamed: bool) -> float:
+        """Count the session that just ended; returns the seconds to wait."""
+        self.failures = 1 if streamed else self.failures + 1
+        # The exponent is capped: a float overflows past 2**1023, nine hours into an outage.
+        return min(self.max_s, self.first_s * 2.0 ** min(self.failures - 1, 32))
+
+
+@dataclass
 class _Health:
     streaming: bool = False
     last_loop: float = 0.0
@@ -102,7 +124,7 @@ class Bridge:
         self.metrics = BridgeMetrics(settings.slot_name, self.spool_stats)
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
-        self._streamed_once = False
+        self._sessions_streamed = 0
         self._dsn = with_password(
             settings.source_dsn,
             settings.source_password.get_secret_value() if settings.source_password else None)
@@ -122,12 +144,7 @@ class Bridge:
                                   self._ready, self.metrics.registry,
                                   {"/snapshot": self.snapshot_progress.report}).start()
         try:
-            for attempt in Retrying(retry=retry_if_exception(self._retryable),
-                                    wait=wait_exponential(multiplier=0.5, max=30),
-                                    stop=stop_never, before_sleep=self._before_retry,
-                                    reraise=True):
-                with attempt:
-                    self._session()
+            self._sessions()
             return 0
         except SourceError as exc:
             log_event(log, logging.ERROR, str(exc))
@@ -145,22 +162,32 @@ class Bridge:
         log_event(log, logging.INFO, "stopping", signal=signal.Signals(signum).name)
         self._stop.set()
 
+    def _sessions(self) -> None:
+        """Sessions one after another until stopped or an error no new session can fix."""
+        backoff = Backoff()
+        while True:
+            streamed_before = self._sessions_streamed
+            try:
+                self._session()
+                return
+            except Exception as exc:
+                if not self._retryable(exc):
+                    raise
+                wait_s = backoff.session_ended(self._sessions_streamed > streamed_before)
+                self.metrics.reconnects.inc()
+                self._health.error = one_line(exc)
+                log_event(log, logging.WARNING, "session ended, reconnecting",
+                          error=self._health.error, attempt=backoff.failures,
+                          retry_in_s=round(wait_s, 1))
+                if self._stop.wait(wait_s):
+                    return
+
     def _retryable(self, exc: BaseException) -> bool:
         if self._stop.is_set() or isinstance(exc, FATAL):
             return False
         if isinstance(exc, SlotBusy):
             return True
-        return self._streamed_once and isinstance(exc, (*TRANSIENT, SourceError))
-
-    def _before_retry(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        self.metrics.reconnects.inc()
-        self._health.error = one_line(exc) if exc else ""
-        sleep = state.next_action.sleep if state.next_action else 0
-        log_event(log, logging.WARNING, "session ended, reconnecting",
-                  error=self._health.error, attempt=state.attempt_number,
-                  retry_in_s=round(sleep, 1))
-        self._stop.wait(sleep)
+        return self._sessions_streamed > 0 and isinstance(exc, (*TRANSIENT, SourceError))
 
     def _live(self) -> tuple[bool, str]:
         stale = time.monotonic() - self._health.last_loop
@@ -245,7 +272,7 @@ class Bridge:
             if s.two_phase:
                 options["two_phase"] = "on"
             repl.start(s.slot_name, 0, options)
-            self._streamed_once = True
+            self._sessions_streamed += 1
             self._health.streaming, self._health.error = True, ""
             self.metrics.streaming.set(1)
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
