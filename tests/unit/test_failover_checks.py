@@ -26,7 +26,7 @@ SYSID = 7_400_000_000_000_000_001
 def slot(name: str, **kw: object) -> Slot:
     base = dict(name=name, slot_type="logical", active=True, temporary=False,
                 failover=True, synced=False, invalidation_reason=None,
-                confirmed_flush_lsn=5000)
+                confirmed_flush_lsn=5000, restart_lsn=4000)
     base.update(kw)
     return Slot(**base)  # type: ignore[arg-type]
 
@@ -35,7 +35,7 @@ PRIMARY = Server(
     name="primary", reachable=True, system_identifier=SYSID, timeline=1,
     wal_lsn=10_000, settings={"wal_level": "logical", "synchronized_standby_slots": "standby1"},
     slots=(slot("standby1", slot_type="physical", failover=False,
-                confirmed_flush_lsn=None), slot("app_sub"), slot("bridge")),
+                confirmed_flush_lsn=None, restart_lsn=9_900), slot("app_sub"), slot("bridge")),
     senders=(Sender(1, "app_sub", "app_sub", "logical", (None, None, None)),),
 )
 STANDBY = Server(
@@ -158,6 +158,39 @@ def test_momentary_wait_is_not_a_stall() -> None:
     sender = Sender(1, "app_sub", "app_sub", "logical",
                     (WAIT_FOR_STANDBY, None, WAIT_FOR_STANDBY))
     assert judge(with_primary(senders=(sender,))).ready
+
+
+WAITING = Sender(1, "app_sub", "app_sub", "logical", (WAIT_FOR_STANDBY,) * 10)
+
+
+def sampled(**moved: int) -> ClusterFacts:
+    """A sender that waited on the standby in all ten samples of a 2.5 s window, while
+    the named slots of the primary moved by the given number of bytes."""
+    def advanced(s: Slot) -> Slot:
+        by = moved.get(s.name, 0)
+        if s.slot_type == "physical":
+            return replace(s, restart_lsn=(s.restart_lsn or 0) + by)
+        return replace(s, confirmed_flush_lsn=(s.confirmed_flush_lsn or 0) + by)
+
+    return with_primary(senders=(WAITING,), slots_after=tuple(map(advanced, PRIMARY.slots)),
+                        senders_window_s=2.5)
+
+
+def test_waiting_all_along_while_the_standby_confirms_is_not_a_stall() -> None:
+    """Write load: each commit waits for the standby, which keeps confirming."""
+    assert judge(sampled(standby1=4096)).ready
+
+
+def test_waiting_all_along_while_its_own_slot_moves_is_not_a_stall() -> None:
+    assert judge(sampled(app_sub=512)).ready
+
+
+def test_waiting_all_along_with_nothing_moving_is_a_stall() -> None:
+    """A standby that is connected but confirms nothing (hung, or its disk is full)."""
+    report = judge(sampled(bridge=512))  # another consumer's progress does not count
+    assert "logical_senders_blocked" in failed(report)
+    blocked = next(c for c in report.checks if c.code == "logical_senders_blocked")
+    assert "neither standby slot(s) standby1 nor slot app_sub advanced in 2.5s" in blocked.detail
 
 
 def test_lag_warns_but_does_not_block() -> None:
