@@ -16,8 +16,9 @@ from services.failover.facts import (
     SubscriberFacts,
     Subscription,
 )
-from services.failover.promote import _harmful, repointed_conninfo, same_server
+from services.failover.promote import Runbook, _harmful, repointed_conninfo, same_server
 from services.failover.report import render_report, report_dict
+from services.failover.settings import FailoverSettings, Node, Standby
 
 LIMITS = Thresholds(max_slot_lag_bytes=1000, max_replay_lag_bytes=1000)
 SYSID = 7_400_000_000_000_000_001
@@ -251,3 +252,20 @@ def test_repointed_conninfo_keeps_credentials_and_drops_old_address() -> None:
     assert "password=s3cret" in new and "dbname=app" in new and "sslmode=require" in new
     assert same_server({"host": "new", "port": "6432"}, {"host": "new", "port": "6432"})
     assert not same_server({"host": "old"}, {"host": "new"})
+
+
+@pytest.mark.parametrize("fence_command", [None, ["stop-old-primary"]])
+def test_a_down_old_primary_is_reported_unfenced_and_coming_back_writable(
+        fence_command: list[str] | None) -> None:
+    settings = FailoverSettings(primary=Node(dsn="host=old"),
+                                standbys={"s1": Standby(dsn="host=new")},
+                                fence_command=fence_command)
+    runbook = Runbook(settings, "s1")
+    runbook.old_primary = "down"  # what the fence step found
+    result, detail = runbook.stop_old_primary()
+    assert result == "warn"
+    assert detail.startswith("old primary is down or unreachable, so it was not fenced")
+    assert "if restarted it comes back WRITABLE; keep it down" in detail
+    assert "slotbridge failover watch` with auto_repoint: true" in detail
+    assert ("fence_command was not run" in detail) == bool(fence_command)
+    assert ("configure fence_command" in detail) == (not fence_command)
