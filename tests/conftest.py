@@ -1,7 +1,8 @@
 """Fixtures shared by every test: the embedded stack (integration tests only use it).
 
 Tests under tests/integration/ get the ``integration`` mark here, so ``-m "not
-integration"`` runs the pure unit tests without PostgreSQL or Kafka.
+integration"`` runs the pure unit tests without PostgreSQL or Kafka. Every process a test
+starts runs this checkout's code (``PYTHONPATH``), whatever the virtualenv points at.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 TEST_PG = os.environ.get("SLOTBRIDGE_TEST_PG", "17")
 KEEP = os.environ.get("SLOTBRIDGE_KEEP_STACK") == "1"
+
+# Child processes - the `slotbridge` console script above all - must run this checkout's
+# code: an editable install in a virtualenv shared between checkouts points at another one.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

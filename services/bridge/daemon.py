@@ -1,13 +1,18 @@
 """The bridge daemon: one session per connection, restarted with backoff until stopped.
 
-A session: preflight the source, make sure publication, slot and origin exist, fence
-older producers, compute the high-water mark, then run the socket loop (this thread)
-next to the publisher thread. Any error ends the session; the next one starts again from
-what PostgreSQL and Kafka durably hold, so a restart can neither lose nor duplicate.
+A session: fence older producers, read Kafka's progress record, pick the server of
+source_dsn that may continue it (``server.open_server``), preflight it, make sure
+publication, slot and origin exist, compute the high-water mark, then run the socket loop
+(this thread) next to the publisher thread. Any error ends the session; the next one
+starts again from what PostgreSQL and Kafka durably hold, so a restart can neither lose
+nor duplicate.
 
 Errors that a retry cannot fix (bad settings, wrong server, a gap) end the daemon with
 one line and a non-zero exit; so does any error before the first session streamed,
 because at start-up a failure is far more often a typo than an outage.
+
+The wait between sessions doubles while sessions keep failing and starts over once one
+streamed: each outage is waited out on its own terms, whatever happened before it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from types import FrameType
 
 import psycopg
 from confluent_kafka import KafkaException
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential
 
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
@@ -40,8 +44,6 @@ from services.bridge.progress import (
     ConfirmTracker,
     OriginStore,
     ProgressError,
-    ServerIdentity,
-    check_identity,
     high_water,
     progress_key,
     progress_value,
@@ -50,6 +52,7 @@ from services.bridge.progress import (
 )
 from services.bridge.publisher import GapError, Publisher, SnapshotRequest, TxnQueue
 from services.bridge.records import ProgressRecord
+from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaSink, SinkError, kafka_client_config
 from services.bridge.snapshot import AddedTableSnapshots, SnapshotProgress, take_snapshot
@@ -69,7 +72,7 @@ from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
-from services.common.pg import SourceError, connect, with_password
+from services.common.pg import SourceError, with_password
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,26 @@ class SlotBusy(SourceError):
 
 
 @dataclass
+class Backoff:
+    """The wait before the next session: ``first_s``, doubled for each further session in
+    a row that ended without streaming, at most ``max_s``.
+
+    A session that streamed resets the count: a daemon that rode out long outages earlier
+    must not wait ``max_s`` after every brief one later.
+    """
+
+    first_s: float = 0.5
+    max_s: float = 30.0
+    failures: int = 0  # sessions ended in a row, counting the last one that streamed
+
+    def session_ended(self, streamed: bool) -> float:
+        """Count the session that just ended; returns the seconds to wait."""
+        self.failures = 1 if streamed else self.failures + 1
+        # The exponent is capped: a float overflows past 2**1023, nine hours into an outage.
+        return min(self.max_s, self.first_s * 2.0 ** min(self.failures - 1, 32))
+
+
+@dataclass
 class _Health:
     streaming: bool = False
     last_loop: float = 0.0
@@ -102,7 +125,7 @@ class Bridge:
         self.metrics = BridgeMetrics(settings.slot_name, self.spool_stats)
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
-        self._streamed_once = False
+        self._sessions_streamed = 0
         self._dsn = with_password(
             settings.source_dsn,
             settings.source_password.get_secret_value() if settings.source_password else None)
@@ -122,12 +145,7 @@ class Bridge:
                                   self._ready, self.metrics.registry,
                                   {"/snapshot": self.snapshot_progress.report}).start()
         try:
-            for attempt in Retrying(retry=retry_if_exception(self._retryable),
-                                    wait=wait_exponential(multiplier=0.5, max=30),
-                                    stop=stop_never, before_sleep=self._before_retry,
-                                    reraise=True):
-                with attempt:
-                    self._session()
+            self._sessions()
             return 0
         except SourceError as exc:
             log_event(log, logging.ERROR, str(exc))
@@ -145,22 +163,32 @@ class Bridge:
         log_event(log, logging.INFO, "stopping", signal=signal.Signals(signum).name)
         self._stop.set()
 
+    def _sessions(self) -> None:
+        """Sessions one after another until stopped or an error no new session can fix."""
+        backoff = Backoff()
+        while True:
+            streamed_before = self._sessions_streamed
+            try:
+                self._session()
+                return
+            except Exception as exc:
+                if not self._retryable(exc):
+                    raise
+                wait_s = backoff.session_ended(self._sessions_streamed > streamed_before)
+                self.metrics.reconnects.inc()
+                self._health.error = one_line(exc)
+                log_event(log, logging.WARNING, "session ended, reconnecting",
+                          error=self._health.error, attempt=backoff.failures,
+                          retry_in_s=round(wait_s, 1))
+                if self._stop.wait(wait_s):
+                    return
+
     def _retryable(self, exc: BaseException) -> bool:
         if self._stop.is_set() or isinstance(exc, FATAL):
             return False
         if isinstance(exc, SlotBusy):
             return True
-        return self._streamed_once and isinstance(exc, (*TRANSIENT, SourceError))
-
-    def _before_retry(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        self.metrics.reconnects.inc()
-        self._health.error = one_line(exc) if exc else ""
-        sleep = state.next_action.sleep if state.next_action else 0
-        log_event(log, logging.WARNING, "session ended, reconnecting",
-                  error=self._health.error, attempt=state.attempt_number,
-                  retry_in_s=round(sleep, 1))
-        self._stop.wait(sleep)
+        return self._sessions_streamed > 0 and isinstance(exc, (*TRANSIENT, SourceError))
 
     def _live(self) -> tuple[bool, str]:
         stale = time.monotonic() - self._health.last_loop
@@ -177,37 +205,35 @@ class Bridge:
 
     def _session(self) -> None:
         s = self.settings
-        sql = connect(self._dsn)
-        repl: ReplicationConnection | None = None
+        server: Server | None = None
         sink: KafkaSink | None = None
         publisher: Publisher | None = None
         assembler: Assembler | None = None
         try:
+            sink = KafkaSink(s)
+            sink.start()  # fences a killed predecessor; must precede reading progress
+            sink.ensure_topics({s.progress_topic: True})
+            kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic,
+                                                 s.slot_name)
+            # Progress before PostgreSQL: it decides which server of source_dsn may be used.
+            server = open_server(self._dsn, kafka_progress, s.slot_name)
+            sql, repl, system, identity = server.sql, server.repl, server.system, server.identity
             preflight(sql, s)
             ensure_publication(sql, s)
             warn_keyless_tables(sql, s.publication_name)
-            repl = ReplicationConnection(self._dsn)
-            system = repl.identify_system()
-            identity = ServerIdentity(system.system_identifier, system.timeline)
             origin = OriginStore(sql, s.origin_name)
             origin.ensure()
 
-            sink = KafkaSink(s)
-            sink.start()  # fences a killed predecessor; must precede reading progress
             builder = EventBuilder(
                 RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
                                 self._known_versions(f"{s.topic_prefix}.schema")),
                 s.topic_prefix, system.dbname, s.max_row_bytes)
-            sink.ensure_topics({s.progress_topic: True, builder.schema_topic: True,
-                                builder.transaction_topic: False})
-            kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic,
-                                                 s.slot_name)
-            check_identity(identity, kafka_progress, s.slot_name)
+            sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
             created = self._ensure_slot(sql, repl, system.dbname, snapshot_pending=mark == 0)
             if created is not None and created.snapshot_name is not None:
-                mark = last_commit = self._snapshot(created, builder, sink, origin, identity)
+                mark = last_commit = self._snapshot(created, server, builder, sink, origin)
                 if s.snapshot_mode == "initial_only":
                     repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
                     log_event(log, logging.INFO, "initial_only: snapshot published, slot "
@@ -221,9 +247,10 @@ class Bridge:
             queue = TxnQueue(_QUEUE_BYTES)
             replay = PgOutputDecoder(4, parallel_abort=parallel)
             coverage = self._coverage(sql, builder, kafka_progress, mark)
-            snapshots = AddedTableSnapshots(self._dsn, s.slot_name, s.publication_name, builder,
-                                            sink, self.snapshot_progress)
+            snapshots = AddedTableSnapshots(server.dsn, s.slot_name, s.publication_name,
+                                            builder, sink, self.snapshot_progress)
             log_event(log, logging.INFO, "session starting", slot=s.slot_name,
+                      server=server.address,
                       system=identity.system_identifier, timeline=identity.timeline,
                       high_water=format_lsn(mark), snapshots_pending=[
                           f"{p.schema_}.{p.table}@{format_lsn(p.lsn)}"
@@ -245,7 +272,7 @@ class Bridge:
             if s.two_phase:
                 options["two_phase"] = "on"
             repl.start(s.slot_name, 0, options)
-            self._streamed_once = True
+            self._sessions_streamed += 1
             self._health.streaming, self._health.error = True, ""
             self.metrics.streaming.set(1)
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
@@ -279,9 +306,8 @@ class Bridge:
                 assembler.discard_all()
             if sink is not None:
                 sink.close()
-            if repl is not None:
-                repl.close()
-            sql.close()
+            if server is not None:
+                server.close()
 
     def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
                      repl: ReplicationConnection, dbname: str,
@@ -313,8 +339,8 @@ class Bridge:
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
         return None
 
-    def _snapshot(self, created: SlotCreated, builder: EventBuilder, sink: KafkaSink,
-                  origin: OriginStore, identity: ServerIdentity) -> int:
+    def _snapshot(self, created: SlotCreated, server: Server, builder: EventBuilder,
+                  sink: KafkaSink, origin: OriginStore) -> int:
         """Publish the initial snapshot as one Kafka transaction; returns the new mark."""
         s = self.settings
         assert created.snapshot_name is not None
@@ -322,10 +348,10 @@ class Bridge:
         log_event(log, logging.INFO, "initial snapshot starting", slot=s.slot_name,
                   consistent_point=format_lsn(point))
         sink.begin()
-        tables = take_snapshot(self._dsn, created.snapshot_name, s.publication_name, point,
+        tables = take_snapshot(server.dsn, created.snapshot_name, s.publication_name, point,
                                builder, sink, self.snapshot_progress)
         sink.produce(s.progress_topic, progress_key(s.slot_name),
-                     progress_value(s.slot_name, point, point, identity))
+                     progress_value(s.slot_name, point, point, server.identity))
         failpoint("snapshot_before_commit")
         sink.commit()
         origin.advance(point)

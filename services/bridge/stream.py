@@ -65,11 +65,12 @@ class ReplicationConnection:
         self._redacted = redact_dsn(full)
         self.conn = pq.PGconn.connect(full.encode())
         if self.conn.status != pq.ConnStatus.OK:
-            message = self.conn.get_error_message().strip().splitlines()
+            # libpq's message is the cause, then its hint on a line of its own: keep both.
+            message = " ".join(line.strip() for line in self.conn.get_error_message()
+                               .splitlines() if line.strip())
             self.conn.finish()
-            raise StreamError(
-                f"cannot open a replication connection ({self._redacted}): "
-                f"{message[-1] if message else 'unknown error'}")
+            raise StreamError(f"cannot open a replication connection ({self._redacted}): "
+                              f"{message or 'unknown error'}")
         self._streaming = False
 
     def command(self, sql: str) -> list[tuple[str | None, ...]]:

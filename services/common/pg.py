@@ -22,6 +22,37 @@ def with_password(dsn: str, password: str | None) -> str:
     return conninfo.make_conninfo(dsn, password=password)
 
 
+def host_dsns(dsn: str) -> list[str]:
+    """One DSN per server of a multi-host DSN (``host=a,b port=1,2``), in the DSN's order.
+
+    libpq picks the first listed server that answers and matches ``target_session_attrs``;
+    a caller with reasons of its own to refuse a server walks these instead. Each keeps
+    every other parameter (``target_session_attrs`` too, checked per server). A one-server
+    DSN comes back unchanged.
+    """
+    params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items()}
+    lists = {key: params[key].split(",") for key in ("host", "hostaddr", "port")
+             if key in params}
+    count = max((len(v) for v in lists.values()), default=1)
+    if count == 1:
+        return [dsn]
+    for key, values in lists.items():
+        if len(values) == 1:  # libpq's rule: one port (or host) serves every entry
+            lists[key] = values * count
+        elif len(values) != count:
+            raise SourceError(f"source DSN lists {count} servers but {len(values)} {key} "
+                              f"values; give one {key} or one per server")
+    return [conninfo.make_conninfo(**(params | {k: v[i] for k, v in lists.items()}))
+            for i in range(count)]
+
+
+def server_address(dsn: str) -> str:
+    """``host:port`` of a one-server DSN, for logs (no secrets)."""
+    params = conninfo.conninfo_to_dict(dsn)
+    host = params.get("hostaddr") or params.get("host") or "localhost"
+    return f"{host}:{params.get('port') or 5432}"
+
+
 def redact_dsn(dsn: str) -> str:
     """The DSN with secrets replaced, for logs and error messages."""
     try:

@@ -20,6 +20,7 @@ from typing import Literal
 from services.failover.facts import (
     WAIT_FOR_STANDBY,
     ClusterFacts,
+    Sender,
     Server,
     Slot,
     SubscriberFacts,
@@ -186,13 +187,35 @@ def _check_standby_slots(p: Server) -> Iterator[Check]:
                       f"synchronized_standby_slots: {name!r} is an active physical slot")
 
 
+def _held_back(p: Server, sender: Sender) -> str | None:
+    """Why ``sender`` is stalled behind synchronized_standby_slots; None if it is not.
+
+    Under that setting a logical walsender waits for the standby on every commit, so being
+    seen in that wait, even in every sample, proves nothing under write load. It is stalled
+    when it waited all along and a standby slot is inactive (nothing will confirm), or
+    when neither the standby slots nor its own slot moved meanwhile.
+    """
+    if not sender.always_waiting_for_standby:
+        return None
+    names = p.setting_list("synchronized_standby_slots")
+    inactive = [n for n in names if (slot := p.slot(n)) is None or not slot.active]
+    if inactive:
+        return f"standby slot(s) {', '.join(inactive)} inactive"
+    if all(p.slot_advanced(n) for n in names) or \
+            (sender.slot_name is not None and p.slot_advanced(sender.slot_name)):
+        return None
+    return (f"neither standby slot(s) {', '.join(names)} nor slot {sender.slot_name} advanced "
+            f"in {p.senders_window_s:.1f}s")
+
+
 def _check_senders(p: Server) -> Iterator[Check]:
     logical = [s for s in p.senders if s.slot_type == "logical"]
-    stalled = [s for s in logical if s.always_waiting_for_standby]
+    stalled = [(s, why) for s in logical if (why := _held_back(p, s)) is not None]
     if stalled:
-        who = ", ".join(f"{s.slot_name or s.application_name} (pid {s.pid})" for s in stalled)
+        who = "; ".join(f"{s.slot_name or s.application_name} (pid {s.pid}): {why}"
+                        for s, why in stalled)
         yield _bad("fail", "primary", "logical_senders_blocked",
-                   f"logical walsender(s) {who} stuck in wait event {WAIT_FOR_STANDBY}: no "
+                   f"logical walsender(s) stuck in wait event {WAIT_FOR_STANDBY} ({who}): no "
                    "changes reach subscribers or bridges until the standby confirms WAL",
                    "bring the standby named in synchronized_standby_slots back; only if it is "
                    "lost for good, remove its slot from the setting (losing failover safety "

@@ -22,6 +22,13 @@ class Slot:
     synced: bool
     invalidation_reason: str | None
     confirmed_flush_lsn: int | None
+    restart_lsn: int | None
+
+    @property
+    def position(self) -> int | None:
+        """How far its consumer confirmed: flushed WAL for a standby, changes for a
+        logical consumer."""
+        return self.restart_lsn if self.slot_type == "physical" else self.confirmed_flush_lsn
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,21 @@ class Server:
     wal_receiver_status: str | None = None
     slots: tuple[Slot, ...] = ()
     senders: tuple[Sender, ...] = ()
+    # The slots again once the senders were sampled, and for how long they were: what
+    # moved meanwhile tells a standby that confirms slowly from one that does not at all.
+    slots_after: tuple[Slot, ...] = ()
+    senders_window_s: float = 0.0
 
     def slot(self, name: str) -> Slot | None:
         return next((s for s in self.slots if s.name == name), None)
+
+    def slot_advanced(self, name: str) -> bool:
+        """Did the slot's position move while the senders were sampled?"""
+        before = self.slot(name)
+        after = next((s for s in self.slots_after if s.name == name), None)
+        if before is None or after is None or before.position is None or after.position is None:
+            return False
+        return after.position > before.position
 
     def setting_list(self, name: str) -> list[str]:
         """A comma-separated GUC (synchronized_standby_slots) as names."""

@@ -50,7 +50,7 @@ SELECT pg_is_in_recovery(),
 
 _SLOTS_SQL = """
 SELECT slot_name, slot_type, active, temporary, failover, synced, invalidation_reason,
-       confirmed_flush_lsn::text
+       confirmed_flush_lsn::text, restart_lsn::text
 FROM pg_replication_slots ORDER BY slot_name
 """
 
@@ -74,9 +74,12 @@ LEFT JOIN pg_stat_subscription w ON w.subid = s.oid AND w.worker_type = 'apply'
 ORDER BY s.subname
 """
 
-# Sampling the walsenders a few times tells a stalled stream from a momentary wait.
-SENDER_SAMPLES = 3
-SENDER_SAMPLE_GAP_S = 0.2
+# Under synchronized_standby_slots a logical walsender waits for the standby on every
+# commit, so a busy one is often caught in that wait. The walsenders are sampled until none
+# has been waiting all along, or for a window in which a live standby surely confirms WAL
+# (it replies on every flush) and the slots show it.
+SENDER_WINDOW_S = 2.5
+SENDER_SAMPLE_GAP_S = 0.25
 
 
 def _lsn(text: str | None) -> int | None:
@@ -101,27 +104,38 @@ def read_slots(conn: Conn) -> tuple[Slot, ...]:
     return tuple(
         Slot(name=r[0], slot_type=r[1], active=bool(r[2]), temporary=bool(r[3]),
              failover=bool(r[4]), synced=bool(r[5]), invalidation_reason=r[6],
-             confirmed_flush_lsn=_lsn(r[7]))
+             confirmed_flush_lsn=_lsn(r[7]), restart_lsn=_lsn(r[8]))
         for r in conn.execute(_SLOTS_SQL).fetchall()
     )
 
 
-def read_senders(conn: Conn, samples: int = SENDER_SAMPLES) -> tuple[Sender, ...]:
-    """Walsenders with their wait event in each sample; those gone midway are dropped."""
+def read_senders(conn: Conn, window_s: float = SENDER_WINDOW_S
+                 ) -> tuple[tuple[Sender, ...], float]:
+    """Walsenders with their wait event in each sample, and the seconds sampled.
+
+    Sampling stops early once no logical walsender has waited on the standby in every
+    sample so far: the window could not change the verdict. Walsenders gone midway are
+    dropped.
+    """
+    started = time.monotonic()
     seen: dict[int, list[Any]] = {}
     waits: dict[int, list[str | None]] = {}
-    for i in range(samples):
-        if i:
-            time.sleep(SENDER_SAMPLE_GAP_S)
-        rows = conn.execute(_SENDERS_SQL).fetchall()
-        for row in rows:
+    samples = 0
+    while True:
+        samples += 1
+        for row in conn.execute(_SENDERS_SQL).fetchall():
             seen[row[0]] = list(row)
             waits.setdefault(row[0], []).append(row[4])
-    return tuple(
-        Sender(pid=pid, application_name=row[1] or "", slot_name=row[2], slot_type=row[3],
-               wait_events=tuple(waits[pid]))
-        for pid, row in sorted(seen.items()) if len(waits[pid]) == samples
-    )
+        senders = tuple(
+            Sender(pid=pid, application_name=row[1] or "", slot_name=row[2],
+                   slot_type=row[3], wait_events=tuple(waits[pid]))
+            for pid, row in sorted(seen.items()) if len(waits[pid]) == samples
+        )
+        elapsed = time.monotonic() - started
+        if elapsed >= window_s or not any(s.slot_type == "logical"
+                                          and s.always_waiting_for_standby for s in senders):
+            return senders, elapsed
+        time.sleep(SENDER_SAMPLE_GAP_S)
 
 
 def probe_server(name: str, node: Node, *, senders: bool = False) -> Server:
@@ -133,13 +147,17 @@ def probe_server(name: str, node: Node, *, senders: bool = False) -> Server:
             settings: dict[str, str] = dict(conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
                 (list(_SETTINGS),)).fetchall())
+            watch = senders and not row[0]
+            slots = read_slots(conn)
+            seen, window = read_senders(conn) if watch else ((), 0.0)
+            slots_after = read_slots(conn) if watch else ()
             return Server(
                 name=name, reachable=True, in_recovery=bool(row[0]),
                 system_identifier=int(row[1]), wal_lsn=_lsn(row[2]), timeline=row[3],
                 settings=settings,
                 primary_conninfo_dbname=public_conninfo(row[4] or "").get("dbname"),
-                wal_receiver_status=row[5], slots=read_slots(conn),
-                senders=read_senders(conn) if senders and not row[0] else (),
+                wal_receiver_status=row[5], slots=slots, senders=seen,
+                slots_after=slots_after, senders_window_s=window,
             )
     except (SourceError, psycopg.Error) as exc:
         return Server(name=name, reachable=False, error=one_line(exc))

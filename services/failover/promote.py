@@ -15,8 +15,10 @@ session may still ``SET default_transaction_read_only = off``; only ``fence_comm
 the server, cut its network) is a hard guarantee. Logical consumers of the old primary are
 held back by its own ``synchronized_standby_slots``: once the standby is promoted, its slot
 on the old primary stays inactive and the old primary's logical walsenders wait forever. A
-crashed old primary cannot be fenced now: it comes back writable unless ``fence_command``
-or the watch daemon (which fences a returning old primary) takes care of it.
+crashed (or unreachable) old primary cannot be fenced now, and ``fence_command`` only runs
+against one that answers: restarted, it comes back writable. The runbook warns; keeping it
+down, or the watch daemon with ``auto_repoint`` (which fences a returning old primary), is
+what prevents that.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ from services.failover.settings import FailoverSettings, Node, Standby, Subscrib
 log = logging.getLogger("slotbridge.failover.promote")
 
 Result = Literal["done", "skipped", "plan", "warn", "failed"]
+# What the fence step found: a primary that answers (fenced, or to be in a dry run), one
+# that does not (down or cut off, so not fenced), or one already in recovery.
+OldPrimary = Literal["answers", "down", "standby"]
 
 
 class PromoteError(Exception):
@@ -169,6 +174,7 @@ class Runbook:
         self.result = RunResult(standby=standby, dry_run=dry_run)
         self.targets: list[Target] = []
         self.already_promoted = False
+        self.old_primary: OldPrimary | None = None  # set by the fence step
         self.fence_lsn: str | None = None
         self._started = 0.0
 
@@ -262,15 +268,18 @@ class Runbook:
     def fence(self) -> tuple[Result, str]:
         old = probe_server("primary", self.settings.primary)
         if not old.reachable:
-            return "skipped", (f"old primary does not answer ({old.error}); assumed down - "
-                               "make sure it cannot come back (fence_command)")
+            self.old_primary = "down"
+            return "skipped", f"old primary does not answer ({old.error}): not fenced"
         if old.in_recovery:
+            self.old_primary = "standby"
             return "skipped", "old primary is in recovery (already a standby): nothing to fence"
+        self.old_primary = "answers"
         if self.dry_run:
             return "plan", ("would set default_transaction_read_only=on on the old primary, "
                             "reload, terminate its client backends and logical walsenders")
         self.fence_lsn = fence_primary(self.settings.primary)
         if self.fence_lsn is None:
+            self.old_primary = "down"
             return "skipped", "old primary stopped answering while being fenced"
         return "done", f"old primary read-only, clients cut off at {self.fence_lsn}"
 
@@ -297,13 +306,26 @@ class Runbook:
 
     def stop_old_primary(self) -> tuple[Result, str]:
         command = self.settings.fence_command
+        if self.old_primary == "standby":
+            return "skipped", "old primary is in recovery (a standby): nothing to stop"
+        if self.old_primary == "down":
+            # Nothing reached it, and a crashed primary restarts as a primary: the one way
+            # left to fork the data, so the step warns.
+            detail = ("old primary is down or unreachable, so it was not fenced"
+                      + (" and fence_command was not run" if command else "")
+                      + ": if restarted it comes back WRITABLE; keep it down, or run "
+                      "`slotbridge failover watch` with auto_repoint: true (it fences an old "
+                      "primary that comes back)")
+            if not command:
+                detail += ("; configure fence_command so the next promotion stops an old "
+                           "primary that still answers")
+            return "warn", detail
         if not command:
-            return "skipped", "no fence_command configured: the old primary keeps running " \
-                              "read-only"
+            return "skipped", ("no fence_command configured: the old primary keeps running, "
+                               "soft-fenced (read-only by default, but a session can still "
+                               "turn that off); stop it, or configure fence_command")
         if self.dry_run:
-            return "plan", f"would run fence_command {command[0]} if the old primary answers"
-        if self.fence_lsn is None:
-            return "skipped", "old primary does not answer: nothing to stop"
+            return "plan", f"would run fence_command {command[0]} to stop the old primary"
         proc = subprocess.run(command, env={**os.environ, "SLOTBRIDGE_FENCE_NODE": "primary"},
                               capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:

@@ -4,7 +4,9 @@ The primary is shut down by the runbook's fence (or crashes) under writes, the s
 promoted, and the bridge - on a
 multi-host DSN - resumes from the synced slot on the new primary. Afterwards Kafka must
 hold exactly the new primary's rows, each once; and a bridge pointed at the old primary,
-started again, must refuse it (older timeline).
+started again, must refuse it (older timeline). A crashed old primary comes back writable,
+so ``target_session_attrs=read-write`` alone would pick it when it is listed first: the
+bridge must pass it over for the next server of its DSN.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from services.failover.drill import (
@@ -20,6 +23,7 @@ from services.failover.drill import (
     drill,
     fence_by_stopping,
     follow_primary,
+    run_promote,
     settings_for,
     subscribe,
 )
@@ -79,5 +83,57 @@ def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
         code, output = pipe.run_to_exit(120)
         assert code != 0
         assert "old primary after a failover" in output, output[-2000:]
+    finally:
+        pipe.kill()
+
+
+def test_bridge_passes_over_a_writable_old_primary_listed_first(
+        fresh_stack: Callable[[], Stack], tmp_path: Path) -> None:
+    """Crashed old primary restarted, first in the DSN: skipped, named, and not read."""
+    stack = fresh_stack()
+    old, new = stack.node("primary"), stack.node("standby")
+    with old.connect() as conn:
+        conn.execute(f"CREATE TABLE {TABLE} (id bigserial PRIMARY KEY, payload text)")
+    pipe = Pipeline(stack, [f"public.{TABLE}"], tmp_path)
+    pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = follow_primary(stack.primary_dsn, stack.standby_dsn)
+    config = settings_for(stack, tmp_path / "failover.yaml", bridge_slots=[pipe.name])
+
+    def insert(node_dsn: str, payload: str) -> None:
+        with psycopg.connect(node_dsn, autocommit=True) as conn:
+            conn.execute(f"INSERT INTO {TABLE} (payload) VALUES (%s)", (payload,))
+
+    def published() -> list[str]:
+        return [r.value["after"]["payload"] for r in pipe.changes(f"public.{TABLE}")]
+
+    pipe.start()
+    try:
+        insert(stack.primary_dsn, "before")
+        pipe.wait_caught_up(60)
+        stack.wait_slot_synced(pipe.name, timeout=90)
+        old.stop("immediate")
+        promoted = run_promote(config, "standby", "--force")
+        assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+        # The running bridge follows, so its progress record now names timeline 2.
+        insert(stack.standby_dsn, "on the new primary")
+        wait_for(lambda: "on the new primary" in published(), 120,
+                 f"the bridge to follow the promotion\n{pipe.output()[-3000:]}")
+        assert pipe.stop() == 0
+
+        old.start()  # crashed, so never fenced: it comes back writable on timeline 1
+        assert old.query("SHOW transaction_read_only") == [("off",)]
+        insert(stack.primary_dsn, "split brain")
+        before = len(pipe.output())
+        pipe.start()
+        insert(stack.standby_dsn, "after the restart")
+        wait_for(lambda: "after the restart" in published(), 60,
+                 f"the bridge to stream from the new primary\n{pipe.output()[-3000:]}")
+        run = pipe.output()[before:]
+        skipped = [line for line in run.splitlines() if "skipping" in line]
+        assert len(skipped) == 1 and " WARNING " in skipped[0], run
+        assert f"server=127.0.0.1:{old.port} " in skipped[0], skipped[0]
+        assert "timeline=1 " in skipped[0] and "published_timeline=2" in skipped[0], skipped[0]
+        assert "old primary after a failover" in skipped[0], skipped[0]
+        assert f"session starting slot={pipe.name} server=127.0.0.1:{new.port} " in run, run
+        assert sorted(published()) == ["after the restart", "before", "on the new primary"]
     finally:
         pipe.kill()

@@ -12,11 +12,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import psycopg
 
 from services.common.settings import load_settings
 from services.failover.drill import settings_for, subscribe
@@ -136,6 +140,44 @@ def test_check_pinpoints_each_broken_setup(fresh_stack: Callable[[], Stack]) -> 
         conn.execute("CHECKPOINT")
     data = assert_pinpointed(stale_config, "slot_invalidated")
     assert any("wal_removed" in c["detail"] for c in data["checks"])
+
+
+@contextmanager
+def writing(dsn: str, table: str) -> Iterator[None]:
+    """Single-row inserts back to back on the primary while the block runs."""
+    stop = threading.Event()
+
+    def write() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                conn.execute(f"INSERT INTO {table} (payload) VALUES ('load')")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join(10)
+
+
+def test_check_is_ready_under_write_load(fresh_stack: Callable[[], Stack]) -> None:
+    """Under synchronized_standby_slots each commit makes the logical walsender wait for
+    the standby, so a busy one is mostly seen in that wait; the standby keeps confirming,
+    and ``check`` must call that ready, every time."""
+    stack = fresh_stack()
+    subscribe(stack, "orders")
+    config = settings_for(stack, stack.state_dir / "failover.yaml")
+    primary, subscriber = stack.node("primary"), stack.node("subscriber")
+    with writing(stack.primary_dsn, "orders"):
+        assert wait_until(lambda: subscriber.query("SELECT count(*) FROM orders")[0][0] > 100,
+                          30), "the subscription does not stream"
+        waits = [primary.query("SELECT a.wait_event FROM pg_stat_activity a JOIN "
+                               "pg_replication_slots s ON s.active_pid = a.pid "
+                               "WHERE s.slot_name = 'orders_sub'") for _ in range(20)]
+        assert [("WaitForStandbyConfirmation",)] in waits, "the load does not make it wait"
+        verdicts = [check(config) for _ in range(8)]
+    assert [failed(data) for rc, data in verdicts if rc != 0] == []
 
 
 def test_watch_exports_metrics_and_stops_on_sigterm(fresh_stack: Callable[[], Stack]) -> None:

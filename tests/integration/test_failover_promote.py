@@ -87,6 +87,14 @@ def test_drill_old_primary_crashed(fresh_stack: Callable[[], Stack]) -> None:
                    before=lambda: stack.node("primary").stop("immediate"))
     fence = next(s for s in result.steps if s["step"] == "fence")
     assert fence["result"] == "skipped"
+    # It is down, not read-only: say so, and that it would come back writable.
+    stop = next(s for s in result.steps if s["step"] == "stop_old_primary")
+    assert stop["result"] == "warn", stop
+    assert stop["detail"].startswith("old primary is down or unreachable, so it was not "
+                                     "fenced: if restarted it comes back WRITABLE; keep it "
+                                     "down, or run `slotbridge failover watch`"), stop
+    assert "configure fence_command" in stop["detail"], stop
+    assert "read-only" not in stop["detail"], stop
     _assert_after_failover(stack, result, sub)
 
 
@@ -116,6 +124,9 @@ def test_dry_run_changes_nothing(fresh_stack: Callable[[], Stack]) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "would disable subscriber/drill_sub" in proc.stdout
     assert "would run pg_promote()" in proc.stdout
+    # The old primary answers and no fence_command is set: it stays up, only soft-fenced.
+    assert "no fence_command configured: the old primary keeps running, soft-fenced" \
+        in proc.stdout
     assert _catalog(stack) == before
 
 

@@ -16,8 +16,9 @@ from services.failover.facts import (
     SubscriberFacts,
     Subscription,
 )
-from services.failover.promote import _harmful, repointed_conninfo, same_server
+from services.failover.promote import Runbook, _harmful, repointed_conninfo, same_server
 from services.failover.report import render_report, report_dict
+from services.failover.settings import FailoverSettings, Node, Standby
 
 LIMITS = Thresholds(max_slot_lag_bytes=1000, max_replay_lag_bytes=1000)
 SYSID = 7_400_000_000_000_000_001
@@ -26,7 +27,7 @@ SYSID = 7_400_000_000_000_000_001
 def slot(name: str, **kw: object) -> Slot:
     base = dict(name=name, slot_type="logical", active=True, temporary=False,
                 failover=True, synced=False, invalidation_reason=None,
-                confirmed_flush_lsn=5000)
+                confirmed_flush_lsn=5000, restart_lsn=4000)
     base.update(kw)
     return Slot(**base)  # type: ignore[arg-type]
 
@@ -35,7 +36,7 @@ PRIMARY = Server(
     name="primary", reachable=True, system_identifier=SYSID, timeline=1,
     wal_lsn=10_000, settings={"wal_level": "logical", "synchronized_standby_slots": "standby1"},
     slots=(slot("standby1", slot_type="physical", failover=False,
-                confirmed_flush_lsn=None), slot("app_sub"), slot("bridge")),
+                confirmed_flush_lsn=None, restart_lsn=9_900), slot("app_sub"), slot("bridge")),
     senders=(Sender(1, "app_sub", "app_sub", "logical", (None, None, None)),),
 )
 STANDBY = Server(
@@ -160,6 +161,39 @@ def test_momentary_wait_is_not_a_stall() -> None:
     assert judge(with_primary(senders=(sender,))).ready
 
 
+WAITING = Sender(1, "app_sub", "app_sub", "logical", (WAIT_FOR_STANDBY,) * 10)
+
+
+def sampled(**moved: int) -> ClusterFacts:
+    """A sender that waited on the standby in all ten samples of a 2.5 s window, while
+    the named slots of the primary moved by the given number of bytes."""
+    def advanced(s: Slot) -> Slot:
+        by = moved.get(s.name, 0)
+        if s.slot_type == "physical":
+            return replace(s, restart_lsn=(s.restart_lsn or 0) + by)
+        return replace(s, confirmed_flush_lsn=(s.confirmed_flush_lsn or 0) + by)
+
+    return with_primary(senders=(WAITING,), slots_after=tuple(map(advanced, PRIMARY.slots)),
+                        senders_window_s=2.5)
+
+
+def test_waiting_all_along_while_the_standby_confirms_is_not_a_stall() -> None:
+    """Write load: each commit waits for the standby, which keeps confirming."""
+    assert judge(sampled(standby1=4096)).ready
+
+
+def test_waiting_all_along_while_its_own_slot_moves_is_not_a_stall() -> None:
+    assert judge(sampled(app_sub=512)).ready
+
+
+def test_waiting_all_along_with_nothing_moving_is_a_stall() -> None:
+    """A standby that is connected but confirms nothing (hung, or its disk is full)."""
+    report = judge(sampled(bridge=512))  # another consumer's progress does not count
+    assert "logical_senders_blocked" in failed(report)
+    blocked = next(c for c in report.checks if c.code == "logical_senders_blocked")
+    assert "neither standby slot(s) standby1 nor slot app_sub advanced in 2.5s" in blocked.detail
+
+
 def test_lag_warns_but_does_not_block() -> None:
     report = judge(with_standby(wal_lsn=1))
     assert report.ready
@@ -218,3 +252,20 @@ def test_repointed_conninfo_keeps_credentials_and_drops_old_address() -> None:
     assert "password=s3cret" in new and "dbname=app" in new and "sslmode=require" in new
     assert same_server({"host": "new", "port": "6432"}, {"host": "new", "port": "6432"})
     assert not same_server({"host": "old"}, {"host": "new"})
+
+
+@pytest.mark.parametrize("fence_command", [None, ["stop-old-primary"]])
+def test_a_down_old_primary_is_reported_unfenced_and_coming_back_writable(
+        fence_command: list[str] | None) -> None:
+    settings = FailoverSettings(primary=Node(dsn="host=old"),
+                                standbys={"s1": Standby(dsn="host=new")},
+                                fence_command=fence_command)
+    runbook = Runbook(settings, "s1")
+    runbook.old_primary = "down"  # what the fence step found
+    result, detail = runbook.stop_old_primary()
+    assert result == "warn"
+    assert detail.startswith("old primary is down or unreachable, so it was not fenced")
+    assert "if restarted it comes back WRITABLE; keep it down" in detail
+    assert "slotbridge failover watch` with auto_repoint: true" in detail
+    assert ("fence_command was not run" in detail) == bool(fence_command)
+    assert ("configure fence_command" in detail) == (not fence_command)
