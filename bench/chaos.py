@@ -93,6 +93,7 @@ def kill_phase(stack: Stack, work: Path, kills: int, cuts: int, broker_kills: in
                 workload.fresh.append(table)
                 sql(stack.primary_dsn, f"ALTER PUBLICATION {pipe.name} ADD TABLE {table}")
             if rng.random() < 0.3:
+                pipe.kill()
                 point = rng.choice(FAILPOINTS)
                 code, output = pipe.run_to_exit(
                     180, SLOTBRIDGE_FAILPOINTS=f"{point}={rng.randint(1, 3)}*kill")
@@ -101,7 +102,8 @@ def kill_phase(stack: Stack, work: Path, kills: int, cuts: int, broker_kills: in
                                      f"{output[-2000:]}")
                 done["failpoint_kills"] += 1
             else:
-                pipe.start()
+                if pipe.proc is None or pipe.proc.poll() is not None:
+                    pipe.start()
                 time.sleep(rng.uniform(0.5, 3.0))
                 if n in cut_at:
                     proxy.cut()
