@@ -49,7 +49,7 @@ from services.failover.drill import (  # noqa: E402
 from services.stack.kafka_audit import AuditReport, audit  # noqa: E402
 from services.stack.kafka_proxy import KafkaFaultProxy  # noqa: E402
 from services.stack.stack import Stack  # noqa: E402
-from tests.integration.bridge_harness import CounterWorkload, Pipeline, sql, wait_for  # noqa: E402
+from tests.integration.bridge_harness import CounterWorkload, Pipeline, wait_for  # noqa: E402
 
 FAILPOINTS = ["after_produce", "before_kafka_commit", "after_kafka_commit",
               "after_origin_advance", "after_slot_confirm"]
@@ -87,11 +87,7 @@ def kill_phase(stack: Stack, work: Path, kills: int, cuts: int, broker_kills: in
         workload.start()
         for n in range(kills):
             if n % 10 == 0:
-                table = workload.add_fresh_table(f"fresh{n}")
-                sql(stack.primary_dsn, f"INSERT INTO {table} (k) SELECT g % 8 "
-                                       "FROM generate_series(1, 500) g")
-                workload.fresh.append(table)
-                sql(stack.primary_dsn, f"ALTER PUBLICATION {pipe.name} ADD TABLE {table}")
+                workload.add_fresh_table(f"fresh{n}", 500, pipe.name)
             # A failpoint run ends by itself: cuts and broker kills need a random-kill round.
             if n not in cut_at and n not in broker_at and rng.random() < 0.3:
                 pipe.kill()

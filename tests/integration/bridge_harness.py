@@ -319,10 +319,16 @@ class CounterWorkload(threading.Thread):
         sql(self.dsn, f"INSERT INTO {self.schema}.counters "
                       f"SELECT g, 0 FROM generate_series(0, {self.keys - 1}) g")
 
-    def add_fresh_table(self, name: str) -> str:
-        """Create ``schema.name`` (id bigserial, k int) for the workload to write too."""
+    def add_fresh_table(self, name: str, rows: int, publication: str) -> str:
+        """Create ``schema.name`` (id bigserial, k int) with ``rows`` rows, have the workload
+        write to it too, then add it to ``publication``: the bridge snapshots it while the
+        workload already changes it, into topics created right then."""
         table = f"{self.schema}.{name}"
-        sql(self.dsn, f"CREATE TABLE {table} (id bigserial PRIMARY KEY, k int NOT NULL)")
+        sql(self.dsn, f"CREATE TABLE {table} (id bigserial PRIMARY KEY, k int NOT NULL);"
+                      f"INSERT INTO {table} (k) SELECT g % {self.keys} "
+                      f"FROM generate_series(1, {rows}) g")
+        self.fresh.append(table)
+        sql(self.dsn, f"ALTER PUBLICATION {publication} ADD TABLE {table}")
         return table
 
     def run(self) -> None:

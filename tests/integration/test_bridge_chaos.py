@@ -20,7 +20,7 @@ import pytest
 
 from services.stack.kafka_proxy import KafkaFaultProxy
 from services.stack.stack import Stack
-from tests.integration.bridge_harness import CounterWorkload, Pipeline, sql
+from tests.integration.bridge_harness import CounterWorkload, Pipeline
 
 SCHEMA = "chaos"
 ROUNDS = 10
@@ -49,13 +49,7 @@ def test_fresh_topics_under_load_with_kills_and_cuts(stack: Stack, proxy: KafkaF
             if pipe.proc is None or pipe.proc.poll() is not None:
                 pipe.start()
             if round_ % 2 == 0:
-                # Rows first, then the publication: the bridge snapshots it while the
-                # workload already writes to it.
-                table = workload.add_fresh_table(f"fresh{round_}")
-                sql(stack.primary_dsn, f"INSERT INTO {table} (k) SELECT g % 8 "
-                                       "FROM generate_series(1, 200) g")
-                workload.fresh.append(table)
-                sql(stack.primary_dsn, f"ALTER PUBLICATION {pipe.name} ADD TABLE {table}")
+                workload.add_fresh_table(f"fresh{round_}", 200, pipe.name)
             time.sleep(rng.uniform(1.5, 3.5))
             if round_ % 4 == 3:
                 proxy.cut()
