@@ -88,7 +88,8 @@ class FirstWrites:
             self.settled.add(topic)
 
     def forget(self) -> None:
-        """After an abort, or a new producer id or epoch, nothing is proven any more."""
+        """After an abort nothing is proven any more: an aborted first write may never have
+        reached its partition. (A new producer session is a new sink, with nothing proven.)"""
         self.settled.clear()
         self._written.clear()
         self._since = time.monotonic()
@@ -254,7 +255,6 @@ class KafkaSink:
         if not self._in_txn:
             return
         self._in_txn = False
-        # An aborted first write may never have reached its partition: prove them again.
         self._first.forget()
         try:
             self._producer.abort_transaction(10)

@@ -67,6 +67,12 @@ class AuditReport:
     change_records: int = 0
     snapshot_records: int = 0
     problems: list[str] = field(default_factory=list)
+    # What each problem means for exactly-once: lost, duplicated, sequence_gap, open.
+    kinds: Counter[str] = field(default_factory=Counter)
+
+    def problem(self, kind: str, text: str) -> None:
+        self.kinds[kind] += 1
+        self.problems.append(text)
 
     def summary(self) -> str:
         return (f"audit: {self.partitions} partitions, {self.batches} batches, records "
@@ -180,19 +186,20 @@ def check_sequences(part: Partition, report: AuditReport) -> None:
         if b.control or b.producer_id < 0:
             continue
         if b.last_sequence - b.base_sequence + 1 != b.count:
-            report.problems.append(f"{where} offset {b.base_offset}: {b.count} records but "
+            report.problem("sequence_gap", f"{where} offset {b.base_offset}: {b.count} records but "
                                    f"sequences {b.base_sequence}..{b.last_sequence}")
         producer = (b.producer_id, b.epoch)
         expected = last.get(producer)
         if expected is None:
             if b.base_sequence != 0 and part.log_start == 0:
-                report.problems.append(
-                    f"{where}: producer {b.producer_id} epoch {b.epoch} starts at sequence "
+                report.problem(
+                    "lost", f"{where}: producer {b.producer_id} epoch {b.epoch} starts at sequence "
                     f"{b.base_sequence} (offset {b.base_offset}); sequences 0.."
                     f"{b.base_sequence - 1} were acknowledged but never stored")
         elif b.base_sequence != expected + 1:
-            report.problems.append(
-                f"{where}: producer {b.producer_id} epoch {b.epoch} jumps from sequence "
+            report.problem(
+                "sequence_gap", f"{where}: producer {b.producer_id} epoch {b.epoch} jumps from "
+                f"sequence "
                 f"{expected} to {b.base_sequence} at offset {b.base_offset}")
         last[producer] = b.last_sequence
 
@@ -231,12 +238,12 @@ def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport,
             setattr(report, verdict, getattr(report, verdict) + 1)
             record = contents.get((part.topic, part.partition, offset))
             if record is None:
-                report.problems.append(f"{part.topic}-{part.partition} offset {offset}: in "
+                report.problem("lost", f"{part.topic}-{part.partition} offset {offset}: in "
                                        "the log but not readable")
             elif verdict == "committed":
                 committed.append((part.topic, record[1]))
     if report.open:
-        report.problems.append(f"{report.open} records are in Kafka transactions still open")
+        report.problem("open", f"{report.open} records are in Kafka transactions still open")
     return report, committed
 
 
@@ -294,16 +301,17 @@ def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
     report.source_transactions = len(ends)
     for txid, count in ends.items():
         if count > 1:
-            report.problems.append(f"source transaction {txid}: END committed {count} times")
+            report.problem("duplicated", f"source transaction {txid}: END committed {count} times")
         if txid not in begins:
-            report.problems.append(f"source transaction {txid}: END without BEGIN")
+            report.problem("lost", f"source transaction {txid}: END without BEGIN")
         held = len(events.get(txid, ()))
         if held != expected[txid]:
-            report.problems.append(f"source transaction {txid}: END counts "
+            report.problem("lost", f"source transaction {txid}: END counts "
                                    f"{expected[txid]} events, the log holds {held}")
     for txid in events.keys() - ends.keys():
-        report.problems.append(f"source transaction {txid}: changes committed without its END")
+        report.problem("lost", f"source transaction {txid}: changes committed without "
+                       "its END")
     for (txid, topic, order, op, _row), count in seen.items():
         if count > 1:
-            report.problems.append(f"{topic}: change {order} ({op}) of source transaction "
+            report.problem("duplicated", f"{topic}: change {order} ({op}) of source transaction "
                                    f"{txid} committed {count} times")
