@@ -12,7 +12,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from services.common.settings import ServiceSettings, kafka_topic_name, qualified_tables
+from services.common.settings import (
+    ServiceSettings,
+    kafka_topic_name,
+    qualified_tables,
+    string_values,
+)
 
 
 class ConsumerSettings(ServiceSettings):
@@ -70,6 +75,7 @@ class ConsumerSettings(ServiceSettings):
 
     _topic = field_validator("topic_prefix")(kafka_topic_name)
     _qualified = field_validator("tables")(qualified_tables)
+    _strings = field_validator("kafka_options", "spark_conf", mode="before")(string_values)
 
     @property
     def schema_topic(self) -> str:

@@ -66,10 +66,10 @@ from services.bridge.source import (
     table_facts,
     warn_keyless_tables,
 )
-from services.bridge.spool import Spool, SpoolStats, clear_spool_dir
+from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
 from services.bridge.stream import ReplicationConnection, SlotCreated, StreamError
 from services.common.failpoints import failpoint
-from services.common.httpserver import HealthServer
+from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
 from services.common.pg import SourceError, with_password
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 # previous session still holds the slot ...). Everything else is fatal.
 TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
              ProgressError)
-FATAL = (FencedError, GapError, RowTooLarge, DecodeError)
+FATAL = (FencedError, GapError, RowTooLarge, DecodeError, SpoolError)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
@@ -140,14 +140,14 @@ class Bridge:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         server = None
-        if self.settings.http_port:
-            server = HealthServer(self.settings.http_host, self.settings.http_port, self._live,
-                                  self._ready, self.metrics.registry,
-                                  {"/snapshot": self.snapshot_progress.report}).start()
         try:
+            if self.settings.http_port:
+                server = HealthServer(self.settings.http_host, self.settings.http_port,
+                                      self._live, self._ready, self.metrics.registry,
+                                      {"/snapshot": self.snapshot_progress.report}).start()
             self._sessions()
             return 0
-        except SourceError as exc:
+        except (SourceError, HttpServerError) as exc:
             log_event(log, logging.ERROR, str(exc))
             return 2
         except BaseException as exc:
@@ -210,6 +210,7 @@ class Bridge:
         publisher: Publisher | None = None
         assembler: Assembler | None = None
         try:
+            spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
             sink = KafkaSink(s)
             sink.start()  # fences a killed predecessor; must precede reading progress
             sink.ensure_topics({s.progress_topic: True})
@@ -240,8 +241,6 @@ class Bridge:
                               "dropped", slot=s.slot_name)
                     return
 
-            spool_dir = s.spool_dir / s.slot_name
-            clear_spool_dir(spool_dir)
             parallel = s.streaming == "parallel"
             tracker = ConfirmTracker(0)
             queue = TxnQueue(_QUEUE_BYTES)

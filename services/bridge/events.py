@@ -19,7 +19,13 @@ from typing import Any
 
 from services.bridge import messages as m
 from services.bridge.records import CONNECTOR, UNCHANGED_TOAST
-from services.bridge.values import TYPE_NAMES, JsonValue, converter_for
+from services.bridge.values import (
+    RAW_JSON_TYPES,
+    TYPE_NAMES,
+    JsonValue,
+    converter_for,
+    embed_raw_json,
+)
 
 VERSION = "0.1.0"
 _PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
@@ -74,6 +80,7 @@ class RelationInfo:
     key_idx: tuple[int, ...]
     replica_identity: str
     schema_record: dict[str, Any]
+    raw_json: bool  # has json/jsonb columns, whose text goes into records as is
     published: bool = False
 
 
@@ -149,6 +156,7 @@ class RelationCatalog:
             topic=f"{self.topic_prefix}.{rel.namespace}.{rel.name}", version=version,
             names=names, converters=tuple(converter_for(c.type_oid) for c in rel.columns),
             key_idx=key_idx, replica_identity=rel.replica_identity, schema_record=record,
+            raw_json=any(c.type_oid in RAW_JSON_TYPES for c in rel.columns),
         )
 
 
@@ -217,8 +225,8 @@ class EventBuilder:
                 row = _row(info, msg.new, None)
                 # An insert has no unchanged-TOAST value: its key is already in the row,
                 # converted once.
-                key = (_dumps({info.names[i]: row[info.names[i]] for i in info.key_idx})
-                       .encode() if info.key_idx else None)
+                key = (_encode(info, {info.names[i]: row[info.names[i]] for i in info.key_idx})
+                       if info.key_idx else None)
                 yield info.topic, key, self._value(
                     info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
                     "r" if snapshot != "false" else "c", None, row, txid, total, order)
@@ -302,7 +310,7 @@ class EventBuilder:
                     f'"schema_version":{info.version}')
             pieces = templates[info.oid] = (head, tail)
         head, tail = pieces
-        out = (
+        text = (
             f'{{"before":{_dumps(before) if before is not None else "null"},'
             f'"after":{_dumps(after) if after is not None else "null"},'
             f'"source":{head},"lsn":{lsn}{tail},'
@@ -310,7 +318,8 @@ class EventBuilder:
             f'"op":"{op}","ts_ms":{now_ms},'
             f'"transaction":{{"id":"{txid}","total_order":{total},'
             f'"data_collection_order":{order}}}}}'
-        ).encode()
+        )
+        out = (embed_raw_json(text) if info.raw_json else text).encode()
         if len(out) > self.max_record_bytes:
             raise RowTooLarge(
                 f"a change of {info.schema}.{info.table} at LSN {lsn:X} is {len(out)} bytes, "
@@ -345,4 +354,9 @@ def _typed(info: RelationInfo, i: int, value: m.TupleValue) -> JsonValue:
 def _key(info: RelationInfo, tup: m.Tuple) -> bytes | None:
     if not info.key_idx:
         return None
-    return _dumps({info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx}).encode()
+    return _encode(info, {info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx})
+
+
+def _encode(info: RelationInfo, value: dict[str, JsonValue]) -> bytes:
+    text = _dumps(value)
+    return (embed_raw_json(text) if info.raw_json else text).encode()

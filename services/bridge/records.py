@@ -6,10 +6,12 @@ does not instantiate them on the hot path (building plain dicts is several times
 tests validate what the builder produced against the generated schemas instead.
 
 Column values are typed JSON by PostgreSQL type (see ``services/bridge/values.py``):
-integers as numbers, numeric as exact strings, timestamps as ISO 8601 strings, json/jsonb
-as JSON, bytea as base64, arrays as JSON arrays, anything unknown as text. A TOASTed value
-the server did not send because it did not change is the string ``UNCHANGED_TOAST`` below
-(Debezium's placeholder, so existing Debezium consumers already recognise it).
+integers as numbers, numeric and money as exact decimal strings, timestamps as ISO 8601
+strings, json/jsonb as the very JSON text PostgreSQL printed (embedded, not re-encoded:
+duplicate keys, number precision and whitespace kept), bytea as base64, arrays as JSON
+arrays, anything unknown as text. A TOASTed value the server did not send because it did
+not change is the string ``UNCHANGED_TOAST`` below (Debezium's placeholder, so existing
+Debezium consumers already recognise it).
 """
 
 from __future__ import annotations

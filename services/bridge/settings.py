@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from services.common.settings import ServiceSettings, kafka_topic_name, qualified_tables
+from services.common.pg import check_dsn
+from services.common.settings import (
+    HTTP_HOST,
+    ServiceSettings,
+    kafka_topic_name,
+    qualified_tables,
+    string_values,
+)
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def _user_cache() -> Path:
+    # Per user, not a shared temp folder whose name anyone can predict and squat.
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 class BridgeSettings(ServiceSettings):
@@ -48,7 +60,11 @@ class BridgeSettings(ServiceSettings):
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")
     kafka_transaction_timeout_ms: int = Field(default=300_000, ge=1_000)
 
-    spool_dir: Path = Path(tempfile.gettempdir()) / "slotbridge-spool"
+    spool_dir: Path = Field(
+        default_factory=lambda: _user_cache() / "slotbridge" / "spool",
+        description="folder for transactions too large to hold in memory (row data: created "
+        "0700, refused if other users can write to it); default ~/.cache/slotbridge/spool",
+    )
     spool_memory_bytes: int = Field(
         default=8 * 1024 * 1024, ge=0,
         description="bytes of one transaction kept in memory before it spills to spool_dir",
@@ -62,7 +78,7 @@ class BridgeSettings(ServiceSettings):
         " topics the bridge creates accept records this large (max.message.bytes)",
     )
 
-    http_host: str = "0.0.0.0"
+    http_host: str = HTTP_HOST
     http_port: int = Field(default=9187, ge=0, le=65535, description="0 disables the server")
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -76,8 +92,10 @@ class BridgeSettings(ServiceSettings):
             )
         return value
 
+    _dsn = field_validator("source_dsn")(check_dsn)
     _topic = field_validator("topic_prefix", "progress_topic")(kafka_topic_name)
     _qualified = field_validator("tables")(qualified_tables)
+    _strings = field_validator("kafka_config", mode="before")(string_values)
 
     @property
     def origin_name(self) -> str:

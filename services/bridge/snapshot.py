@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from psycopg import sql
@@ -36,7 +36,6 @@ from services.bridge import messages as m
 from services.bridge.coverage import TableName
 from services.bridge.events import EventBuilder
 from services.bridge.sink import KafkaSink
-from services.bridge.source import published_tables
 from services.bridge.stream import SESSION_OPTIONS, ReplicationConnection, now_pg_us
 from services.common.logs import log_event
 from services.common.lsn import format_lsn
@@ -62,8 +61,15 @@ SELECT a.attname, a.atttypid::int, a.atttypmod,
        pg_relation_size(c.oid) / current_setting('block_size')::int
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
-WHERE n.nspname = %s AND c.relname = %s
+WHERE n.nspname = %s AND c.relname = %s AND a.attname = ANY(%s)
 ORDER BY a.attnum
+"""
+
+# What the publication sends of each table: its column list (without generated columns
+# unless publish_generated_columns says so, as pgoutput does) and its row filter.
+_PUBLISHED_SQL = """
+SELECT schemaname, tablename, attnames, rowfilter FROM pg_publication_tables
+WHERE pubname = %s ORDER BY 1, 2
 """
 
 
@@ -115,12 +121,13 @@ def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_poi
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
         # Publication membership as of the snapshot: a table removed since is not read.
-        tables = [t for t in published_tables(conn, publication) if only is None or t in only]
-        for schema, table in tables:
-            relation, heap = _relation(conn, schema, table)
-            progress.table(f"{schema}.{table}", consistent_point, heap.rows)
+        tables = [t for t in _published(conn, publication) if only is None or t.name in only]
+        for table in tables:
+            relation, heap = _relation(conn, table)
+            progress.table(".".join(table.name), consistent_point, heap.rows)
             for topic, key, value in builder.transaction(
-                    0, position, now_pg_us(), _rows(conn, relation, heap, progress),
+                    0, position, now_pg_us(), _rows(conn, relation, heap, table.row_filter,
+                                                    progress),
                     snapshot="true"):
                 if topic == builder.transaction_topic:
                     continue  # a snapshot is not a source transaction
@@ -132,7 +139,7 @@ def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_poi
     seconds = time.monotonic() - started
     log_event(log, logging.INFO, "snapshot read", tables=len(tables), rows=total,
               seconds=round(seconds, 1), rows_per_s=round(total / seconds) if seconds else None)
-    return tables
+    return [t.name for t in tables]
 
 
 class AddedTableSnapshots:
@@ -183,15 +190,33 @@ class AddedTableSnapshots:
 
 
 @dataclass(frozen=True, slots=True)
+class _Published:
+    name: TableName
+    columns: list[str]
+    row_filter: str | None  # the WHERE expression, as the server deparses it
+
+
+def _published(conn: psycopg.Connection[tuple[object, ...]],
+               publication: str) -> list[_Published]:
+    with conn.cursor() as cur:
+        cur.execute(_PUBLISHED_SQL, (publication,))
+        rows = cur.fetchall()
+    return [_Published((str(schema), str(table)), [str(c) for c in cast(list[str], columns)],
+                       str(row_filter) if row_filter is not None else None)
+            for schema, table, columns, row_filter in rows]
+
+
+@dataclass(frozen=True, slots=True)
 class _Heap:
     pages: int  # 0 for a partitioned table: its rows live in its partitions
     rows: int | None  # the planner's estimate; None until first vacuumed or analysed
 
 
-def _relation(conn: psycopg.Connection[tuple[object, ...]], schema: str,
-              table: str) -> tuple[m.Relation, _Heap]:
+def _relation(conn: psycopg.Connection[tuple[object, ...]],
+              published: _Published) -> tuple[m.Relation, _Heap]:
+    schema, table = published.name
     with conn.cursor() as cur:
-        cur.execute(_COLUMNS_SQL, (schema, table))
+        cur.execute(_COLUMNS_SQL, (schema, table, published.columns))
         rows = cur.fetchall()
     columns = tuple(m.Column(str(name), int(str(oid)), int(str(mod)), bool(key))
                     for name, oid, mod, key, *_ in rows)
@@ -201,21 +226,26 @@ def _relation(conn: psycopg.Connection[tuple[object, ...]], schema: str,
             _Heap(pages, estimate if estimate >= 0 else None))
 
 
-def _ranges(pages: int) -> list[sql.Composable]:
-    """WHERE clauses covering the heap in ctid ranges. The heap is read after the snapshot
-    was taken, so pages added since hold no row it sees; the last range is open all the
-    same, which costs nothing."""
+def _ranges(pages: int, row_filter: str | None) -> list[sql.Composable]:
+    """WHERE clauses covering the heap in ctid ranges, each with the publication's row
+    filter. The heap is read after the snapshot was taken, so pages added since hold no
+    row it sees; the last range is open all the same, which costs nothing."""
+    # The server's own deparsed expression, from the catalogue: SQL already.
+    keep = [sql.SQL(f"({row_filter})")] if row_filter is not None else []
     if pages == 0:
-        return [sql.SQL("")]
-    starts = range(0, pages, _RANGE_PAGES)
-    return [sql.SQL(" WHERE ctid >= {}::tid").format(sql.Literal(f"({start},0)"))
-            + (sql.SQL(" AND ctid < {}::tid").format(sql.Literal(f"({start + _RANGE_PAGES},0)"))
-               if start + _RANGE_PAGES < pages else sql.SQL(""))
-            for start in starts]
+        return [sql.SQL(" WHERE {}").format(keep[0]) if keep else sql.SQL("")]
+    out: list[sql.Composable] = []
+    for start in range(0, pages, _RANGE_PAGES):
+        terms = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)"))]
+        if start + _RANGE_PAGES < pages:
+            terms.append(sql.SQL("ctid < {}::tid").format(
+                sql.Literal(f"({start + _RANGE_PAGES},0)")))
+        out.append(sql.SQL(" WHERE ") + sql.SQL(" AND ").join(terms + keep))
+    return out
 
 
 def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, heap: _Heap,
-          progress: SnapshotProgress) -> Iterator[tuple[int, m.Message]]:
+          row_filter: str | None, progress: SnapshotProgress) -> Iterator[tuple[int, m.Message]]:
     yield 0, relation
     name = f"{relation.namespace}.{relation.name}"
     # Raw text output of every column (what pgoutput sends): not a ::text cast, which
@@ -225,7 +255,7 @@ def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, he
     columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
     select = sql.SQL("SELECT {} FROM {}").format(
         columns, sql.Identifier(relation.namespace, relation.name))
-    ranges = _ranges(heap.pages)
+    ranges = _ranges(heap.pages, row_filter)
     estimate = heap.rows
     done = 0
     started = last_report = time.monotonic()

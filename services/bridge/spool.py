@@ -6,12 +6,17 @@ with the largest transaction, so a spool keeps raw payloads - the cheapest form,
 once when published - in memory up to a limit, then appends the rest to a file.
 
 File format: a run of records ``<u64 lsn><u32 length><payload>``, big-endian.
+
+Spool files hold row data in the clear, so they live in a folder only the bridge's user
+can enter (0700, files 0600), and a configured folder other users may write to is refused:
+they could plant a symlink where the next spool file goes, or delete spools under us.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -20,6 +25,16 @@ from typing import BinaryIO
 
 _HEADER = struct.Struct("!QI")
 _READ_CHUNK = 1 << 20
+
+
+class SpoolError(Exception):
+    """The spool folder is unsafe or unusable; the message names it and what to do."""
+
+
+def _failed(directory: Path, exc: OSError) -> SpoolError:
+    hint = ("free space there or point spool_dir at a larger volume"
+            if exc.errno in (28, 122) else "check spool_dir")  # ENOSPC, EDQUOT
+    return SpoolError(f"spool_dir {directory}: {exc.strerror or exc}; {hint}")
 
 
 class SpoolStats:
@@ -60,11 +75,16 @@ class Spool:
             self._memory += len(payload)
             self._stats.add(memory=len(payload))
             return
-        if self._file is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._path, "w+b")  # noqa: SIM115 - lives as long as the spool
-        self._file.write(_HEADER.pack(lsn, len(payload)))
-        self._file.write(payload)
+        try:
+            if self._file is None:
+                # 0600, and never through a symlink someone left at our path.
+                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                             0o600)
+                self._file = open(fd, "w+b")  # noqa: SIM115 - lives as long as the spool
+            self._file.write(_HEADER.pack(lsn, len(payload)))
+            self._file.write(payload)
+        except OSError as exc:
+            raise _failed(self._path.parent, exc) from None
         written = _HEADER.size + len(payload)
         self._disk += written
         self._stats.add(disk=written)
@@ -73,9 +93,12 @@ class Spool:
         yield from self._entries
         if self._file is None:
             return
-        self._file.flush()
-        with open(self._path, "rb") as reader:
-            yield from _read_records(reader)
+        try:
+            self._file.flush()
+            with open(self._path, "rb") as reader:
+                yield from _read_records(reader)
+        except OSError as exc:
+            raise _failed(self._path.parent, exc) from None
 
     def discard(self) -> None:
         """Free memory and delete the file; the spool is empty afterwards."""
@@ -83,7 +106,10 @@ class Spool:
         self._entries = []
         self._memory = self._disk = 0
         if self._file is not None:
-            self._file.close()
+            # Closing flushes what is buffered, which fails again on a full disk: the file
+            # is deleted either way.
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path)
@@ -113,8 +139,33 @@ def _read_records(reader: BinaryIO) -> Iterator[tuple[int, bytes]]:
         pos = end
 
 
-def clear_spool_dir(directory: Path) -> None:
-    """Remove spools left by a previous run: the slot replays their transactions anyway."""
-    if directory.is_dir():
+def prepare_spool_dir(configured: Path, slot: str) -> Path:
+    """The slot's spool folder under ``configured``: private, and emptied of spools left by a
+    previous run (the slot replays their transactions anyway).
+
+    ``configured`` is created 0700 if missing, and refused if it is not ours or others may
+    write to it. The slot's own folder inside it is made (or tightened to) 0700.
+    """
+    try:
+        configured.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = configured.stat()
+        if info.st_uid != os.getuid():
+            raise SpoolError(f"spool_dir {configured} belongs to uid {info.st_uid}, not to the "
+                             f"bridge's user (uid {os.getuid()}); spool files hold row data: "
+                             "point spool_dir at a folder of the bridge's own (created 0700 "
+                             "if missing)")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise SpoolError(f"spool_dir {configured} is writable by other users (mode "
+                             f"{stat.S_IMODE(info.st_mode):04o}); spool files hold row data: "
+                             f"chmod 700 {configured}, or point spool_dir at a folder only "
+                             "the bridge's user can write (created 0700 if missing)")
+        directory = configured / slot
+        directory.mkdir(mode=0o700, exist_ok=True)
+        if directory.is_symlink() or not directory.is_dir():
+            raise SpoolError(f"spool folder {directory} is not a plain folder; remove it")
+        directory.chmod(0o700)  # older versions made it 0755
         for leftover in directory.glob("*.spool"):
             leftover.unlink()
+    except OSError as exc:
+        raise _failed(configured, exc) from None
+    return directory

@@ -18,14 +18,16 @@ from psycopg import conninfo, pq
 
 from services.bridge import messages as m
 from services.common.lsn import format_lsn, parse_lsn
-from services.common.pg import redact_dsn
+from services.common.pg import complete_dsn, redact_dsn
 
 _XLOGDATA = struct.Struct("!QQQ")  # dataStart, walEnd, sendTime
 _KEEPALIVE = struct.Struct("!QQB")  # walEnd, sendTime, replyRequested
 _STATUS = struct.Struct("!cQQQQB")
-# Session settings that make text output canonical for the value converters.
+# Session settings that make text output canonical for the value converters (money's
+# output follows lc_monetary: C prints '-$1,234.56' whatever the database's locale).
 SESSION_OPTIONS = (
     "-c DateStyle=ISO -c IntervalStyle=iso_8601 -c TimeZone=UTC -c extra_float_digits=3"
+    " -c lc_monetary=C"
 )
 
 
@@ -58,10 +60,8 @@ class ReplicationConnection:
 
     def __init__(self, dsn: str) -> None:
         user_options = str(conninfo.conninfo_to_dict(dsn).get("options") or "")
-        full = conninfo.make_conninfo(dsn, replication="database", client_encoding="UTF8",
-                                      options=f"{user_options} {SESSION_OPTIONS}".strip())
-        if "connect_timeout" not in full:
-            full = conninfo.make_conninfo(full, connect_timeout="10")
+        full = complete_dsn(dsn, replication="database", client_encoding="UTF8",
+                            options=f"{user_options} {SESSION_OPTIONS}".strip())
         self._redacted = redact_dsn(full)
         self.conn = pq.PGconn.connect(full.encode())
         if self.conn.status != pq.ConnStatus.OK:

@@ -82,9 +82,41 @@ def _timestamptz(text: str) -> JsonValue:
     return moment.replace(tzinfo=None).isoformat() + "Z"
 
 
+# json and jsonb values are published as the very text PostgreSQL printed: parsed and
+# re-encoded they would lose digits, duplicate keys, and turn 1e400 into Infinity, which
+# is not JSON. A converter cannot hand the encoder raw text, so it wraps the text in NUL
+# characters, which no PostgreSQL text value can hold; ``embed_raw_json`` swaps each
+# wrapped string in encoded output for the text itself.
+RAW_JSON_TYPES = frozenset((114, 199, 3802, 3807))  # json, json[], jsonb, jsonb[]
+
+
+def _raw_json(text: str) -> JsonValue:
+    return f"\0{text}\0"
+
+
+# A wrapped string as the encoder writes it: "\u0000, JSON string escapes other than a
+# NUL (there is none inside), \u0000".
+_WRAPPED = re.compile(r'"\\u0000((?:[^"\\]|\\[^u]|\\u(?!0000)[0-9a-fA-F]{4})*)\\u0000"')
 # json.loads re-checks its argument's type and options on every call; the bound method
 # of one decoder skips that.
-_json = json.JSONDecoder().decode
+_decode = json.JSONDecoder().decode
+
+
+def embed_raw_json(encoded: str) -> str:
+    """Encoded JSON with every wrapped json/jsonb text put in as the JSON it is."""
+    return _WRAPPED.sub(lambda match: _decode(f'"{match.group(1)}"'), encoded)
+
+
+_MONEY = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+
+
+def _money(text: str) -> JsonValue:
+    # The session runs with lc_monetary=C: '-$1,234.56'. Published as an exact decimal
+    # string, like numeric, whatever the database's locale.
+    value = text.replace("$", "", 1).replace(",", "")
+    if not _MONEY.fullmatch(value):
+        raise ValueError(f"not a money value in the C locale: {text!r}")
+    return value
 
 # oid, array oid, format_type() name, converter
 _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
@@ -97,9 +129,10 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (23, 1007, "integer", int),
     (25, 1009, "text", str),
     (26, 1028, "oid", int),
-    (114, 199, "json", _json),
+    (114, 199, "json", _raw_json),
     (700, 1021, "real", _float),
     (701, 1022, "double precision", _float),
+    (790, 791, "money", _money),
     (1042, 1014, "character", str),
     (1043, 1015, "character varying", str),
     (1082, 1182, "date", str),
@@ -110,7 +143,7 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (1266, 1270, "time with time zone", str),
     (1700, 1231, "numeric", str),  # exact: the string as sent, NaN/Infinity included
     (2950, 2951, "uuid", str),
-    (3802, 3807, "jsonb", _json),
+    (3802, 3807, "jsonb", _raw_json),
 )
 
 # An array element is quoted ("..." with \" and \\ escapes), or unquoted up to the next

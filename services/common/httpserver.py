@@ -17,6 +17,10 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 Probe = Callable[[], tuple[bool, str]]
+
+
+class HttpServerError(Exception):
+    """The server cannot listen where the settings say; the message names the fix."""
 Document = Callable[[], dict[str, Any]]
 
 
@@ -51,7 +55,12 @@ class HealthServer:
             def log_message(self, format: str, *args: object) -> None:
                 return  # probes every few seconds would drown the daemon's own log
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # socket.gaierror included: an unresolvable http_host
+            raise HttpServerError(
+                f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}; choose another "
+                "http_port (0 turns the server off) or an http_host of this machine") from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="http",
                                         daemon=True)

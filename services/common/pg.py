@@ -15,6 +15,36 @@ class SourceError(Exception):
 _SECRET_KEYS = ("password", "sslpassword", "sslkey")
 
 
+def check_dsn(value: str) -> str:
+    """Validator: a libpq connection string, refused without echoing it.
+
+    libpq's parse errors quote the text around the fault ("missing '=' after 'S3cret'"),
+    and a malformed DSN is most often one with a password in it: only the kind of error
+    is kept.
+    """
+    try:
+        conninfo.conninfo_to_dict(value)
+    except psycopg.ProgrammingError as exc:
+        raise ValueError(f"not a libpq connection string ({_parse_fault(exc)}); write "
+                         "key=value pairs separated by spaces, quote values with spaces "
+                         "in them ('...'), or use a postgresql:// URI") from None
+    return value
+
+
+def _parse_fault(exc: psycopg.Error) -> str:
+    """What kind of parse error libpq reported, without the text it quotes."""
+    text = str(exc)
+    option = re.search(r'invalid connection option "(\w+)"', text)
+    if option:  # a key name, never a value
+        return f"unknown parameter {option.group(1)}"
+    for kind in ("missing \"=\"", "missing '='", "unterminated quoted string",
+                 "invalid URI", "invalid percent-encoded token",
+                 "unexpected spaces"):
+        if kind.lower() in text.lower():
+            return kind.replace('"', "'")
+    return type(exc).__name__
+
+
 def with_password(dsn: str, password: str | None) -> str:
     """Add a password to a DSN without the caller building strings by hand."""
     if not password:
@@ -91,10 +121,24 @@ def explain_connect_error(exc: psycopg.Error, dsn: str) -> str:
 def connect(dsn: str, *, autocommit: bool = True, connect_timeout: int = 10,
             **kwargs: str) -> psycopg.Connection[tuple[object, ...]]:
     """A plain SQL connection; raises SourceError with a one-line reason on failure."""
-    full = conninfo.make_conninfo(dsn, **kwargs)
-    if "connect_timeout" not in full:
-        full = conninfo.make_conninfo(full, connect_timeout=str(connect_timeout))
+    full = complete_dsn(dsn, connect_timeout=connect_timeout, **kwargs)
     try:
         return psycopg.connect(full, autocommit=autocommit)
     except psycopg.Error as exc:
         raise SourceError(explain_connect_error(exc, full)) from None
+
+
+def complete_dsn(dsn: str, *, connect_timeout: int = 10, **kwargs: str) -> str:
+    """``dsn`` with ``kwargs`` set and a connect timeout unless it has one.
+
+    Raises SourceError, never quoting the DSN, if it does not parse: settings validate
+    their DSNs, but a password from ``source_password`` is merged in later.
+    """
+    try:
+        full = conninfo.make_conninfo(dsn, **kwargs)
+        if "connect_timeout" not in conninfo.conninfo_to_dict(full):
+            full = conninfo.make_conninfo(full, connect_timeout=str(connect_timeout))
+    except psycopg.ProgrammingError as exc:
+        raise SourceError(f"the PostgreSQL connection string is not valid "
+                          f"({_parse_fault(exc)}); fix source_dsn") from None
+    return full

@@ -8,13 +8,14 @@ wants "source_dsn: Field required", not a traceback.
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -45,6 +46,12 @@ class ServiceSettings(BaseSettings):
 
 S = TypeVar("S", bound=ServiceSettings)
 
+# The daemons' HTTP endpoints have no authentication: loopback unless the operator (or the
+# Helm chart, for the kubelet and Prometheus) chooses an address others can reach.
+HTTP_HOST: Any = Field(
+    default="127.0.0.1", description="address of the HTTP endpoints (/healthz, /readyz, "
+    "/metrics ...; no authentication): loopback by default, the Helm chart sets 0.0.0.0")
+
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
@@ -72,8 +79,11 @@ def read_settings_file(path: Path) -> dict[str, Any]:
         raise SettingsError(f"cannot read settings file {path}: {exc.strerror}") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise SettingsError(f"settings file {path} is not valid: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"settings file {path} is not valid YAML: {_yaml_fault(exc)}") \
+            from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -81,11 +91,40 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def _yaml_fault(exc: yaml.YAMLError) -> str:
+    """PyYAML's multi-line report as one line: the problem and where it is."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
+def string_values(value: Any) -> Any:
+    """Validator (before): client settings as the strings librdkafka/Spark take, so YAML's
+    ``linger.ms: 5`` or ``enable.idempotence: true`` work as written."""
+    if isinstance(value, dict):
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v))
+                if isinstance(v, bool | int | float) else v for k, v in value.items()}
+    return value
+
+
+def format_validation_error(exc: ValidationError, cls: type[BaseSettings]) -> str:
+    """One line per problem; an unknown key gets the nearest known one as a suggestion."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "settings"
-        lines.append(f"invalid setting {where}: {err['msg']}")
+        message = err["msg"]
+        if err["type"] == "value_error":  # our validators' own words, without pydantic's prefix
+            message = str(err.get("ctx", {}).get("error", message))
+        elif err["type"] == "extra_forbidden":
+            message = "unknown setting"
+            if len(err["loc"]) == 1:
+                near = difflib.get_close_matches(str(err["loc"][0]), cls.model_fields, n=1)
+                if near:
+                    message += f"; did you mean {near[0]}?"
+        lines.append(f"invalid setting {where}: {message}")
     return "\n".join(lines)
 
 
@@ -99,4 +138,4 @@ def load_settings(cls: type[S], path: Path | None = None, section: str | None = 
     try:
         return cls(**data)
     except ValidationError as exc:
-        raise SettingsError(format_validation_error(exc)) from None
+        raise SettingsError(format_validation_error(exc, cls)) from None

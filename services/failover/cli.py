@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from services.common.httpserver import HttpServerError
 from services.common.logs import setup_logging
 from services.common.settings import SettingsError, load_settings
 from services.failover.checks import Thresholds, evaluate
@@ -71,7 +72,11 @@ def watch(config: Path | None, section: str | None) -> None:
     settings = _load(config, section)
     setup_logging(settings.log_format, settings.log_level)
     logging.getLogger("slotbridge.failover").info("watch starting")
-    Watcher(settings).run()
+    try:
+        Watcher(settings).run()
+    except HttpServerError as exc:
+        click.echo(f"slotbridge: {exc}", err=True)
+        sys.exit(2)
 
 
 @failover.command()

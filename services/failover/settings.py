@@ -11,22 +11,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from psycopg import ProgrammingError, conninfo
+from psycopg import conninfo
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from services.common.pg import with_password
-from services.common.settings import ServiceSettings
+from services.common.pg import check_dsn, with_password
+from services.common.settings import HTTP_HOST, ServiceSettings
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
-
-def _valid_dsn(value: str) -> str:
-    try:
-        conninfo.conninfo_to_dict(value)
-    except ProgrammingError as exc:
-        # psycopg's message quotes the text, which may hold a password: keep only its kind.
-        raise ValueError(f"not a libpq connection string ({type(exc).__name__})") from None
-    return value
 
 
 class Node(BaseModel):
@@ -40,7 +31,7 @@ class Node(BaseModel):
     @field_validator("dsn")
     @classmethod
     def _check_dsn(cls, value: str) -> str:
-        return _valid_dsn(value)
+        return check_dsn(value)
 
     def conninfo(self) -> str:
         """The DSN with the password added: only ever handed to libpq, never logged."""
@@ -61,7 +52,7 @@ class Standby(Node):
     @field_validator("subscriber_conninfo")
     @classmethod
     def _check_sub_dsn(cls, value: str | None) -> str | None:
-        return None if value is None else _valid_dsn(value)
+        return None if value is None else check_dsn(value)
 
     def publisher_params(self) -> dict[str, str]:
         """What replaces the old primary's address in a subscription's conninfo."""
@@ -111,7 +102,7 @@ class FailoverSettings(ServiceSettings):
     catchup_timeout_s: float = Field(default=60.0, gt=0)
     stream_timeout_s: float = Field(default=60.0, gt=0)
 
-    http_host: str = "0.0.0.0"
+    http_host: str = HTTP_HOST
     http_port: int = Field(default=9188, ge=0, le=65535, description="0 disables the server")
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -54,6 +54,7 @@ class Record:
     value: Any
     partition: int
     offset: int
+    raw: bytes | None = None  # the value as written, for checks json.loads would blur
 
 
 def read_topics(kafka: Kafka, topics: list[str], timeout: float = 20.0) -> list[Record]:
@@ -109,7 +110,8 @@ def _read_once(bootstrap: str, topics: list[str],
                 raise AssertionError(f"consumer error {msg.error()}")
             key = json.loads(msg.key()) if msg.key() else None
             value = json.loads(msg.value()) if msg.value() is not None else None
-            out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset()))
+            out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset(),
+                              msg.value()))
         if pending:
             raise AssertionError(f"did not reach the end of {sorted(pending)} in {timeout}s")
         behind = [(*tp, end) for tp, end in ends.items()

@@ -1,5 +1,6 @@
 """Text values as a PostgreSQL 17 walsender prints them under the bridge's session settings
-(DateStyle=ISO, IntervalStyle=iso_8601, TimeZone=UTC, extra_float_digits=3)."""
+(DateStyle=ISO, IntervalStyle=iso_8601, TimeZone=UTC, extra_float_digits=3,
+lc_monetary=C)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from services.bridge.values import (
     TYPE_NAMES,
     JsonValue,
     converter_for,
+    embed_raw_json,
     parse_array,
 )
 
 BOOL, BYTEA, CHAR, NAME, INT8, INT2, INT4, TEXT, OID = 16, 17, 18, 19, 20, 21, 23, 25, 26
 JSON, FLOAT4, FLOAT8, BPCHAR, VARCHAR = 114, 700, 701, 1042, 1043
 DATE, TIME, TIMESTAMP, TIMESTAMPTZ, INTERVAL, TIMETZ = 1082, 1083, 1114, 1184, 1186, 1266
-NUMERIC, UUID, JSONB = 1700, 2950, 3802
+NUMERIC, UUID, JSONB, MONEY = 1700, 2950, 3802, 790
 
 
 @pytest.mark.parametrize(("oid", "text", "expected"), [
@@ -50,11 +52,9 @@ NUMERIC, UUID, JSONB = 1700, 2950, 3802
     (NAME, "pg_class", "pg_class"),
     (CHAR, "x", "x"),
     (UUID, "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
-    (JSONB, '{"a": [1, 2.5, null, true], "b": {"c": "\\u00e9"}}',
-     {"a": [1, 2.5, None, True], "b": {"c": "\u00e9"}}),
-    (JSON, ' [1, "two"] ', [1, "two"]),  # json keeps the input text, whitespace too
-    (JSON, '"just a string"', "just a string"),
-    (JSONB, "12345678901234567890", 12345678901234567890),
+    (MONEY, "$0.00", "0.00"),
+    (MONEY, "-$1,234.56", "-1234.56"),
+    (MONEY, "$92,233,720,368,547,758.07", "92233720368547758.07"),
     (BYTEA, "\\x", ""),
     (BYTEA, "\\x00ff0a1b", "AP8KGw=="),
     (BYTEA, "\\xDEADBEEF", "3q2+7w=="),
@@ -101,6 +101,34 @@ def test_malformed_scalar_raises_value_error(oid: int, text: str) -> None:
         converter_for(oid)(text)
 
 
+@pytest.mark.parametrize(("oid", "text"), [
+    (JSON, '{"a":1,"a":2,"big":1e400}'),  # duplicate keys and a huge number stay as written
+    (JSON, ' [1, "two"]\n '),  # json keeps the input text, whitespace too
+    (JSON, '{"s": "\\u0000 \\" \\\\ \u00e9"}'),  # escapes, a NUL escape among them
+    (JSON, '"just a string"'),
+    (JSONB, '{"n": 0.1000000000000000000001}'),
+    (JSONB, "12345678901234567890"),
+    (JSONB, '{"a": [1, 2.5, null, true], "b": {"c": "\\u00e9"}}'),
+])
+def test_json_text_is_embedded_exactly(oid: int, text: str) -> None:
+    # Text columns beside it that look like the wrapping must stay text.
+    row = {"j": converter_for(oid)(text), "t": '\\u0000"', "u": "a\\u0000\\"}
+    encoded = embed_raw_json(json.dumps({"after": row}, ensure_ascii=False,
+                                        separators=(",", ":")))
+    assert encoded == ('{"after":{"j":' + text + r',"t":"\\u0000\"","u":"a\\u0000\\"}}')
+    json.loads(encoded)  # valid JSON, whatever the value holds
+
+
+def test_json_arrays_embed_each_element() -> None:
+    value = converter_for(199)('{"{\\"a\\": 1e400}","[1,2]",NULL}')
+    assert embed_raw_json(json.dumps(value, separators=(",", ":"))) == '[{"a": 1e400},[1,2],null]'
+
+
+def test_money_outside_the_c_locale_is_refused() -> None:
+    with pytest.raises(ValueError):
+        converter_for(MONEY)("12,34 €")
+
+
 def test_common_converters_are_builtins() -> None:
     assert converter_for(INT4) is int
     assert converter_for(INT8) is int
@@ -108,9 +136,9 @@ def test_common_converters_are_builtins() -> None:
     assert converter_for(VARCHAR) is str
 
 
-@pytest.mark.parametrize("oid", [869, 650, 142, 790, 1560, 3904, 16_500, 16_501])
+@pytest.mark.parametrize("oid", [869, 650, 142, 1560, 3904, 16_500, 16_501])
 def test_unknown_types_stay_text(oid: int) -> None:
-    """inet, cidr, xml, money, bit, int4range, an enum, its array: all text."""
+    """inet, cidr, xml, bit, int4range, an enum, its array: all text."""
     assert converter_for(oid)("{a,b}") == "{a,b}"
 
 
@@ -131,8 +159,10 @@ def test_unknown_types_stay_text(oid: int) -> None:
     (1021, "{1.5,NaN,Infinity}", [1.5, "NaN", "Infinity"]),
     (1022, "{-0.5,-Infinity}", [-0.5, "-Infinity"]),
     (2951, "{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}", ["a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"]),
-    (3807, '{"{\\"a\\": 1}","[1, 2]",null,NULL}', [{"a": 1}, [1, 2], None, None]),
-    (199, '{"{\\"k\\": \\"v,}\\"}"}', [{"k": "v,}"}]),
+    # json elements stay their text, wrapped for embed_raw_json; jsonb 'null' is not NULL
+    (3807, '{"{\\"a\\": 1}","[1, 2]",null,NULL}',
+     ['\0{"a": 1}\0', "\0[1, 2]\0", "\0null\0", None]),
+    (199, '{"{\\"k\\": \\"v,}\\"}"}', ['\0{"k": "v,}"}\0']),
     (1182, "{2024-01-01,infinity,\"0044-03-15 BC\"}", ["2024-01-01", "infinity", "0044-03-15 BC"]),
     (1115, '{"2024-01-01 10:00:00",infinity}', ["2024-01-01T10:00:00", "infinity"]),
     (1185, '{"2024-01-01 10:00:00.5+00",-infinity,NULL}',

@@ -1,0 +1,69 @@
+"""Defaults that keep data and endpoints private, and settings written as YAML users write
+them (issue #12 items 3, 15, 16)."""
+
+from __future__ import annotations
+
+import resource
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.bridge.settings import BridgeSettings
+from services.bridge.spool import Spool, SpoolError, SpoolStats
+from services.failover.settings import FailoverSettings
+from spark_consumers.settings import ConsumerSettings
+
+
+def test_http_endpoints_default_to_loopback() -> None:
+    bridge = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092")
+    topology: dict[str, Any] = {"primary": {"dsn": "host=a"},
+                                "standbys": {"b": {"dsn": "host=b"}}}
+    failover = FailoverSettings(**topology)
+    assert (bridge.http_host, failover.http_host) == ("127.0.0.1", "127.0.0.1")
+
+
+def test_spool_defaults_to_a_folder_of_the_user(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spool_dir = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092").spool_dir
+    assert spool_dir == tmp_path / ".cache" / "slotbridge" / "spool"
+
+
+def test_client_settings_accept_yaml_numbers_and_booleans() -> None:
+    # As a YAML file gives them (typed here as Any, like the file's contents).
+    yaml_values: dict[str, Any] = {"linger.ms": 5, "enable.idempotence": True}
+    bridge = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092",
+                            kafka_config=yaml_values)
+    assert bridge.kafka_config == {"linger.ms": "5", "enable.idempotence": "true"}
+    options: dict[str, Any] = {"fetch.max.bytes": 1048576}
+    conf: dict[str, Any] = {"spark.sql.ansi.enabled": False}
+    consumer = ConsumerSettings(kafka_bootstrap="k:9092", warehouse="/w", checkpoint_dir="/c",
+                                kafka_options=options, spark_conf=conf)
+    assert consumer.kafka_options == {"fetch.max.bytes": "1048576"}
+    assert consumer.spark_conf == {"spark.sql.ansi.enabled": "false"}
+
+
+@pytest.fixture
+def file_size_limit() -> Iterator[None]:
+    """Writes past 64 kB fail (EFBIG) instead of killing the process with SIGXFSZ."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_spool_write_that_fails_names_spool_dir(tmp_path: Path, file_size_limit: None) -> None:
+    spool = Spool(tmp_path, "stream-1", 0, SpoolStats())
+    with pytest.raises(SpoolError, match=f"^spool_dir {tmp_path}: File too large; check "
+                                         "spool_dir$"):
+        for lsn in range(100):
+            spool.append(lsn, b"x" * 4096)
+    spool.discard()
