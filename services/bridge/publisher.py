@@ -114,7 +114,7 @@ Decode = Callable[[bytes, bool], m.Message]
 class TableSnapshots(Protocol):
     def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
         """Snapshot ``tables`` into the open Kafka transaction; returns the snapshot's
-        consistent point and the tables it read."""
+        consistent point and the tables it read: those the publication publishes."""
 
     def published(self, tables: Sequence[TableName]) -> None:
         """Their Kafka transaction committed."""
@@ -142,6 +142,10 @@ class Publisher(threading.Thread):
         self._metrics = metrics
         self._coverage = coverage
         self._snapshots = snapshots
+        # Tables the stream described that the publication does not publish: the
+        # partitions a change went through, described next to the root that
+        # publish_via_partition_root publishes them as. Asked about once per session.
+        self._not_published: set[TableName] = set()
         self._gids: list[str] = []
         self.error: BaseException | None = None
         self.last_commit_ts = 0  # µs since 2000 of the last published transaction
@@ -242,7 +246,7 @@ class Publisher(threading.Thread):
             if coverage is not None:
                 if msg.__class__ is relation:
                     name = (msg.namespace, msg.name)
-                    if not coverage.covers(name):
+                    if not coverage.covers(name) and name not in self._not_published:
                         # The stream describes a table before its first change: the last
                         # moment to snapshot it ahead of that change. The snapshot's
                         # records go into the open batch, before this transaction's.
@@ -271,6 +275,7 @@ class Publisher(threading.Thread):
     def _snapshot(self, tables: Sequence[TableName], batch: _Batch) -> None:
         assert self._coverage is not None and self._snapshots is not None
         point, read = self._snapshots.take(tables)
+        self._not_published.update(set(tables) - set(read))
         self._coverage.add(read, point)
         batch.snapshotted.extend(read)
 

@@ -168,6 +168,12 @@ class AddedTableSnapshots:
             repl.cancel()
 
     def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
+        with connect(self._dsn) as conn:
+            published = {t.name for t in _published(conn, self._publication)}
+        tables = [t for t in tables if t in published]
+        if not tables:
+            # Not worth a temporary slot, which waits for every open transaction.
+            return 0, []
         repl = ReplicationConnection(self._dsn)
         try:
             log_event(log, logging.INFO, "snapshot of added tables starting",
