@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
+from services.bridge.topics import MAX_PREFIX
 from services.common.settings import ServiceSettings, kafka_topic_name, qualified_tables
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -42,7 +43,7 @@ class BridgeSettings(ServiceSettings):
         description="extra librdkafka settings (security.protocol, ssl.*, sasl.mechanism ...)",
     )
     kafka_sasl_password: SecretStr | None = None
-    topic_prefix: str = "slotbridge"
+    topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
     progress_topic: str = "__slotbridge_progress"
     topic_partitions: int = Field(default=1, ge=1)
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")
