@@ -54,7 +54,13 @@ from services.bridge.publisher import GapError, Publisher, SnapshotRequest, TxnQ
 from services.bridge.records import ProgressRecord
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import FencedError, KafkaSink, SinkError, kafka_client_config
+from services.bridge.sink import (
+    FencedError,
+    KafkaRefused,
+    KafkaSink,
+    SinkError,
+    kafka_client_config,
+)
 from services.bridge.snapshot import AddedTableSnapshots, SnapshotProgress, take_snapshot
 from services.bridge.source import (
     check_slot,
@@ -80,7 +86,7 @@ log = logging.getLogger(__name__)
 # previous session still holds the slot ...). Everything else is fatal.
 TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
              ProgressError)
-FATAL = (FencedError, GapError, RowTooLarge, DecodeError)
+FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace

@@ -233,11 +233,14 @@ class Publisher(threading.Thread):
         aborted = txn.aborted_subxids
         coverage = self._coverage
         relation = m.Relation
+        raw_limit = self._builder.max_record_bytes
         for lsn, payload in txn.spool:
             # A relation described inside an aborted subtransaction still describes it for
             # the rest of the transaction: the server will not send it again.
             if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
                 continue
+            if len(payload) > raw_limit:
+                self._builder.check_raw_size(lsn, payload, streamed)
             msg = decode(payload, streamed)
             if coverage is not None:
                 if msg.__class__ is relation:
