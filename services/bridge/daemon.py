@@ -38,6 +38,7 @@ from services.bridge.events import (
     RelationCatalog,
     RowTooLarge,
     known_versions,
+    max_change_bytes,
 )
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
@@ -271,7 +272,8 @@ class Bridge:
             assembler = Assembler(
                 control.decode,
                 lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
-                on_prepared=tracker.prepared, on_rolled_back=tracker.finished)
+                on_prepared=tracker.prepared, on_rolled_back=tracker.finished,
+                max_change_bytes=max_change_bytes(s.max_row_bytes))
             publisher.start()
             options = {"proto_version": "4", "publication_names": f'"{s.publication_name}"',
                        "streaming": s.streaming, "messages": "true"}

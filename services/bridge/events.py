@@ -45,10 +45,14 @@ class RowTooLarge(Exception):
     """A single change record exceeds the configured limit; publishing it would fail."""
 
 
-# A change record is never smaller than a third of its pgoutput message: the text that
-# shrinks most is bytea printed with bytea_output=escape (up to four characters a byte),
-# which becomes base64; every other value's text stays as long or grows in JSON.
-_RAW_PER_RECORD_BYTE = 3
+def max_change_bytes(max_row_bytes: int) -> int:
+    """The largest pgoutput row change whose record may fit in ``max_row_bytes``.
+
+    A change record is never smaller than a third of its message: the text that shrinks
+    most is bytea printed with bytea_output=escape (up to four characters a byte), which
+    becomes base64; every other value's text stays as long or grows in JSON.
+    """
+    return 3 * max_row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,21 +301,15 @@ class EventBuilder:
                                  for topic, n in per_table.items()],
             "ts_ms": ts_ms}).encode()
 
-    def check_raw_size(self, lsn: int, payload: bytes, streamed: bool) -> None:
-        """Refuse a row change whose pgoutput message alone proves its record too large,
-        before anything is decoded or built from it (a 200 MB row would otherwise take
-        several times that in memory on its way to the same refusal)."""
-        if len(payload) <= _RAW_PER_RECORD_BYTE * self.max_record_bytes \
-                or payload[0] not in b"IUD":
-            return
-        start = 5 if streamed else 1  # a streamed message has its xid first
-        oid = int.from_bytes(payload[start:start + 4], "big")
-        info = self.catalog.by_oid.get(oid)
-        name = f"{info.schema}.{info.table}" if info is not None else f"relation {oid}"
+    def refuse_oversized(self, lsn: int, relation_oid: int, size: int) -> None:
+        """A row change whose pgoutput message alone proves its record too large (see
+        ``max_change_bytes``): refused without decoding or building anything of it."""
+        info = self.catalog.by_oid.get(relation_oid)
+        name = f"{info.schema}.{info.table}" if info is not None else f"relation {relation_oid}"
         raise RowTooLarge(
-            f"a change of {name} at LSN {format_lsn(lsn)} is {len(payload)} bytes in the "
-            f"replication stream, so its record is over the limit of {self.max_record_bytes}"
-            f" (max_row_bytes); refused before building it; {_TOO_LARGE_REMEDY}")
+            f"a change of {name} at LSN {format_lsn(lsn)} is {size} bytes in the replication "
+            f"stream, so its record is over the limit of {self.max_record_bytes} "
+            f"(max_row_bytes); refused before building it; {_TOO_LARGE_REMEDY}")
 
     def _schema_record(self, info: RelationInfo) -> Record:
         info.published = True

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from services.bridge import messages as m
-from services.bridge.assembler import Transaction
+from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.coverage import SnapshotCoverage, TableName
 from services.bridge.events import EventBuilder
 from services.bridge.metrics import BridgeMetrics
@@ -233,14 +233,13 @@ class Publisher(threading.Thread):
         aborted = txn.aborted_subxids
         coverage = self._coverage
         relation = m.Relation
-        raw_limit = self._builder.max_record_bytes
         for lsn, payload in txn.spool:
             # A relation described inside an aborted subtransaction still describes it for
             # the rest of the transaction: the server will not send it again.
             if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
                 continue
-            if len(payload) > raw_limit:
-                self._builder.check_raw_size(lsn, payload, streamed)
+            if payload[0] == OVERSIZED:
+                self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
             msg = decode(payload, streamed)
             if coverage is not None:
                 if msg.__class__ is relation:
