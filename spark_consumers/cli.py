@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
+from services.common.kafka import KafkaUnreachable
 from services.common.logs import setup_logging
 from services.common.settings import SettingsError, load_settings
+from spark_consumers.preflight import check_kafka
 from spark_consumers.settings import ConsumerSettings
 
 
@@ -31,6 +33,10 @@ def consume(config: Path | None, once: bool, show_status: bool) -> None:
             raise click.ClickException("no status file (set status_path; is the job running?)")
         click.echo(json.dumps(json.loads(settings.status_path.read_text()), indent=2))
         return
+    try:
+        check_kafka(settings)
+    except KafkaUnreachable as exc:
+        raise click.ClickException(str(exc)) from None
     setup_logging(settings.log_format, settings.log_level)
     if settings.spark_master is None:
         settings = settings.model_copy(update={"spark_master": "local[2]"})

@@ -9,9 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from services.common.kafka import KafkaUnreachable
 from services.common.logs import setup_logging
 from services.common.settings import SettingsError, load_settings
 from spark_consumers.job import run
+from spark_consumers.preflight import check_kafka
 from spark_consumers.settings import ConsumerSettings
 
 
@@ -25,6 +27,11 @@ def main(argv: list[str]) -> int:
     except SettingsError as exc:
         print(exc, file=sys.stderr)
         return 2
+    try:
+        check_kafka(settings)
+    except KafkaUnreachable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     setup_logging(settings.log_format, settings.log_level)
     return run(settings, once="--once" in argv)
 

@@ -72,8 +72,8 @@ def envelopes(raw: DataFrame, topic_prefix: str) -> DataFrame:
     )
 
 
-def envelope_reason() -> Column:
-    """Why a record is not a usable change record at all (null when it is)."""
+def envelope_reason(table: s.TableSchema) -> Column:
+    """Why a record of ``table``'s topic is not a usable change record (null when it is)."""
     e = F.col("e")
     op = e["op"]
     checks: list[tuple[Column, str]] = [
@@ -81,7 +81,10 @@ def envelope_reason() -> Column:
         (e["source"]["commit_lsn"].isNull(), "source.commit_lsn missing"),
         (e["transaction"]["total_order"].isNull(), "transaction.total_order missing"),
         (e["source"]["schema_version"].isNull(), "source.schema_version missing"),
-        (F.concat_ws(".", e["source"]["schema"], e["source"]["table"]) != F.col(TABLE),
+        # The topic may name the table mapped (services/bridge/topics.py); the record has
+        # its real name.
+        ((e["source"]["schema"] != F.lit(table.schema))
+         | (e["source"]["table"] != F.lit(table.table)),
          "source.schema/table does not match the topic"),
         (op.isin("c", "u", "r") & e["after"].isNull(), "after missing"),
         (op.isin("d") & e["before"].isNull(), "before missing"),
@@ -188,7 +191,7 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
         e["source"]["txId"].alias(s.TX_ID),
         F.timestamp_millis(e["source"]["ts_ms"]).alias(s.COMMIT_TS),
         e["source"]["schema_version"].alias(s.SCHEMA_VERSION),
-        envelope_reason().alias("_envelope_reason"),
+        envelope_reason(table).alias("_envelope_reason"),
         _reasons(checks).alias("_row_reasons"),
     )
     # The envelope's problems hide the row's: a record that is no change has no columns.

@@ -41,6 +41,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from services.bridge.topics import table_key
+
 # Metadata columns the consumer adds; a source column of the same name cannot be stored.
 OP = "_cdc_op"
 COMMIT_LSN = "_cdc_commit_lsn"
@@ -139,7 +141,8 @@ class TableSchema:
 
     @property
     def name(self) -> str:
-        return f"{self.schema}.{self.table}"
+        """``schema.table`` as the change topic names it (the warehouse paths too)."""
+        return table_key(self.schema, self.table)
 
     @classmethod
     def from_record(cls, value: dict[str, Any]) -> TableSchema:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from services.bridge.topics import MAX_PREFIX, table_topic
 from services.common.settings import (
     ServiceSettings,
     kafka_topic_name,
@@ -34,7 +35,7 @@ class ConsumerSettings(ServiceSettings):
         description="extra Kafka client settings without the 'kafka.' prefix "
                     "(security.protocol, sasl.jaas.config ...)",
     )
-    topic_prefix: str = "slotbridge"
+    topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
     tables: list[str] | None = Field(
         default=None, description="schema.table names to consume; every change topic when unset",
     )
@@ -85,7 +86,7 @@ class ConsumerSettings(ServiceSettings):
         """The change topics named by ``tables``; None means "all of this prefix"."""
         if self.tables is None:
             return None
-        return [f"{self.topic_prefix}.{name}" for name in self.tables]
+        return [table_topic(self.topic_prefix, *name.split(".")) for name in self.tables]
 
     def change_topic_pattern(self) -> str:
         """Java regex of every change topic: ``prefix.schema.table`` (two more segments).

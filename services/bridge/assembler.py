@@ -24,8 +24,20 @@ from services.bridge import messages as m
 from services.bridge.spool import Spool
 
 _XID = struct.Struct("!I")
+_SIZE = struct.Struct("!Q")
 # Message types that belong to a transaction's content (everything else is control).
 DATA_TYPES = frozenset(b"RYIUDTM")
+# Spooled in place of a row change too large to publish (not a pgoutput type): "!", the
+# change's bytes up to its relation oid ([xid,] oid), the change's size. A row of
+# hundreds of MB is then neither written to the spool nor read back from it; whether it
+# is refused depends on its transaction committing, known only later.
+OVERSIZED = 0x21
+
+
+def oversized(payload: bytes, streamed: bool) -> tuple[int, int]:
+    """Relation oid and size of the change an ``OVERSIZED`` stand-in replaced."""
+    oid_at = 5 if streamed else 1
+    return _XID.unpack_from(payload, oid_at)[0], _SIZE.unpack_from(payload, oid_at + 4)[0]
 
 
 class AssemblyError(Exception):
@@ -63,10 +75,13 @@ SpoolFactory = Callable[[str], Spool]
 class Assembler:
     def __init__(self, decode: Callable[[bytes], m.Message], new_spool: SpoolFactory,
                  on_prepared: Callable[[str, int], None] = lambda gid, lsn: None,
-                 on_rolled_back: Callable[[str], None] = lambda gid: None) -> None:
+                 on_rolled_back: Callable[[str], None] = lambda gid: None,
+                 max_change_bytes: int | None = None) -> None:
         """``on_prepared``/``on_rolled_back`` tell the confirm tracker which PREPAREs must
-        hold back the slot's confirmed position until they are published or dropped."""
+        hold back the slot's confirmed position until they are published or dropped. A
+        row change over ``max_change_bytes`` is spooled as an ``OVERSIZED`` stand-in."""
         self._decode = decode
+        self._max_change = max_change_bytes
         self._new_spool = new_spool
         self._on_prepared = on_prepared
         self._on_rolled_back = on_rolled_back
@@ -154,6 +169,10 @@ class Assembler:
                 self._orphans.append((lsn, payload))
                 return
             raise AssemblyError(f"change message {chr(payload[0])!r} outside a transaction")
+        if self._max_change is not None and len(payload) > self._max_change \
+                and payload[0] in b"IUD":
+            end = 9 if target.streamed else 5
+            payload = bytes((OVERSIZED,)) + payload[1:end] + _SIZE.pack(len(payload))
         target.spool.append(lsn, payload)
 
     def _open_regular(self, xid: int, final_lsn: int, ts: int) -> None:

@@ -38,6 +38,7 @@ from services.bridge.events import (
     RelationCatalog,
     RowTooLarge,
     known_versions,
+    max_change_bytes,
 )
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
@@ -54,7 +55,13 @@ from services.bridge.publisher import GapError, Publisher, SnapshotRequest, TxnQ
 from services.bridge.records import ProgressRecord
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import FencedError, KafkaSink, SinkError, kafka_client_config
+from services.bridge.sink import (
+    FencedError,
+    KafkaRefused,
+    KafkaSink,
+    SinkError,
+    kafka_client_config,
+)
 from services.bridge.snapshot import AddedTableSnapshots, SnapshotProgress, take_snapshot
 from services.bridge.source import (
     check_slot,
@@ -80,7 +87,7 @@ log = logging.getLogger(__name__)
 # previous session still holds the slot ...). Everything else is fatal.
 TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
              ProgressError)
-FATAL = (FencedError, GapError, RowTooLarge, DecodeError, SpoolError)
+FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
@@ -264,7 +271,8 @@ class Bridge:
             assembler = Assembler(
                 control.decode,
                 lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
-                on_prepared=tracker.prepared, on_rolled_back=tracker.finished)
+                on_prepared=tracker.prepared, on_rolled_back=tracker.finished,
+                max_change_bytes=max_change_bytes(s.max_row_bytes))
             publisher.start()
             options = {"proto_version": "4", "publication_names": f'"{s.publication_name}"',
                        "streaming": s.streaming, "messages": "true"}

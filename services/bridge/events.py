@@ -19,6 +19,7 @@ from typing import Any
 
 from services.bridge import messages as m
 from services.bridge.records import CONNECTOR, UNCHANGED_TOAST
+from services.bridge.topics import table_topic
 from services.bridge.values import (
     RAW_JSON_TYPES,
     TYPE_NAMES,
@@ -26,6 +27,7 @@ from services.bridge.values import (
     converter_for,
     embed_raw_json,
 )
+from services.common.lsn import format_lsn
 
 VERSION = "0.1.0"
 _PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
@@ -47,6 +49,16 @@ else:  # pragma: no cover - CPython always has the C accelerator
 
 class RowTooLarge(Exception):
     """A single change record exceeds the configured limit; publishing it would fail."""
+
+
+def max_change_bytes(max_row_bytes: int) -> int:
+    """The largest pgoutput row change whose record may fit in ``max_row_bytes``.
+
+    A change record is never smaller than a third of its message: the text that shrinks
+    most is bytea printed with bytea_output=escape (up to four characters a byte), which
+    becomes base64; every other value's text stays as long or grows in JSON.
+    """
+    return 3 * max_row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +165,7 @@ class RelationCatalog:
         }
         return RelationInfo(
             oid=rel.oid, schema=rel.namespace, table=rel.name,
-            topic=f"{self.topic_prefix}.{rel.namespace}.{rel.name}", version=version,
+            topic=table_topic(self.topic_prefix, rel.namespace, rel.name), version=version,
             names=names, converters=tuple(converter_for(c.type_oid) for c in rel.columns),
             key_idx=key_idx, replica_identity=rel.replica_identity, schema_record=record,
             raw_json=any(c.type_oid in RAW_JSON_TYPES for c in rel.columns),
@@ -183,6 +195,11 @@ def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, 
             known[name] = KnownVersion(rec["version"], fingerprint)
     return known
 
+
+# The bridge aligns the topics' max.message.bytes and its producer with max_row_bytes
+# itself; the brokers' socket.request.max.bytes bounds it (checked at start).
+_TOO_LARGE_REMEDY = ("raise max_row_bytes (below the brokers' socket.request.max.bytes) or "
+                     "stop publishing that column")
 
 # One output record: topic, key bytes (or None), value bytes (or None for a tombstone).
 Record = tuple[str, bytes | None, bytes | None]
@@ -292,6 +309,16 @@ class EventBuilder:
                                  for topic, n in per_table.items()],
             "ts_ms": ts_ms}).encode()
 
+    def refuse_oversized(self, lsn: int, relation_oid: int, size: int) -> None:
+        """A row change whose pgoutput message alone proves its record too large (see
+        ``max_change_bytes``): refused without decoding or building anything of it."""
+        info = self.catalog.by_oid.get(relation_oid)
+        name = f"{info.schema}.{info.table}" if info is not None else f"relation {relation_oid}"
+        raise RowTooLarge(
+            f"a change of {name} at LSN {format_lsn(lsn)} is {size} bytes in the replication "
+            f"stream, so its record is over the limit of {self.max_record_bytes} "
+            f"(max_row_bytes); refused before building it; {_TOO_LARGE_REMEDY}")
+
     def _schema_record(self, info: RelationInfo) -> Record:
         info.published = True
         key = _dumps({"schema": info.schema, "table": info.table, "version": info.version})
@@ -322,10 +349,9 @@ class EventBuilder:
         out = (embed_raw_json(text) if info.raw_json else text).encode()
         if len(out) > self.max_record_bytes:
             raise RowTooLarge(
-                f"a change of {info.schema}.{info.table} at LSN {lsn:X} is {len(out)} bytes, "
-                f"over the limit of {self.max_record_bytes}; raise max_row_bytes and Kafka's "
-                "message.max.bytes (producer) / max.message.bytes (topic), or stop "
-                "publishing that column")
+                f"a change of {info.schema}.{info.table} at LSN {format_lsn(lsn)} is "
+                f"{len(out)} bytes, over the limit of {self.max_record_bytes} (max_row_bytes); "
+                f"{_TOO_LARGE_REMEDY}")
         return out
 
 

@@ -24,6 +24,7 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from services.bridge.records import PendingSnapshot, ProgressRecord
+from services.common.kafka import explain
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
 
@@ -184,7 +185,7 @@ def read_kafka_progress(client_config: dict[str, object], topic: str, slot: str,
             end, window = start, window * 4
         return None
     except KafkaException as exc:
-        raise ProgressError(f"cannot read progress topic {topic}: {exc.args[0]}") from None
+        raise ProgressError(f"cannot read progress topic {topic}: {explain(exc)}") from None
     finally:
         consumer.close()
 
@@ -199,7 +200,7 @@ def read_topic(client_config: dict[str, object], topic: str,
             return []
         return list(_scan(consumer, topic, bounds[0], bounds[1], timeout_s))
     except KafkaException as exc:
-        raise ProgressError(f"cannot read topic {topic}: {exc.args[0]}") from None
+        raise ProgressError(f"cannot read topic {topic}: {explain(exc)}") from None
     finally:
         consumer.close()
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from services.bridge import messages as m
-from services.bridge.assembler import Transaction
+from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.coverage import SnapshotCoverage, TableName
 from services.bridge.events import EventBuilder
 from services.bridge.metrics import BridgeMetrics
@@ -242,6 +242,8 @@ class Publisher(threading.Thread):
             # the rest of the transaction: the server will not send it again.
             if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
                 continue
+            if payload[0] == OVERSIZED:
+                self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
             msg = decode(payload, streamed)
             if coverage is not None:
                 if msg.__class__ is relation:

@@ -62,6 +62,11 @@ class TransactionBlock(_Strict):
 class ChangeValue(_Strict):
     """Value of a record on a change topic ``{prefix}.{schema}.{table}``.
 
+    A schema or table name Kafka would refuse in a topic name (characters outside
+    ``[A-Za-z0-9_-]``, a ``.``, more than 63 characters) appears there mapped, as
+    ``<name with those characters replaced by _>--<8 hex digits of its SHA-256>``;
+    ``source.schema`` and ``source.table`` always hold the real names.
+
     The key is a JSON object of the key columns (primary key or replica identity). A delete
     is followed by a record with the same key and a null value (tombstone). A truncate has
     a null key and ``op: "t"``.
@@ -78,7 +83,9 @@ class ChangeValue(_Strict):
 
 
 class DataCollection(_Strict):
-    data_collection: str
+    data_collection: str = Field(
+        description="the table as its change topic names it: ``{schema}.{table}``, each name "
+                    "mapped if Kafka would refuse it (see ChangeValue)")
     event_count: int
 
 

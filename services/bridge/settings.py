@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
+from services.bridge.topics import MAX_PREFIX
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,
@@ -54,7 +55,7 @@ class BridgeSettings(ServiceSettings):
         description="extra librdkafka settings (security.protocol, ssl.*, sasl.mechanism ...)",
     )
     kafka_sasl_password: SecretStr | None = None
-    topic_prefix: str = "slotbridge"
+    topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
     progress_topic: str = "__slotbridge_progress"
     topic_partitions: int = Field(default=1, ge=1)
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")

@@ -17,10 +17,15 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
+
+# The package re-exports these without declaring it; mypy wants their own modules.
+from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin._resource import ResourceType
 from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
+from services.common.kafka import KafkaLog, KafkaUnreachable, check_reachable, explain
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -34,27 +39,36 @@ class FencedError(SinkError):
     """Another bridge instance owns this slot's transactional id now."""
 
 
+class KafkaRefused(SinkError):
+    """Kafka refuses what the bridge must do (a topic, a record's size, a setting) and will
+    refuse it again in every new session: only the operator can change that."""
+
+
+# A record batch around the largest record: what topics and the producer must accept.
+RECORD_SLACK = 65_536
+# Codes with which Kafka refuses to create a topic for good (bad or colliding name,
+# authorization, policy, impossible settings).
+_TOPIC_REFUSALS = frozenset({
+    KafkaError.TOPIC_EXCEPTION, KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.POLICY_VIOLATION,
+    KafkaError.INVALID_CONFIG, KafkaError.INVALID_REPLICATION_FACTOR,
+    KafkaError.INVALID_PARTITIONS})
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+_REACH_S = 10.0
+_SECURITY_HINT = "kafka_bootstrap and the security settings in kafka_config " \
+                 "(security.protocol, sasl.*, ssl.*)"
+
+
 def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
     """Connection settings shared by the producer, admin and progress consumer."""
     # librdkafka's own log lines go through Python logging (structured, level-filtered).
     config: dict[str, Any] = {"bootstrap.servers": settings.kafka_bootstrap,
-                              "logger": logging.getLogger("kafka")}
+                              "logger": KafkaLog(logging.getLogger("kafka"))}
     config.update(settings.kafka_config)
     if settings.kafka_sasl_password is not None:
         config["sasl.password"] = settings.kafka_sasl_password.get_secret_value()
     return config
-
-
-def _explain(err: KafkaError | KafkaException | BaseException) -> str:
-    # confluent-kafka raises SystemError ("<function ...> returned a result with an exception
-    # set") when a callback runs while a fatal error is pending; the real error is its cause.
-    while isinstance(err, SystemError) and (err.__cause__ or err.__context__) is not None:
-        err = err.__cause__ or err.__context__  # type: ignore[assignment]
-    if isinstance(err, KafkaException):
-        err = err.args[0]
-    if isinstance(err, KafkaError):
-        return f"{err.name()}: {err.str()}"
-    return str(err)
 
 
 class FirstWrites:
@@ -103,6 +117,11 @@ class KafkaSink:
     def __init__(self, settings: BridgeSettings) -> None:
         self._settings = settings
         base = kafka_client_config(settings)
+        # Before any client exists: each would log its own failure to connect.
+        try:
+            check_reachable(base, _REACH_S, _SECURITY_HINT)
+        except KafkaUnreachable as exc:
+            raise SinkError(str(exc)) from None
         self._admin = AdminClient(base)
         self._producer = Producer({
             **base,
@@ -117,37 +136,77 @@ class KafkaSink:
             # Bounded producer memory: produce() blocks (we poll) instead of growing.
             "queue.buffering.max.messages": 200_000,
             "queue.buffering.max.kbytes": 262_144,
-            "message.max.bytes": max(settings.max_row_bytes + 65_536, 1_000_000),
+            "message.max.bytes": max(self.record_limit, 1_000_000),
             # A Python callback per record costs a sixth of the hot path; failures are what
             # we need to hear of. A flush that leaves nothing queued and reported no failure
             # proves every record of the transaction was delivered.
             "on_delivery": self._delivered,
             "delivery.report.only.error": True,
         })
-        self._known_topics: set[str] = set()
-        self._partitions: dict[str, int] = {}  # partition count per topic
+        # Topics written this session: created, or their record limit checked.
+        self._ready: set[str] = set()
+        self._partitions: dict[str, int] = {}  # partition count per existing topic
         self._first = FirstWrites()
         self._failure: KafkaError | None = None
+        self._failed_record: tuple[str, int] | None = None  # topic, bytes
         self._in_txn = False
         self._began = 0.0  # monotonic time the open transaction began
 
+    @property
+    def record_limit(self) -> int:
+        return self._settings.max_row_bytes + RECORD_SLACK
+
     def start(self, timeout_s: float = 30.0) -> None:
-        """Register the transactional id, fencing any older producer and its open txn."""
+        """Check that the brokers can take our largest record, then register the
+        transactional id, fencing any older producer and its open txn."""
+        metadata = self._admin.list_topics(timeout=timeout_s)
+        self._check_request_limit(list(metadata.brokers))
         try:
             self._producer.init_transactions(timeout_s)
         except KafkaException as exc:
             raise SinkError(f"cannot start Kafka transactions at {self._settings.kafka_bootstrap}:"
-                            f" {_explain(exc)}") from None
-        self._learn(self._admin.list_topics(timeout=timeout_s).topics)
+                            f" {explain(exc)}") from None
+        self._learn(metadata.topics)
+
+    def _check_request_limit(self, brokers: list[int]) -> None:
+        """A broker closes the connection of a request larger than its
+        socket.request.max.bytes, without an error the producer could report: the bridge
+        would retry forever, silently. Refuse a max_row_bytes that no broker can take."""
+        for broker, value in self._below_record_limit(
+                ResourceType.BROKER, [str(b) for b in brokers], "socket.request.max.bytes"):
+            raise KafkaRefused(
+                f"max_row_bytes={self._settings.max_row_bytes} is more than broker {broker} "
+                f"takes in one request (socket.request.max.bytes={value}, which must exceed "
+                f"max_row_bytes by {RECORD_SLACK}): lower max_row_bytes to "
+                f"{value - RECORD_SLACK} or raise socket.request.max.bytes on every broker")
+
+    def _below_record_limit(self, kind: ResourceType, names: list[str],
+                            setting: str) -> list[tuple[str, int]]:
+        """The brokers or topics whose ``setting`` is below ``record_limit``, with its value.
+        One that cannot be read (no DESCRIBE_CONFIGS right) is only warned of: the broker
+        still refuses a record too large, and the sink reports that in one line."""
+        below = []
+        resources = [ConfigResource(kind, name) for name in names]
+        for resource, future in self._admin.describe_configs(resources).items():
+            try:
+                entry = future.result(timeout=30).get(setting)
+            except KafkaException as exc:
+                log_event(log, logging.WARNING, f"cannot read {setting}; records up to "
+                          "max_row_bytes may be refused", resource=resource.name,
+                          error=explain(exc))
+                continue
+            if entry is not None and int(entry.value) < self.record_limit:
+                below.append((resource.name, int(entry.value)))
+        return below
 
     @property
     def known_topics(self) -> set[str]:
-        return self._known_topics
+        """Topics ready for this session's records (``ensure_topics`` the others)."""
+        return self._ready
 
     def _learn(self, topics: dict[str, Any]) -> None:
         for name, meta in topics.items():
             if meta.error is None and meta.partitions:
-                self._known_topics.add(name)
                 self._partitions[name] = len(meta.partitions)
 
     def _partition_count(self, topic: str) -> int:
@@ -160,24 +219,64 @@ class KafkaSink:
         return count
 
     def ensure_topics(self, topics: dict[str, bool]) -> None:
-        """Create the given topics (name -> compacted) that do not exist yet."""
-        missing = {t: c for t, c in topics.items() if t not in self._known_topics}
-        if not missing:
+        """Make the given topics (name -> compacted) ready for records up to max_row_bytes:
+        create those that do not exist, raise the limit of those that take less."""
+        todo = {t: c for t, c in topics.items() if t not in self._ready}
+        if not todo:
             return
-        # Topics must take the largest record we allow, or the broker refuses it later.
-        size = {"max.message.bytes": str(self._settings.max_row_bytes + 65_536)}
+        existing = [t for t in todo if t in self._partitions]
+        missing = {t: c for t, c in todo.items() if t not in self._partitions}
+        if missing:
+            existing += self._create(missing)
+            self._wait_for_leaders(list(missing))
+        if existing:
+            self._align_limits(existing)
+        self._ready.update(todo)
+
+    def _create(self, topics: dict[str, bool]) -> list[str]:
+        """Create the topics; returns those that someone else created meanwhile."""
+        size = {"max.message.bytes": str(self.record_limit)}
         new = [NewTopic(t, num_partitions=1 if compacted else self._settings.topic_partitions,
                         replication_factor=self._settings.topic_replication_factor,
                         config={"cleanup.policy": "compact", **size} if compacted else size)
-               for t, compacted in missing.items()]
+               for t, compacted in topics.items()]
+        raced = []
         for topic, future in self._admin.create_topics(new, operation_timeout=30).items():
             try:
                 future.result()
                 log_event(log, logging.INFO, "created topic", topic=topic)
             except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise SinkError(f"cannot create topic {topic}: {_explain(exc)}") from None
-        self._wait_for_leaders(list(missing))
+                code = exc.args[0].code()
+                if code == KafkaError.TOPIC_ALREADY_EXISTS:
+                    raced.append(topic)
+                elif code in _TOPIC_REFUSALS:
+                    raise KafkaRefused(f"Kafka refuses to create topic {topic}: {explain(exc)};"
+                                       " rename the table or leave it out of the publication"
+                                       " (tables)") from None
+                else:
+                    raise SinkError(f"cannot create topic {topic}: {explain(exc)}") from None
+        return raced
+
+    def _align_limits(self, topics: list[str]) -> None:
+        """Raise max.message.bytes of existing topics to what max_row_bytes needs (a topic
+        created under a smaller max_row_bytes keeps its old limit otherwise, and the broker
+        refuses the first larger record)."""
+        want = str(self.record_limit)
+        for topic, old in self._below_record_limit(ResourceType.TOPIC, topics,
+                                                   "max.message.bytes"):
+            change = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+                ConfigEntry("max.message.bytes", want,
+                            incremental_operation=AlterConfigOpType.SET)])
+            try:
+                self._admin.incremental_alter_configs([change])[change].result(timeout=30)
+            except KafkaException as exc:
+                raise KafkaRefused(
+                    f"topic {topic} takes records of at most {old} bytes (max.message.bytes), "
+                    f"less than max_row_bytes={self._settings.max_row_bytes} needs, and raising"
+                    f" it failed ({explain(exc)}): set max.message.bytes={want} on topic "
+                    f"{topic} or lower max_row_bytes") from None
+            log_event(log, logging.INFO, "raised the topic's max.message.bytes for "
+                      "max_row_bytes", topic=topic, was=old, now=want)
 
     def _wait_for_leaders(self, topics: list[str], timeout_s: float = 30.0) -> None:
         # A new topic answers "not leader" until its partitions have one; reading or
@@ -227,7 +326,7 @@ class KafkaSink:
         except (KafkaException, SystemError) as exc:
             # SystemError: confluent-kafka raises it when it serves a delivery report
             # while a fatal producer error is pending.
-            raise self._classify(exc) from None
+            raise self._classify(exc, record=(topic, len(value or b""))) from None
 
     def _deliver_all(self) -> None:
         """Wait until every record produced so far is acknowledged, or raise."""
@@ -260,7 +359,7 @@ class KafkaSink:
             self._producer.abort_transaction(10)
         except KafkaException as exc:
             log_event(log, logging.WARNING, "abort of Kafka transaction failed",
-                      error=_explain(exc))
+                      error=explain(exc))
 
     def close(self) -> None:
         """Abort what is open and let go; never raises, so the error that ended the session
@@ -270,14 +369,17 @@ class KafkaSink:
             self._producer.flush(5)
         except (KafkaException, SystemError) as exc:
             log_event(log, logging.WARNING, "Kafka producer did not close cleanly",
-                      error=_explain(exc))
+                      error=explain(exc))
 
-    def _delivered(self, err: KafkaError | None, _msg: object) -> None:
-        if err is not None and self._failure is None:
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        # After one record fails, the producer purges those queued behind it and may
+        # report them first: the purge is the consequence, the other error the cause.
+        if err is not None and (self._failure is None or self._failure.code() in _PURGED):
             self._failure = err
+            self._failed_record = (msg.topic(), len(msg.value() or b""))
 
     def _classify(self, exc: KafkaException | KafkaError | SystemError,
-                  what: str = "Kafka: ") -> SinkError:
+                  what: str = "Kafka: ", record: tuple[str, int] | None = None) -> SinkError:
         timeout_ms = self._settings.kafka_transaction_timeout_ms
         age = time.monotonic() - self._began
         if self._in_txn and age * 1000 > timeout_ms:
@@ -288,10 +390,17 @@ class KafkaSink:
                 f"({timeout_ms} ms), and the broker aborted it; raise kafka_transaction_timeout_ms"
                 " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large")
         err = exc.args[0] if isinstance(exc, KafkaException) else exc
+        if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
+            topic, size = record or self._failed_record or ("?", 0)
+            return KafkaRefused(
+                f"{what}{err.name()}: Kafka refused a record of {size} bytes for topic {topic} "
+                f"as too large: its max.message.bytes (the brokers' message.max.bytes if it "
+                f"has none) must be at least {self.record_limit} for max_row_bytes="
+                f"{self._settings.max_row_bytes}; set it, or lower max_row_bytes")
         if isinstance(err, KafkaError) and err.code() in (
                 KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                 KafkaError.INVALID_PRODUCER_EPOCH):
             return FencedError(
                 f"another bridge took over slot {self._settings.slot_name} "
                 f"(transactional id {self._settings.transactional_id}); this one stops")
-        return SinkError(f"{what}{_explain(err)}")
+        return SinkError(f"{what}{explain(err)}")

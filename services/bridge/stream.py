@@ -145,11 +145,13 @@ class ReplicationConnection:
                 continue
             if nbytes < 0:
                 raise StreamError(self._stream_end_reason())
-            raw = bytes(data)
+            # One copy, of the payload only: a single message may be hundreds of MB (one
+            # huge row), and each extra copy of it is that much more peak memory.
+            raw = memoryview(data)
             kind = raw[0]
             if kind == 0x77:  # 'w'
                 start, end, _ = _XLOGDATA.unpack_from(raw, 1)
-                yield "w", start, end, raw[25:]
+                yield "w", start, end, raw[25:].tobytes()
             elif kind == 0x6B:  # 'k'
                 end, _, reply = _KEEPALIVE.unpack_from(raw, 1)
                 yield "k", end, 0, bool(reply)

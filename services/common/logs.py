@@ -12,6 +12,10 @@ import sys
 import time
 from typing import Any
 
+from confluent_kafka import KafkaException
+
+from services.common.kafka import explain
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -58,5 +62,7 @@ def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> No
 def one_line(exc: BaseException) -> str:
     """The first line of an error's text (drivers append hints and context lines), or its
     type when it has no text: what a log field or a status line should carry."""
+    if isinstance(exc, KafkaException):
+        return explain(exc)  # its str() is the KafkaError{code=...,val=...} repr
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

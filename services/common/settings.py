@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic_settings
 import yaml
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -139,3 +140,13 @@ def load_settings(cls: type[S], path: Path | None = None, section: str | None = 
         return cls(**data)
     except ValidationError as exc:
         raise SettingsError(format_validation_error(exc, cls)) from None
+    except pydantic_settings.SettingsError as exc:
+        # An environment variable that does not parse (JSON of a dict or list field).
+        raise SettingsError(_env_error(exc)) from None
+
+
+def _env_error(exc: Exception) -> str:
+    found = re.search(r'field "(\w+)"', str(exc))
+    where = f"SLOTBRIDGE_{found[1].upper()}" if found else "a SLOTBRIDGE_* variable"
+    cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+    return f"invalid setting {where}: not valid JSON{cause}"

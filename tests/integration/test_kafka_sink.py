@@ -11,13 +11,14 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import FencedError, KafkaSink, SinkError
+from services.bridge.sink import FencedError, KafkaRefused, KafkaSink, SinkError
 from services.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
 
 def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
-    """Only failed deliveries are reported to Python; the commit must still hear of them."""
+    """Only failed deliveries are reported to Python; the commit must still hear of them,
+    and say in one line which topic refused what (a fatal error: no retry changes it)."""
     name = f"sink{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     # A topic made elsewhere with a small record limit: the broker refuses our big record.
@@ -28,16 +29,21 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
     sink = KafkaSink(settings)
     try:
         sink.start()
-        sink.ensure_topics({name: False})  # exists: left as it is
-        sink.begin()
+        sink.begin()  # not through ensure_topics, which would raise the topic's limit
         sink.produce(name, b"k", b'"small"')
         # Random, so that compression cannot bring it under the limit.
         sink.produce(name, b"k", b'"%s"' % base64.b64encode(os.urandom(50_000)))
-        with pytest.raises(SinkError, match="Kafka delivery failed: MSG_SIZE_TOO_LARGE"):
+        # Purged when the big one fails: the purge must not hide the broker's reason.
+        for n in range(200):
+            sink.produce(name, b"k%d" % n, b'"behind it"')
+        with pytest.raises(KafkaRefused, match="Kafka delivery failed: MSG_SIZE_TOO_LARGE"
+                           ) as refused:
             sink.commit()
     finally:
         sink.close()  # aborts
     assert read_topics(stack.kafka, [name]) == []  # nothing of it is visible
+    text = str(refused.value)
+    assert f"topic {name}" in text and "max.message.bytes" in text and "\n" not in text
 
 
 def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from confluent_kafka import KafkaError, KafkaException
 
-from services.bridge.sink import _explain
+from services.common.kafka import explain
 
 
 def test_a_callback_system_error_is_explained_by_its_cause() -> None:
@@ -18,6 +18,12 @@ def test_a_callback_system_error_is_explained_by_its_cause() -> None:
             raise SystemError("<function KafkaSink._delivered at 0x1> returned a result "
                               "with an exception set") from exc
     except SystemError as wrapped:
-        text = _explain(wrapped)
+        text = explain(wrapped)
     assert text == "_FENCED: producer fenced"
     assert "function" not in text
+
+
+def test_known_errors_say_what_to_do() -> None:
+    text = explain(KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)))
+    assert text.startswith("TOPIC_AUTHORIZATION_FAILED: Broker: Topic authorization failed; ")
+    assert "grant" in text and "KafkaError{" not in text
