@@ -60,6 +60,7 @@ from services.bridge.source import (
     check_slot,
     ensure_publication,
     preflight,
+    publication_dropped,
     published_tables,
     publishes_all_tables,
     slot_state,
@@ -72,7 +73,7 @@ from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
-from services.common.pg import SourceError, with_password
+from services.common.pg import SourceError, SourceRefused, with_password
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ log = logging.getLogger(__name__)
 # previous session still holds the slot ...). Everything else is fatal.
 TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
              ProgressError)
-FATAL = (FencedError, GapError, RowTooLarge, DecodeError)
+FATAL = (FencedError, GapError, RowTooLarge, DecodeError, SourceRefused)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
@@ -219,10 +220,7 @@ class Bridge:
             server = open_server(self._dsn, kafka_progress, s.slot_name)
             sql, repl, system, identity = server.sql, server.repl, server.system, server.identity
             preflight(sql, s)
-            ensure_publication(sql, s)
-            warn_keyless_tables(sql, s.publication_name)
             origin = OriginStore(sql, s.origin_name)
-            origin.ensure()
 
             builder = EventBuilder(
                 RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
@@ -231,7 +229,9 @@ class Bridge:
             sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
-            created = self._ensure_slot(sql, repl, system.dbname, snapshot_pending=mark == 0)
+            created = self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress,
+                                        snapshot_pending=mark == 0)
+            warn_keyless_tables(sql, s.publication_name)
             if created is not None and created.snapshot_name is not None:
                 mark = last_commit = self._snapshot(created, server, builder, sink, origin)
                 if s.snapshot_mode == "initial_only":
@@ -277,7 +277,12 @@ class Bridge:
             self.metrics.streaming.set(1)
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
                       publication=s.publication_name)
-            self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
+            try:
+                self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
+            except StreamError as exc:
+                if f'publication "{s.publication_name}" does not exist' in str(exc):
+                    raise publication_dropped(s) from None
+                raise
             # Clean stop: let the publisher commit what it holds, then confirm it.
             publisher.stop()
             publisher.join(_STOP_GRACE_S)
@@ -310,12 +315,17 @@ class Bridge:
                 server.close()
 
     def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
-                     repl: ReplicationConnection, dbname: str,
+                     repl: ReplicationConnection, origin: OriginStore, dbname: str,
+                     kafka_progress: ProgressRecord | None,
                      snapshot_pending: bool) -> SlotCreated | None:
-        """Create the slot if needed; returns it when created (with its snapshot)."""
+        """Create the slot (and the publication, and first the origin that marks the slot
+        as ours) if needed; returns it when created (with its snapshot)."""
         s = self.settings
         want_snapshot = s.snapshot_mode != "never"
         state = slot_state(sql, s.slot_name)
+        if state is not None:
+            # Before anything else, above all before a drop: is it ours at all?
+            check_slot(state, s, ours=kafka_progress is not None or origin.exists())
         if state is not None and state.active_pid is not None:
             raise SlotBusy(f"slot {s.slot_name} is in use by process {state.active_pid}; "
                            "is another bridge running on it?")
@@ -326,14 +336,17 @@ class Bridge:
                       slot=s.slot_name)
             repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
             state = None
+        ensure_publication(sql, s, slot_is_new=state is None)
         if state is None:
+            # The origin first: a crash between the two leaves an origin without a slot
+            # (harmless), never a slot of ours without its mark.
+            origin.ensure()
             created = repl.create_slot(s.slot_name, two_phase=s.two_phase,
                                        export_snapshot=want_snapshot)
             log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
                       consistent_point=format_lsn(created.consistent_point), db=dbname,
                       snapshot=created.snapshot_name)
             return created
-        check_slot(state, s.slot_name)
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)

@@ -79,6 +79,15 @@ class BridgeSettings(ServiceSettings):
     _topic = field_validator("topic_prefix", "progress_topic")(kafka_topic_name)
     _qualified = field_validator("tables")(qualified_tables)
 
+    @field_validator("tables")
+    @classmethod
+    def _not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value == []:
+            # An empty list once meant "all tables" by accident; say which one is meant.
+            raise ValueError("an empty list publishes no table; omit tables to publish all "
+                             "tables, or list schema.table names")
+        return value
+
     @property
     def origin_name(self) -> str:
         """The replication origin that records this slot's published progress."""

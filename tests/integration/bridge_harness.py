@@ -47,6 +47,14 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
         time.sleep(interval)
 
 
+def one_line_error(output: str) -> str:
+    """The one ERROR line a refusing bridge logs; fails on a traceback or any other count."""
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, output
+    return errors[0]
+
+
 @dataclass
 class Record:
     topic: str

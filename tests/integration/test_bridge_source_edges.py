@@ -13,16 +13,16 @@ import pytest
 from services.stack.bootstrap import cache_dir, pg_bin
 from services.stack.cluster import Node, free_ports, pg_os_user
 from services.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, _lsn, read_topics, sql, wait_for
+from tests.integration.bridge_harness import (
+    Pipeline,
+    _lsn,
+    one_line_error,
+    read_topics,
+    sql,
+    wait_for,
+)
 
 SCHEMA = "edge"
-
-
-def _one_line_error(output: str) -> str:
-    assert "Traceback" not in output, output
-    errors = [line for line in output.splitlines() if " ERROR " in line]
-    assert len(errors) == 1, output
-    return errors[0]
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_wrong_password_is_one_line_and_never_logged(stack: Stack, tmp_path: Pat
                                                                          "user=sb_pw")
         pipe.extra["SLOTBRIDGE_SOURCE_PASSWORD"] = "s3cret-wrong-pw"
         code, output = pipe.run_to_exit(60)
-        line = _one_line_error(output)
+        line = one_line_error(output)
         assert code != 0
         assert "password authentication failed" in line
         assert "s3cret-wrong-pw" not in output
@@ -87,14 +87,14 @@ def test_unreachable_host(stack: Stack, tmp_path: Path) -> None:
     pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = f"host=127.0.0.1 port={free_ports(1)[0]} user=postgres"
     code, output = pipe.run_to_exit(60)
     assert code != 0
-    assert "Connection refused" in _one_line_error(output)
+    assert "Connection refused" in one_line_error(output)
 
 
 def test_missing_table(stack: Stack, tmp_path: Path) -> None:
     pipe = Pipeline(stack, ["nope.missing"], tmp_path)
     code, output = pipe.run_to_exit(60)
     assert code == 2
-    assert "nope.missing" in _one_line_error(output)
+    assert "nope.missing" in one_line_error(output)
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_wal_level_replica_is_refused(stack: Stack, replica_level_server: str,
     pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = replica_level_server
     code, output = pipe.run_to_exit(60)
     assert code == 2
-    assert "wal_level is 'replica'" in _one_line_error(output)
+    assert "wal_level is 'replica'" in one_line_error(output)
 
 
 def test_huge_row_stops_the_bridge_and_confirms_nothing_of_it(stack: Stack, schema: None,
@@ -137,7 +137,7 @@ def test_huge_row_stops_the_bridge_and_confirms_nothing_of_it(stack: Stack, sche
         assert pipe.proc is not None
         code = pipe.proc.wait(120)
         assert code != 0
-        line = _one_line_error(pipe.output())
+        line = one_line_error(pipe.output())
         assert "edge.published" in line and "over the limit" in line
         ids = [r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.published")]
         assert ids == [1]
