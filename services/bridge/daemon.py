@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import threading
 import time
@@ -50,7 +51,13 @@ from services.bridge.progress import (
     read_kafka_progress,
     read_topic,
 )
-from services.bridge.publisher import GapError, Publisher, SnapshotRequest, TxnQueue
+from services.bridge.publisher import (
+    HEARTBEAT_S,
+    GapError,
+    Publisher,
+    SnapshotRequest,
+    TxnQueue,
+)
 from services.bridge.records import ProgressRecord
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
@@ -88,7 +95,21 @@ _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s terminati
 
 
 class SlotBusy(SourceError):
-    """The slot is in use by another walsender (often our own previous session's)."""
+    """The slot is in use by another walsender.
+
+    Two bridges on a slot: the one that registered its Kafka transactional id last wins.
+    Every session starts by fencing the producers before it, so the walsender in the way is
+    a fenced bridge's - which stops at its next Kafka call, within HEARTBEAT_S - or a dead
+    client's, which the server ends after wal_sender_timeout. ``wait_s`` covers both; a slot
+    still held after that is streamed by something else.
+    """
+
+    def __init__(self, slot: str, holder: str, wait_s: float) -> None:
+        super().__init__(f"slot {slot} is in use by {holder}; waiting until it is released "
+                         f"(at most {wait_s:.0f}s)")
+        self.slot = slot
+        self.holder = holder
+        self.wait_s = wait_s
 
 
 @dataclass
@@ -167,12 +188,24 @@ class Bridge:
     def _sessions(self) -> None:
         """Sessions one after another until stopped or an error no new session can fix."""
         backoff = Backoff()
+        busy_since: float | None = None  # first of the sessions in a row that found the slot busy
         while True:
             streamed_before = self._sessions_streamed
             try:
                 self._session()
                 return
             except Exception as exc:
+                if not isinstance(exc, SlotBusy):
+                    busy_since = None
+                elif busy_since is None:
+                    busy_since = time.monotonic()
+                elif time.monotonic() - busy_since > exc.wait_s:
+                    raise SourceRefused(
+                        f"slot {exc.slot} is still in use by {exc.holder} after "
+                        f"{time.monotonic() - busy_since:.0f}s although this bridge holds its "
+                        f"Kafka transactional id {self.settings.transactional_id}: something "
+                        "other than a slotbridge streams it; stop that consumer or choose "
+                        "another slot_name") from None
                 if not self._retryable(exc):
                     raise
                 wait_s = backoff.session_ended(self._sessions_streamed > streamed_before)
@@ -229,8 +262,14 @@ class Bridge:
             sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
-            created = self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress,
-                                        snapshot_pending=mark == 0)
+            try:
+                created = self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress,
+                                            snapshot_pending=mark == 0)
+            except StreamError as exc:
+                busy = self._as_slot_busy(sql, exc)
+                if busy is None:
+                    raise
+                raise busy from None
             warn_keyless_tables(sql, s.publication_name)
             if created is not None and created.snapshot_name is not None:
                 mark = last_commit = self._snapshot(created, server, builder, sink, origin)
@@ -271,7 +310,13 @@ class Bridge:
                        "streaming": s.streaming, "messages": "true"}
             if s.two_phase:
                 options["two_phase"] = "on"
-            repl.start(s.slot_name, 0, options)
+            try:
+                repl.start(s.slot_name, 0, options)
+            except StreamError as exc:
+                busy = self._as_slot_busy(sql, exc)
+                if busy is None:
+                    raise
+                raise busy from None
             self._sessions_streamed += 1
             self._health.streaming, self._health.error = True, ""
             self.metrics.streaming.set(1)
@@ -327,8 +372,7 @@ class Bridge:
             # Before anything else, above all before a drop: is it ours at all?
             check_slot(state, s, ours=kafka_progress is not None or origin.exists())
         if state is not None and state.active_pid is not None:
-            raise SlotBusy(f"slot {s.slot_name} is in use by process {state.active_pid}; "
-                           "is another bridge running on it?")
+            raise self._slot_busy(sql, f"process {state.active_pid}")
         if state is not None and want_snapshot and snapshot_pending:
             # Nothing was ever published from this slot: its snapshot was interrupted (or
             # never taken). Its exported snapshot is gone, so start over from a new one.
@@ -351,6 +395,26 @@ class Bridge:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
         return None
+
+    def _as_slot_busy(self, sql: psycopg.Connection[tuple[object, ...]],
+                      exc: StreamError) -> SlotBusy | None:
+        """A replication command that lost a race for the slot to another bridge."""
+        text = str(exc)
+        holder = re.search(r"is active for PID (\d+)", text)
+        if holder is not None:
+            return self._slot_busy(sql, f"process {holder[1]}")
+        if "already exists" in text:  # both found no slot; the other created it first
+            return self._slot_busy(sql, "another bridge that just created it")
+        return None
+
+    def _slot_busy(self, sql: psycopg.Connection[tuple[object, ...]], holder: str) -> SlotBusy:
+        with sql.cursor() as cur:
+            cur.execute("SELECT setting::int FROM pg_settings WHERE name = 'wal_sender_timeout'")
+            row = cur.fetchone()
+        timeout_ms = int(str(row[0])) if row else 0
+        # 0 disables the timeout: a dead client's walsender then lingers until TCP notices.
+        linger_s = timeout_ms / 1000 if timeout_ms > 0 else 60.0
+        return SlotBusy(self.settings.slot_name, holder, linger_s + 2 * HEARTBEAT_S + 10)
 
     def _snapshot(self, created: SlotCreated, server: Server, builder: EventBuilder,
                   sink: KafkaSink, origin: OriginStore) -> int:

@@ -45,13 +45,18 @@ def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
     return config
 
 
-def _explain(err: KafkaError | KafkaException | BaseException) -> str:
+def _cause(err: KafkaError | KafkaException | BaseException) -> KafkaError | BaseException:
     # confluent-kafka raises SystemError ("<function ...> returned a result with an exception
     # set") when a callback runs while a fatal error is pending; the real error is its cause.
     while isinstance(err, SystemError) and (err.__cause__ or err.__context__) is not None:
         err = err.__cause__ or err.__context__  # type: ignore[assignment]
     if isinstance(err, KafkaException):
-        err = err.args[0]
+        return err.args[0]  # type: ignore[no-any-return]
+    return err
+
+
+def _explain(err: KafkaError | KafkaException | BaseException) -> str:
+    err = _cause(err)
     if isinstance(err, KafkaError):
         return f"{err.name()}: {err.str()}"
     return str(err)
@@ -287,7 +292,9 @@ class KafkaSink:
                 f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
                 f"({timeout_ms} ms), and the broker aborted it; raise kafka_transaction_timeout_ms"
                 " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large")
-        err = exc.args[0] if isinstance(exc, KafkaException) else exc
+        # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
+        # bridge would reconnect and fence the bridge that fenced it, in turn.
+        err = _cause(exc)
         if isinstance(err, KafkaError) and err.code() in (
                 KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                 KafkaError.INVALID_PRODUCER_EPOCH):

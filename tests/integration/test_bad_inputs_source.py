@@ -17,13 +17,16 @@ Items covered, by their number in issue #12:
 
 from __future__ import annotations
 
+import multiprocessing
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from services.bridge.publisher import HEARTBEAT_S
 from services.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, _lsn, one_line_error, sql
+from tests.integration.bridge_harness import Pipeline, _lsn, one_line_error, sql, wait_for
 
 SCHEMA = "badsrc"
 
@@ -176,3 +179,90 @@ def test_least_privilege_role_needs_origin_grants(stack: Stack, pipe: Pipeline,
     pipe.wait_caught_up(60)
     assert pipe.stop() == 0
     assert sorted(r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.t")) == [1, 2]
+
+
+# -- 10: two bridges on one slot ---------------------------------------------------------------
+
+def _fenced_verdict(output: str) -> str:
+    """The bridge's one ERROR line; librdkafka logs the fencing on lines of its own
+    ("[rdkafka#producer-1] ... fenced by a newer instance")."""
+    return one_line_error("\n".join(text for text in output.splitlines()
+                                     if "[rdkafka#" not in text))
+
+
+def _burn(stop: float) -> None:
+    while time.monotonic() < stop:
+        pass
+
+
+def test_two_bridges_on_one_slot_exactly_one_wins(stack: Stack, table: str,
+                                                  tmp_path: Path) -> None:
+    rounds = 4
+    burners = [multiprocessing.Process(target=_burn, args=(time.monotonic() + 600,))
+               for _ in range(2)]
+    for burner in burners:
+        burner.start()
+    try:
+        for n in range(rounds):
+            first = Pipeline(stack, [table], tmp_path / f"r{n}a")
+            first.workdir.mkdir()
+            second = Pipeline(stack, [table], tmp_path / f"r{n}b", name=first.name)
+            second.workdir.mkdir()
+            try:
+                _race(stack, first, second, n)
+            finally:
+                second.kill()
+                first.cleanup()
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.join()
+
+
+def _race(stack: Stack, first: Pipeline, second: Pipeline, n: int) -> None:
+    first.start()
+    second.start()
+    assert first.proc is not None and second.proc is not None
+    procs = {"first": first, "second": second}
+    wait_for(lambda: any(p.proc is not None and p.proc.poll() is not None
+                         for p in procs.values()), 90, f"round {n}: one bridge to exit")
+    (loser_name, loser), = [(k, p) for k, p in procs.items()
+                            if p.proc is not None and p.proc.poll() is not None]
+    winner = second if loser is first else first
+    assert loser.proc is not None and loser.proc.returncode not in (0, None)
+    line = _fenced_verdict(loser.output())
+    assert first.name in line, line
+    # The winner keeps streaming through its idle heartbeats: rows written after them arrive.
+    time.sleep(HEARTBEAT_S + 1)
+    sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES ({n + 1}, 'round')")
+    winner.wait_caught_up(90)
+    assert winner.proc is not None and winner.proc.poll() is None
+    assert n + 1 in [r.value["after"]["id"] for r in winner.changes(f"{SCHEMA}.t")]
+    assert winner.stop() == 0
+    winner.audit()
+    print(f"round {n}: {loser_name} lost: {line}")
+
+
+def test_newer_bridge_takes_over_from_a_streaming_one(stack: Stack, pipe: Pipeline,
+                                                      tmp_path: Path) -> None:
+    """The rule, stated: the bridge that registered with Kafka last wins. The older one,
+    though idle, learns at its next heartbeat that it was fenced, stops with one line and
+    frees the slot; the newer one, which found the slot busy, waits for that and streams."""
+    pipe.start()
+    pipe.wait_caught_up(60)
+    sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (1, 'old')")
+    pipe.wait_caught_up(60)
+    newer = Pipeline(stack, pipe.tables, tmp_path / "newer", name=pipe.name)
+    newer.workdir.mkdir()
+    try:
+        newer.start()
+        assert pipe.proc is not None
+        assert pipe.proc.wait(HEARTBEAT_S + 30) == 1
+        assert "another bridge took over slot" in _fenced_verdict(pipe.output())
+        sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (2, 'new')")
+        newer.wait_caught_up(60)
+        assert [r.value["after"]["id"] for r in newer.changes(f"{SCHEMA}.t")] == [1, 2]
+        assert newer.stop() == 0
+        newer.audit()
+    finally:
+        newer.kill()
