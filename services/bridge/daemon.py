@@ -11,6 +11,8 @@ Errors that a retry cannot fix (bad settings, wrong server, a gap) end the daemo
 one line and a non-zero exit; so does any error before the first session streamed,
 because at start-up a failure is far more often a typo than an outage.
 
+Of two bridges on one slot, the one that started last wins (``SlotBusy``).
+
 The wait between sessions doubles while sessions keep failing and starts over once one
 streamed: each outage is waited out on its own terms, whatever happened before it.
 """
@@ -23,6 +25,8 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
@@ -262,14 +266,9 @@ class Bridge:
             sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
-            try:
+            with self._racing_for_slot(sql):
                 created = self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress,
                                             snapshot_pending=mark == 0)
-            except StreamError as exc:
-                busy = self._as_slot_busy(sql, exc)
-                if busy is None:
-                    raise
-                raise busy from None
             warn_keyless_tables(sql, s.publication_name)
             if created is not None and created.snapshot_name is not None:
                 mark = last_commit = self._snapshot(created, server, builder, sink, origin)
@@ -310,13 +309,8 @@ class Bridge:
                        "streaming": s.streaming, "messages": "true"}
             if s.two_phase:
                 options["two_phase"] = "on"
-            try:
+            with self._racing_for_slot(sql):
                 repl.start(s.slot_name, 0, options)
-            except StreamError as exc:
-                busy = self._as_slot_busy(sql, exc)
-                if busy is None:
-                    raise
-                raise busy from None
             self._sessions_streamed += 1
             self._health.streaming, self._health.error = True, ""
             self.metrics.streaming.set(1)
@@ -396,16 +390,20 @@ class Bridge:
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
         return None
 
-    def _as_slot_busy(self, sql: psycopg.Connection[tuple[object, ...]],
-                      exc: StreamError) -> SlotBusy | None:
-        """A replication command that lost a race for the slot to another bridge."""
-        text = str(exc)
-        holder = re.search(r"is active for PID (\d+)", text)
-        if holder is not None:
-            return self._slot_busy(sql, f"process {holder[1]}")
-        if "already exists" in text:  # both found no slot; the other created it first
-            return self._slot_busy(sql, "another bridge that just created it")
-        return None
+    @contextmanager
+    def _racing_for_slot(self, sql: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:
+        """Replication commands that may lose a race for the slot to another bridge: that
+        is SlotBusy, not a failure."""
+        try:
+            yield
+        except StreamError as exc:
+            text = str(exc)
+            holder = re.search(r"is active for PID (\d+)", text)
+            if holder is not None:
+                raise self._slot_busy(sql, f"process {holder[1]}") from None
+            if "already exists" in text:  # both found no slot; the other created it first
+                raise self._slot_busy(sql, "another bridge that just created it") from None
+            raise
 
     def _slot_busy(self, sql: psycopg.Connection[tuple[object, ...]], holder: str) -> SlotBusy:
         with sql.cursor() as cur:
