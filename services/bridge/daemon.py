@@ -267,8 +267,8 @@ class Bridge:
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
             with self._racing_for_slot(sql):
-                created = self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress,
-                                            snapshot_pending=mark == 0)
+                created = self._ensure_slot(sql, repl, sink, origin, system.dbname,
+                                            kafka_progress, snapshot_pending=mark == 0)
             warn_keyless_tables(sql, s.publication_name)
             if created is not None and created.snapshot_name is not None:
                 mark = last_commit = self._snapshot(created, server, builder, sink, origin)
@@ -354,7 +354,8 @@ class Bridge:
                 server.close()
 
     def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
-                     repl: ReplicationConnection, origin: OriginStore, dbname: str,
+                     repl: ReplicationConnection, sink: KafkaSink, origin: OriginStore,
+                     dbname: str,
                      kafka_progress: ProgressRecord | None,
                      snapshot_pending: bool) -> SlotCreated | None:
         """Create the slot (and the publication, and first the origin that marks the slot
@@ -372,7 +373,18 @@ class Bridge:
             # never taken). Its exported snapshot is gone, so start over from a new one.
             log_event(log, logging.WARNING, "slot has no published snapshot; recreating it",
                       slot=s.slot_name)
-            repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+            # A slot is inactive between its creation and START_REPLICATION: another bridge
+            # may be taking its snapshot on it right now. Drop it only once a Kafka commit
+            # proves this bridge fenced that one (which then cannot publish its snapshot):
+            # the other way round it would stream on our new slot from its older snapshot.
+            sink.begin()
+            sink.produce(s.progress_topic, progress_key(s.slot_name), None)
+            sink.commit()
+            try:
+                repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+            except StreamError as exc:
+                if "does not exist" not in str(exc):  # else another bridge dropped it first
+                    raise
             state = None
         ensure_publication(sql, s, slot_is_new=state is None)
         if state is None:

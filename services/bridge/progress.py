@@ -99,9 +99,13 @@ class OriginStore:
             return cur.fetchone() is not None
 
     def ensure(self) -> None:
-        if not self.exists():
+        if self.exists():
+            return
+        try:
             self._call("pg_replication_origin_create", "text", "%s", (self.name,))
-            log_event(log, logging.INFO, "created replication origin", origin=self.name)
+        except psycopg.errors.UniqueViolation:
+            return  # another bridge starting on the slot created it since we looked
+        log_event(log, logging.INFO, "created replication origin", origin=self.name)
 
     def progress(self) -> int:
         """The recorded position; 0 while the origin does not exist."""

@@ -100,6 +100,8 @@ def ensure_publication(conn: Conn, settings: BridgeSettings, slot_is_new: bool) 
             who = "a superuser"
         try:
             cur.execute(stmt)
+        except (psycopg.errors.DuplicateObject, psycopg.errors.UniqueViolation):
+            return  # another bridge starting on the slot created it since we looked
         except psycopg.errors.InsufficientPrivilege as exc:
             raise SourceRefused(f"cannot create publication {name}: {exc.diag.message_primary};"
                                 f" have {who} run {stmt.as_string(conn)} before starting the "

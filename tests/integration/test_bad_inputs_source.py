@@ -231,7 +231,7 @@ def _race(stack: Stack, first: Pipeline, second: Pipeline, n: int) -> None:
     winner = second if loser is first else first
     assert loser.proc is not None and loser.proc.returncode not in (0, None)
     line = _fenced_verdict(loser.output())
-    assert first.name in line, line
+    assert f"another bridge took over slot {first.name}" in line, line
     # The winner keeps streaming through its idle heartbeats: rows written after them arrive.
     time.sleep(HEARTBEAT_S + 1)
     sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES ({n + 1}, 'round')")
