@@ -11,6 +11,8 @@ Errors that a retry cannot fix (bad settings, wrong server, a gap) end the daemo
 one line and a non-zero exit; so does any error before the first session streamed,
 because at start-up a failure is far more often a typo than an outage.
 
+Of two bridges on one slot, the one that started last wins (``SlotBusy``).
+
 The wait between sessions doubles while sessions keep failing and starts over once one
 streamed: each outage is waited out on its own terms, whatever happened before it.
 """
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
@@ -51,7 +56,13 @@ from services.bridge.progress import (
     read_kafka_progress,
     read_topic,
 )
-from services.bridge.publisher import GapError, Publisher, SnapshotRequest, TxnQueue
+from services.bridge.publisher import (
+    HEARTBEAT_S,
+    GapError,
+    Publisher,
+    SnapshotRequest,
+    TxnQueue,
+)
 from services.bridge.records import ProgressRecord
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
@@ -67,6 +78,7 @@ from services.bridge.source import (
     check_slot,
     ensure_publication,
     preflight,
+    publication_dropped,
     published_tables,
     publishes_all_tables,
     slot_state,
@@ -79,7 +91,7 @@ from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
-from services.common.pg import SourceError, with_password
+from services.common.pg import SourceError, SourceRefused, with_password
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +99,29 @@ log = logging.getLogger(__name__)
 # previous session still holds the slot ...). Everything else is fatal.
 TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
              ProgressError)
-FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError)
+FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError,
+         SourceRefused)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
 
 
 class SlotBusy(SourceError):
-    """The slot is in use by another walsender (often our own previous session's)."""
+    """The slot is in use by another walsender.
+
+    Two bridges on a slot: the one that registered its Kafka transactional id last wins.
+    Every session starts by fencing the producers before it, so the walsender in the way is
+    a fenced bridge's - which stops at its next Kafka call, within HEARTBEAT_S - or a dead
+    client's, which the server ends after wal_sender_timeout. ``wait_s`` covers both; a slot
+    still held after that is streamed by something else.
+    """
+
+    def __init__(self, slot: str, holder: str, wait_s: float) -> None:
+        super().__init__(f"slot {slot} is in use by {holder}; waiting until it is released "
+                         f"(at most {wait_s:.0f}s)")
+        self.slot = slot
+        self.holder = holder
+        self.wait_s = wait_s
 
 
 @dataclass
@@ -173,12 +200,24 @@ class Bridge:
     def _sessions(self) -> None:
         """Sessions one after another until stopped or an error no new session can fix."""
         backoff = Backoff()
+        busy_since: float | None = None  # first of the sessions in a row that found the slot busy
         while True:
             streamed_before = self._sessions_streamed
             try:
                 self._session()
                 return
             except Exception as exc:
+                if not isinstance(exc, SlotBusy):
+                    busy_since = None
+                elif busy_since is None:
+                    busy_since = time.monotonic()
+                elif time.monotonic() - busy_since > exc.wait_s:
+                    raise SourceRefused(
+                        f"slot {exc.slot} is still in use by {exc.holder} after "
+                        f"{time.monotonic() - busy_since:.0f}s although this bridge holds its "
+                        f"Kafka transactional id {self.settings.transactional_id}: something "
+                        "other than a slotbridge streams it; stop that consumer or choose "
+                        "another slot_name") from None
                 if not self._retryable(exc):
                     raise
                 wait_s = backoff.session_ended(self._sessions_streamed > streamed_before)
@@ -227,10 +266,7 @@ class Bridge:
             server = open_server(self._dsn, kafka_progress, s.slot_name)
             sql, repl, system, identity = server.sql, server.repl, server.system, server.identity
             preflight(sql, s)
-            ensure_publication(sql, s)
-            warn_keyless_tables(sql, s.publication_name)
             origin = OriginStore(sql, s.origin_name)
-            origin.ensure()
 
             builder = EventBuilder(
                 RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
@@ -239,7 +275,10 @@ class Bridge:
             sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
-            created = self._ensure_slot(sql, repl, system.dbname, snapshot_pending=mark == 0)
+            with self._racing_for_slot(sql):
+                created = self._ensure_slot(sql, repl, sink, origin, system.dbname,
+                                            kafka_progress, snapshot_pending=mark == 0)
+            warn_keyless_tables(sql, s.publication_name)
             if created is not None and created.snapshot_name is not None:
                 mark = last_commit = self._snapshot(created, server, builder, sink, origin)
                 if s.snapshot_mode == "initial_only":
@@ -278,13 +317,19 @@ class Bridge:
                        "streaming": s.streaming, "messages": "true"}
             if s.two_phase:
                 options["two_phase"] = "on"
-            repl.start(s.slot_name, 0, options)
+            with self._racing_for_slot(sql):
+                repl.start(s.slot_name, 0, options)
             self._sessions_streamed += 1
             self._health.streaming, self._health.error = True, ""
             self.metrics.streaming.set(1)
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
                       publication=s.publication_name)
-            self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
+            try:
+                self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
+            except StreamError as exc:
+                if f'publication "{s.publication_name}" does not exist' in str(exc):
+                    raise publication_dropped(s) from None
+                raise
             # Clean stop: let the publisher commit what it holds, then confirm it.
             publisher.stop()
             publisher.join(_STOP_GRACE_S)
@@ -317,34 +362,77 @@ class Bridge:
                 server.close()
 
     def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
-                     repl: ReplicationConnection, dbname: str,
+                     repl: ReplicationConnection, sink: KafkaSink, origin: OriginStore,
+                     dbname: str,
+                     kafka_progress: ProgressRecord | None,
                      snapshot_pending: bool) -> SlotCreated | None:
-        """Create the slot if needed; returns it when created (with its snapshot)."""
+        """Create the slot (and the publication, and first the origin that marks the slot
+        as ours) if needed; returns it when created (with its snapshot)."""
         s = self.settings
         want_snapshot = s.snapshot_mode != "never"
         state = slot_state(sql, s.slot_name)
+        if state is not None:
+            # Before anything else, above all before a drop: is it ours at all?
+            check_slot(state, s, ours=kafka_progress is not None or origin.exists())
         if state is not None and state.active_pid is not None:
-            raise SlotBusy(f"slot {s.slot_name} is in use by process {state.active_pid}; "
-                           "is another bridge running on it?")
+            raise self._slot_busy(sql, f"process {state.active_pid}")
         if state is not None and want_snapshot and snapshot_pending:
             # Nothing was ever published from this slot: its snapshot was interrupted (or
             # never taken). Its exported snapshot is gone, so start over from a new one.
             log_event(log, logging.WARNING, "slot has no published snapshot; recreating it",
                       slot=s.slot_name)
-            repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+            # A slot is inactive between its creation and START_REPLICATION: another bridge
+            # may be taking its snapshot on it right now. Drop it only once a Kafka commit
+            # proves this bridge fenced that one (which then cannot publish its snapshot):
+            # the other way round it would stream on our new slot from its older snapshot.
+            sink.begin()
+            sink.produce(s.progress_topic, progress_key(s.slot_name), None)
+            sink.commit()
+            try:
+                repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+            except StreamError as exc:
+                if "does not exist" not in str(exc):  # else another bridge dropped it first
+                    raise
             state = None
+        ensure_publication(sql, s, slot_is_new=state is None)
         if state is None:
+            # The origin first: a crash between the two leaves an origin without a slot
+            # (harmless), never a slot of ours without its mark.
+            origin.ensure()
             created = repl.create_slot(s.slot_name, two_phase=s.two_phase,
                                        export_snapshot=want_snapshot)
             log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
                       consistent_point=format_lsn(created.consistent_point), db=dbname,
                       snapshot=created.snapshot_name)
             return created
-        check_slot(state, s.slot_name)
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
         return None
+
+    @contextmanager
+    def _racing_for_slot(self, sql: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:
+        """Replication commands that may lose a race for the slot to another bridge: that
+        is SlotBusy, not a failure."""
+        try:
+            yield
+        except StreamError as exc:
+            text = str(exc)
+            holder = re.search(r"is active for PID (\d+)", text)
+            if holder is not None:
+                raise self._slot_busy(sql, f"process {holder[1]}") from None
+            if "already exists" in text:  # both found no slot; the other created it first
+                raise self._slot_busy(sql, "another bridge that just created it") from None
+            raise
+
+    def _slot_busy(self, sql: psycopg.Connection[tuple[object, ...]], holder: str) -> SlotBusy:
+        with sql.cursor() as cur:
+            cur.execute("SELECT setting::int FROM pg_settings WHERE name = 'wal_sender_timeout'")
+            row = cur.fetchone()
+        timeout_ms = int(str(row[0])) if row else 0
+        # 0 disables the timeout: a dead client's walsender then lingers until TCP notices.
+        linger_s = timeout_ms / 1000 if timeout_ms > 0 else 60.0
+        return SlotBusy(self.settings.slot_name, holder, linger_s + 2 * HEARTBEAT_S + 10)
 
     def _snapshot(self, created: SlotCreated, server: Server, builder: EventBuilder,
                   sink: KafkaSink, origin: OriginStore) -> int:

@@ -98,6 +98,15 @@ class BridgeSettings(ServiceSettings):
     _qualified = field_validator("tables")(qualified_tables)
     _strings = field_validator("kafka_config", mode="before")(string_values)
 
+    @field_validator("tables")
+    @classmethod
+    def _not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value == []:
+            # An empty list once meant "all tables" by accident; say which one is meant.
+            raise ValueError("an empty list publishes no table; omit tables to publish all "
+                             "tables, or list schema.table names")
+        return value
+
     @property
     def origin_name(self) -> str:
         """The replication origin that records this slot's published progress."""

@@ -25,7 +25,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
-from services.common.kafka import KafkaLog, KafkaUnreachable, check_reachable, explain
+from services.common.kafka import KafkaLog, KafkaUnreachable, cause, check_reachable, explain
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,9 @@ class KafkaSink:
                 f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
                 f"({timeout_ms} ms), and the broker aborted it; raise kafka_transaction_timeout_ms"
                 " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large")
-        err = exc.args[0] if isinstance(exc, KafkaException) else exc
+        # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
+        # bridge would reconnect and fence the bridge that fenced it, in turn.
+        err = cause(exc)
         if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
             topic, size = record or self._failed_record or ("?", 0)
             return KafkaRefused(

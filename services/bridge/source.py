@@ -15,7 +15,7 @@ from psycopg import sql
 from services.bridge.events import ColumnFacts, TableFacts
 from services.bridge.settings import BridgeSettings
 from services.common.logs import log_event
-from services.common.pg import SourceError
+from services.common.pg import SourceError, SourceRefused
 
 log = logging.getLogger(__name__)
 
@@ -70,30 +70,87 @@ def _missing_tables(conn: Conn, tables: list[str]) -> list[str]:
     return missing
 
 
-def ensure_publication(conn: Conn, settings: BridgeSettings) -> None:
+def ensure_publication(conn: Conn, settings: BridgeSettings, slot_is_new: bool) -> None:
+    """Check the publication covers ``tables``; create it only together with the slot.
+
+    pgoutput looks a publication up in the catalogue as it was at each change's WAL
+    position, so one that vanished under an existing slot cannot be brought back by
+    creating it again: the changes in between fail to decode (``publication_dropped``).
+    """
     name = settings.publication_name
     with conn.cursor() as cur:
         cur.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,))
         exists = cur.fetchone() is not None
         if exists:
+            _check_coverage(conn, settings)
             return
+        if not slot_is_new:
+            raise publication_dropped(settings)
         if not settings.create_publication:
-            raise SourceError(f"publication {name} does not exist on the source; create it "
-                              "(CREATE PUBLICATION ...) or set create_publication: true")
+            raise SourceRefused(f"publication {name} does not exist on the source; create it "
+                                "(CREATE PUBLICATION ...) or set create_publication: true")
         if settings.tables:
             targets = sql.SQL(", ").join(
                 sql.Identifier(*t.split(".")) for t in settings.tables)
             stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name),
                                                                          targets)
+            who = "the tables' owner"
         else:
             stmt = sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name))
+            who = "a superuser"
         try:
             cur.execute(stmt)
+        except (psycopg.errors.DuplicateObject, psycopg.errors.UniqueViolation):
+            return  # another bridge starting on the slot created it since we looked
         except psycopg.errors.InsufficientPrivilege as exc:
-            raise SourceError(f"cannot create publication {name}: {exc.diag.message_primary}; "
-                              "have the table owner or a superuser create it") from None
+            raise SourceRefused(f"cannot create publication {name}: {exc.diag.message_primary};"
+                                f" have {who} run {stmt.as_string(conn)} before starting the "
+                                "bridge") from None
     log_event(log, logging.INFO, "created publication", publication=name,
               tables=settings.tables or "ALL")
+
+
+def publication_dropped(settings: BridgeSettings) -> SourceRefused:
+    name, slot = settings.publication_name, settings.slot_name
+    return SourceRefused(
+        f"publication {name} was dropped while slot {slot} streamed it; recreating it cannot "
+        "help (pgoutput reads it as of each change's WAL position): drop the slot (SELECT "
+        f"pg_drop_replication_slot('{slot}')) and restart the bridge to start over with a "
+        "new slot and snapshot")
+
+
+def _check_coverage(conn: Conn, settings: BridgeSettings) -> None:
+    """Refuse an existing publication that leaves out a configured table.
+
+    Tables it publishes beyond ``tables`` are fine: ALTER PUBLICATION ... ADD TABLE is how
+    an operator adds one while the bridge runs. A partition counts as published through
+    its published ancestor, a table through its published schema.
+    """
+    name = settings.publication_name
+    if not settings.tables:
+        return
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT t.name FROM unnest(%s::text[]) AS t(name)"
+            " CROSS JOIN pg_publication p"
+            " CROSS JOIN LATERAL (SELECT c.oid FROM pg_class c JOIN pg_namespace n"
+            "   ON n.oid = c.relnamespace WHERE n.nspname = split_part(t.name, '.', 1)"
+            "   AND c.relname = split_part(t.name, '.', 2)) rel"
+            " WHERE p.pubname = %s AND NOT p.puballtables AND NOT EXISTS ("
+            "   SELECT 1 FROM (SELECT rel.oid AS relid UNION"  # ancestors leave out the table
+            "                  SELECT relid FROM pg_partition_ancestors(rel.oid)) a"
+            "   JOIN pg_class ac ON ac.oid = a.relid"
+            "   WHERE EXISTS (SELECT 1 FROM pg_publication_rel r"
+            "                 WHERE r.prpubid = p.oid AND r.prrelid = a.relid)"
+            "      OR EXISTS (SELECT 1 FROM pg_publication_namespace pn"
+            "                 WHERE pn.pnpubid = p.oid AND pn.pnnspid = ac.relnamespace))"
+            " ORDER BY 1", (settings.tables, name))
+        missing = [str(r[0]) for r in cur.fetchall()]
+    if missing:
+        raise SourceRefused(
+            f"publication {name} exists but does not publish {', '.join(missing)} listed in "
+            f"'tables'; run ALTER PUBLICATION {name} ADD TABLE {', '.join(missing)} (as the "
+            "tables' owner) or fix 'tables'")
 
 
 def warn_keyless_tables(conn: Conn, publication: str) -> list[str]:
@@ -152,12 +209,25 @@ def slot_state(conn: Conn, slot: str) -> SlotState | None:
                      str(reason) if reason else None)
 
 
-def check_slot(state: SlotState, slot: str) -> None:
+def check_slot(state: SlotState, settings: BridgeSettings, ours: bool) -> None:
+    """Refuse a slot this bridge must not use, let alone drop.
+
+    ``ours``: the bridge's replication origin or published progress exists for the slot.
+    The bridge creates the origin before it creates the slot, and the origin travels to a
+    standby through WAL ahead of the synced slot, so a slot of ours always has one.
+    """
+    slot = settings.slot_name
+    drop = (f"choose another slot_name, or drop the slot (SELECT pg_drop_replication_slot"
+            f"('{slot}')) if nothing uses it")
     if state.plugin != "pgoutput":
-        raise SourceError(f"slot {slot} exists with plugin {state.plugin}, not pgoutput; drop it "
-                          "(SELECT pg_drop_replication_slot(...)) or choose another slot_name")
+        raise SourceRefused(f"slot {slot} exists with plugin {state.plugin}: slotbridge did not "
+                            f"create it (it uses pgoutput); {drop}")
+    if not ours:
+        raise SourceRefused(f"slot {slot} (plugin pgoutput) exists but slotbridge did not create"
+                            f" it (no replication origin {settings.origin_name}, no published "
+                            f"progress); {drop}")
     if state.invalidation_reason:
-        raise SourceError(f"slot {slot} is invalidated ({state.invalidation_reason}); changes "
+        raise SourceRefused(f"slot {slot} is invalidated ({state.invalidation_reason}); changes "
                           "were lost: drop and recreate it and re-snapshot the tables")
 
 

@@ -34,14 +34,20 @@ _REMEDIES = {
 }
 
 
-def explain(err: KafkaError | KafkaException | BaseException) -> str:
-    """One readable line: ``NAME: reason[; what to do]``."""
+def cause(err: KafkaError | KafkaException | BaseException) -> KafkaError | BaseException:
+    """The KafkaError behind an exception, if there is one."""
     # confluent-kafka raises SystemError ("<function ...> returned a result with an exception
     # set") when a callback runs while a fatal error is pending; the real error is its cause.
     while isinstance(err, SystemError) and (err.__cause__ or err.__context__) is not None:
         err = err.__cause__ or err.__context__  # type: ignore[assignment]
     if isinstance(err, KafkaException) and err.args and isinstance(err.args[0], KafkaError):
-        err = err.args[0]
+        return err.args[0]
+    return err
+
+
+def explain(err: KafkaError | KafkaException | BaseException) -> str:
+    """One readable line: ``NAME: reason[; what to do]``."""
+    err = cause(err)
     if not isinstance(err, KafkaError):
         return str(err)
     text = f"{err.name()}: {err.str()}"

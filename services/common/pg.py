@@ -12,6 +12,11 @@ class SourceError(Exception):
     """A problem with a PostgreSQL server or its setup; the message says what to do."""
 
 
+class SourceRefused(SourceError):
+    """A source problem no new session can get past (a missing GRANT, a dropped
+    publication, a slot that is not ours): the daemon stops even after it streamed."""
+
+
 _SECRET_KEYS = ("password", "sslpassword", "sslkey")
 
 
