@@ -382,12 +382,10 @@ class Bridge:
             log_event(log, logging.WARNING, "slot has no published snapshot; recreating it",
                       slot=s.slot_name)
             # A slot is inactive between its creation and START_REPLICATION: another bridge
-            # may be taking its snapshot on it right now. Drop it only once a Kafka commit
-            # proves this bridge fenced that one (which then cannot publish its snapshot):
+            # may be taking its snapshot on it right now. Drop it only once Kafka confirms
+            # this bridge fenced that one (which then cannot publish its snapshot):
             # the other way round it would stream on our new slot from its older snapshot.
-            sink.begin()
-            sink.produce(s.progress_topic, progress_key(s.slot_name), None)
-            sink.commit()
+            sink.prove_not_fenced()
             try:
                 repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
             except StreamError as exc:

@@ -45,9 +45,9 @@ from services.common.logs import log_event
 log = logging.getLogger(__name__)
 
 _STOP = object()
-# An idle bridge commits its progress as it stands this often: the one Kafka call that tells
-# a bridge another one fenced it. Without it a fenced bridge with nothing to publish would
-# hold the slot - and keep its successor waiting - until the next change.
+# An idle bridge asks Kafka this often whether another bridge fenced it: without it a fenced
+# bridge with nothing to publish would hold the slot - and keep its successor waiting - until
+# the next change.
 HEARTBEAT_S = 5.0
 
 
@@ -192,7 +192,8 @@ class Publisher(threading.Thread):
                 self._commit(batch)
                 batch = None
             if batch is None and time.monotonic() - self._committed_at >= HEARTBEAT_S:
-                self._heartbeat()
+                self._sink.prove_not_fenced()
+                self._committed_at = time.monotonic()
 
     def _begin(self) -> _Batch:
         self._sink.begin()
@@ -288,7 +289,11 @@ class Publisher(threading.Thread):
         self._coverage.add(read, point)
         batch.snapshotted.extend(read)
 
-    def _produce_progress(self, end_lsn: int) -> None:
+    def _commit(self, batch: _Batch) -> None:
+        last = batch.last
+        end_lsn = last.end_lsn if last is not None else self.high_water
+        if last is not None:
+            self._last_commit_lsn = last.commit_lsn
         pending = []
         if self._coverage is not None:
             # Every later transaction ends past end_lsn: points at or below it are done.
@@ -297,23 +302,6 @@ class Publisher(threading.Thread):
         self._sink.produce(self._settings.progress_topic, progress_key(self._settings.slot_name),
                            progress_value(self._settings.slot_name, end_lsn,
                                           self._last_commit_lsn, self._identity, pending))
-
-    def _heartbeat(self) -> None:
-        """Commit the progress as it stands (FencedError if another bridge took over).
-
-        No origin advance and nothing for the tracker: no new position is published.
-        """
-        self._sink.begin()
-        self._produce_progress(self.high_water)
-        self._sink.commit()
-        self._committed_at = time.monotonic()
-
-    def _commit(self, batch: _Batch) -> None:
-        last = batch.last
-        end_lsn = last.end_lsn if last is not None else self.high_water
-        if last is not None:
-            self._last_commit_lsn = last.commit_lsn
-        self._produce_progress(end_lsn)
         failpoint("before_kafka_commit")
         seconds = self._sink.commit()
         self._committed_at = time.monotonic()

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 # The package re-exports these without declaring it; mypy wants their own modules.
@@ -151,6 +151,7 @@ class KafkaSink:
         self._failed_record: tuple[str, int] | None = None  # topic, bytes
         self._in_txn = False
         self._began = 0.0  # monotonic time the open transaction began
+        self._fence_group: Consumer | None = None  # made by the first prove_not_fenced
 
     @property
     def record_limit(self) -> int:
@@ -361,10 +362,35 @@ class KafkaSink:
             log_event(log, logging.WARNING, "abort of Kafka transaction failed",
                       error=explain(exc))
 
+    def prove_not_fenced(self) -> None:
+        """Commit a transaction that holds only a consumer-group offset; FencedError if a
+        newer bridge took the transactional id.
+
+        The coordinator checks the producer's epoch on every transactional request, and a
+        bridge with nothing to publish sends none: this is how an idle one learns it was
+        fenced. The offset (group ``slotbridge-fence-<slot>``, on the progress topic) lands
+        in Kafka's internal offsets topic, in no topic anybody reads.
+        """
+        if self._fence_group is None:
+            self._fence_group = Consumer({
+                **kafka_client_config(self._settings),
+                "group.id": f"slotbridge-fence-{self._settings.slot_name}"})
+        group = self._fence_group.consumer_group_metadata()
+        timeout_s = self._settings.kafka_transaction_timeout_ms / 1000
+        self.begin()
+        try:
+            self._producer.send_offsets_to_transaction(
+                [TopicPartition(self._settings.progress_topic, 0, 0)], group, timeout_s)
+        except (KafkaException, SystemError) as exc:
+            raise self._classify(exc) from None
+        self.commit()
+
     def close(self) -> None:
         """Abort what is open and let go; never raises, so the error that ended the session
         is the one reported."""
         self.abort()
+        if self._fence_group is not None:
+            self._fence_group.close()
         try:
             self._producer.flush(5)
         except (KafkaException, SystemError) as exc:

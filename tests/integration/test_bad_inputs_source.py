@@ -7,7 +7,8 @@ Items covered, by their number in issue #12:
 6. a publication dropped while the slot streams it stops the bridge with one line, and
    nothing past what Kafka holds is confirmed;
 10. two bridges started at once on one slot: exactly one streams, the other exits with
-    one line (under CPU load, several rounds);
+    one line (under CPU load, several rounds); a newer bridge takes over from a streaming
+    one; a slot held by a live non-slotbridge consumer is waited for, then refused;
 13. ``tables: []`` is refused, and so is an existing publication that does not publish
     a configured table;
 14. a least-privilege REPLICATION role: a missing GRANT on a replication origin function
@@ -18,6 +19,7 @@ Items covered, by their number in issue #12:
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from services.bridge.publisher import HEARTBEAT_S
+from services.bridge.stream import ReplicationConnection
 from services.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, _lsn, one_line_error, sql, wait_for
 
@@ -266,3 +269,39 @@ def test_newer_bridge_takes_over_from_a_streaming_one(stack: Stack, pipe: Pipeli
         newer.audit()
     finally:
         newer.kill()
+
+
+def test_slot_held_by_another_consumer_is_waited_for_then_refused(stack: Stack, pipe: Pipeline
+                                                                  ) -> None:
+    """A live consumer that is no slotbridge holds our slot: the bridge waits what a fenced
+    bridge or a dead client's walsender could take (wal_sender_timeout + two heartbeats +
+    10 s), then stops with one line instead of retrying for ever."""
+    pipe.start()
+    pipe.wait_caught_up(60)
+    assert pipe.stop() == 0
+    sql(stack.primary_dsn, "ALTER SYSTEM SET wal_sender_timeout = '2s'")
+    sql(stack.primary_dsn, "SELECT pg_reload_conf()")
+    other = ReplicationConnection(stack.primary_dsn)
+    stop = threading.Event()
+
+    def consume() -> None:  # a live client: it reads and replies, so it is never timed out
+        while not stop.is_set():
+            for _ in other.messages(0.2):
+                pass
+            other.send_status(0, 0)
+
+    other.start(pipe.name, 0, {"proto_version": "4", "publication_names": f'"{pipe.name}"'})
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    try:
+        code, output = pipe.run_to_exit(2 + 2 * HEARTBEAT_S + 10 + 40)
+        line = one_line_error(output)
+        assert code == 2
+        assert f"slot {pipe.name} is still in use by process" in line
+        assert "stop that consumer or choose another slot_name" in line
+    finally:
+        stop.set()
+        consumer.join(10)
+        other.close()
+        sql(stack.primary_dsn, "ALTER SYSTEM RESET wal_sender_timeout")
+        sql(stack.primary_dsn, "SELECT pg_reload_conf()")
