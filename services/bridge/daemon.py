@@ -526,8 +526,9 @@ class Bridge:
             if now >= next_stats:
                 self._slot_stats(sql)
                 if coverage is not None:
-                    missing = [t for t in coverage.missing(published_tables(
-                        sql, s.publication_name)) if t not in requested]
+                    missing = [t for t in coverage.missing(
+                        p.name for p in published_tables(sql, s.publication_name))
+                        if t not in requested]
                     if missing:
                         # Queued behind what was received so far: its place in the stream.
                         queue.put(SnapshotRequest(tuple(missing)))

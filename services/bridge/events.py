@@ -242,8 +242,10 @@ class EventBuilder:
                 row = _row(info, msg.new, None)
                 # An insert has no unchanged-TOAST value: its key is already in the row,
                 # converted once.
-                key = (_encode(info, {info.names[i]: row[info.names[i]] for i in info.key_idx})
-                       if info.key_idx else None)
+                key = None
+                if info.key_idx:
+                    text = _dumps({info.names[i]: row[info.names[i]] for i in info.key_idx})
+                    key = (embed_raw_json(text) if info.raw_json else text).encode()
                 yield info.topic, key, self._value(
                     info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
                     "r" if snapshot != "false" else "c", None, row, txid, total, order)

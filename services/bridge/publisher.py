@@ -28,6 +28,7 @@ from typing import Protocol
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.coverage import SnapshotCoverage, TableName
+from services.bridge.decoder import DecodeError
 from services.bridge.events import EventBuilder
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
@@ -250,9 +251,14 @@ class Publisher(threading.Thread):
             # the rest of the transaction: the server will not send it again.
             if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
                 continue
-            if payload[0] == OVERSIZED:
-                self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
-            msg = decode(payload, streamed)
+            try:
+                msg = decode(payload, streamed)
+            except DecodeError:
+                # The assembler's stand-in for a change too large to publish is no pgoutput
+                # message: found here, off the path every other message takes.
+                if payload[0] == OVERSIZED:
+                    self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
+                raise
             if coverage is not None:
                 if msg.__class__ is relation:
                     name = (msg.namespace, msg.name)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -36,6 +36,7 @@ from services.bridge import messages as m
 from services.bridge.coverage import TableName
 from services.bridge.events import EventBuilder
 from services.bridge.sink import KafkaSink
+from services.bridge.source import PublishedTable, published_tables
 from services.bridge.stream import SESSION_OPTIONS, ReplicationConnection, now_pg_us
 from services.common.logs import log_event
 from services.common.lsn import format_lsn
@@ -63,13 +64,6 @@ FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
 WHERE n.nspname = %s AND c.relname = %s AND a.attname = ANY(%s)
 ORDER BY a.attnum
-"""
-
-# What the publication sends of each table: its column list (without generated columns
-# unless publish_generated_columns says so, as pgoutput does) and its row filter.
-_PUBLISHED_SQL = """
-SELECT schemaname, tablename, attnames, rowfilter FROM pg_publication_tables
-WHERE pubname = %s ORDER BY 1, 2
 """
 
 
@@ -121,7 +115,7 @@ def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_poi
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
         # Publication membership as of the snapshot: a table removed since is not read.
-        tables = [t for t in _published(conn, publication) if only is None or t.name in only]
+        tables = [t for t in published_tables(conn, publication) if only is None or t.name in only]
         for table in tables:
             relation, heap = _relation(conn, table)
             progress.table(".".join(table.name), consistent_point, heap.rows)
@@ -169,7 +163,7 @@ class AddedTableSnapshots:
 
     def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
         with connect(self._dsn) as conn:
-            published = {t.name for t in _published(conn, self._publication)}
+            published = {t.name for t in published_tables(conn, self._publication)}
         tables = [t for t in tables if t in published]
         if not tables:
             # Not worth a temporary slot, which waits for every open transaction.
@@ -196,30 +190,13 @@ class AddedTableSnapshots:
 
 
 @dataclass(frozen=True, slots=True)
-class _Published:
-    name: TableName
-    columns: list[str]
-    row_filter: str | None  # the WHERE expression, as the server deparses it
-
-
-def _published(conn: psycopg.Connection[tuple[object, ...]],
-               publication: str) -> list[_Published]:
-    with conn.cursor() as cur:
-        cur.execute(_PUBLISHED_SQL, (publication,))
-        rows = cur.fetchall()
-    return [_Published((str(schema), str(table)), [str(c) for c in cast(list[str], columns)],
-                       str(row_filter) if row_filter is not None else None)
-            for schema, table, columns, row_filter in rows]
-
-
-@dataclass(frozen=True, slots=True)
 class _Heap:
     pages: int  # 0 for a partitioned table: its rows live in its partitions
     rows: int | None  # the planner's estimate; None until first vacuumed or analysed
 
 
 def _relation(conn: psycopg.Connection[tuple[object, ...]],
-              published: _Published) -> tuple[m.Relation, _Heap]:
+              published: PublishedTable) -> tuple[m.Relation, _Heap]:
     schema, table = published.name
     with conn.cursor() as cur:
         cur.execute(_COLUMNS_SQL, (schema, table, published.columns))

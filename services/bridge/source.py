@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import psycopg
 from psycopg import sql
@@ -179,12 +180,25 @@ def warn_keyless_tables(conn: Conn, publication: str) -> list[str]:
     return keyless
 
 
-def published_tables(conn: Conn, publication: str) -> list[tuple[str, str]]:
-    """(schema, table) of every table the publication covers, as the connection sees it."""
+@dataclass(frozen=True, slots=True)
+class PublishedTable:
+    """What a publication sends of one table, as pgoutput applies it: its columns (the
+    column list; generated columns only if publish_generated_columns says so) and rows."""
+
+    name: tuple[str, str]  # (schema, table)
+    columns: list[str]
+    row_filter: str | None  # the WHERE expression, as the server deparses it
+
+
+def published_tables(conn: Conn, publication: str) -> list[PublishedTable]:
+    """Every table the publication covers, as the connection (or its snapshot) sees it."""
     with conn.cursor() as cur:
-        cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s"
-                    " ORDER BY 1, 2", (publication,))
-        return [(str(s), str(t)) for s, t in cur.fetchall()]
+        cur.execute("SELECT schemaname, tablename, attnames, rowfilter FROM pg_publication_tables"
+                    " WHERE pubname = %s ORDER BY 1, 2", (publication,))
+        rows = cur.fetchall()
+    return [PublishedTable((str(schema), str(table)), [str(c) for c in cast(list[str], columns)],
+                           str(row_filter) if row_filter is not None else None)
+            for schema, table, columns, row_filter in rows]
 
 
 def publishes_all_tables(conn: Conn, publication: str) -> bool:

@@ -48,11 +48,20 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
 
 
 def one_line_error(output: str) -> str:
-    """The only ERROR line of a bridge's output; fails on a traceback or a raw Kafka repr."""
+    """The only error line of a run (an ERROR log line, or a CLI's ``slotbridge: ...``
+    refusal); fails on a traceback or a raw Kafka repr."""
     assert "Traceback" not in output and "KafkaError{" not in output, output
-    errors = [line for line in output.splitlines() if " ERROR " in line]
+    errors = [line for line in output.splitlines()
+              if " ERROR " in line or line.startswith("slotbridge: ")]
     assert len(errors) == 1, output
     return errors[0]
+
+
+def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
+    """``slotbridge <args>`` of this checkout to its end: (exit code, stdout + stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 @dataclass

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,24 +21,16 @@ from confluent_kafka.admin import AdminClient
 
 from services.failover.drill import settings_for
 from services.stack.stack import Stack
-from tests.integration.bridge_harness import REPO, Pipeline, read_topics, sql, wait_for
+from tests.integration.bridge_harness import (
+    Pipeline,
+    one_line_error,
+    read_topics,
+    run_cli,
+    sql,
+    wait_for,
+)
 
 SCHEMA = "bad_in"
-
-
-def _one_line(output: str) -> str:
-    """The only error line of a run that must fail cleanly."""
-    assert "Traceback" not in output, output
-    lines = [line for line in output.splitlines()
-             if " ERROR " in line or line.startswith("slotbridge: ")]
-    assert len(lines) == 1, output
-    return lines[0]
-
-
-def _cli(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.fixture
@@ -158,7 +148,7 @@ def test_spool_files_are_private(stack: Stack, schema: None, tmp_path: Path) -> 
     pipe = Pipeline(stack, [f"{SCHEMA}.big"], tmp_path)
     try:
         code, output = pipe.run_to_exit(60, SLOTBRIDGE_SPOOL_DIR=str(shared))
-        line = _one_line(output)
+        line = one_line_error(output)
         assert code != 0
         assert f"spool_dir {shared} is writable by other users (mode 0777)" in line, line
         assert sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
@@ -189,14 +179,14 @@ def test_malformed_dsn_never_shows_its_password(stack: Stack, tmp_path: Path) ->
     pipe = Pipeline(stack, None, tmp_path)
     env = pipe.env() | {"SLOTBRIDGE_SOURCE_DSN": "host=127.0.0.1 password=abc Sup3rS3cret-pw"}
     for command in ("run", "status"):
-        code, output = _cli(command, env=env)
+        code, output = run_cli(command, env=env)
         assert code == 2, output
-        line = _one_line(output)
+        line = one_line_error(output)
         assert "source_dsn: not a libpq connection string (missing '=')" in line, line
         assert "Sup3rS3cret" not in output
 
 
-def test_http_server_that_cannot_listen_is_one_line(stack: Stack, tmp_path: Path) -> None:
+def test_http_server_that_cannot_listen_isone_line_error(stack: Stack, tmp_path: Path) -> None:
     pipe = Pipeline(stack, None, tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -204,16 +194,16 @@ def test_http_server_that_cannot_listen_is_one_line(stack: Stack, tmp_path: Path
         port = taken.getsockname()[1]
         code, output = pipe.run_to_exit(60, SLOTBRIDGE_HTTP_PORT=str(port))
         assert code != 0
-        assert f"cannot serve HTTP on 127.0.0.1:{port}" in _one_line(output)
+        assert f"cannot serve HTTP on 127.0.0.1:{port}" in one_line_error(output)
         failover = settings_for(stack, tmp_path / "failover.yaml", http_port=port)
-        code, output = _cli("failover", "watch", "--config", str(failover),
+        code, output = run_cli("failover", "watch", "--config", str(failover),
                             env=dict(os.environ), timeout=60)
         assert code == 2, output
-        assert f"cannot serve HTTP on 127.0.0.1:{port}" in _one_line(output)
+        assert f"cannot serve HTTP on 127.0.0.1:{port}" in one_line_error(output)
     code, output = pipe.run_to_exit(60, SLOTBRIDGE_HTTP_PORT=str(port),
                                     SLOTBRIDGE_HTTP_HOST="no-such-host.invalid")
     assert code != 0
-    assert "cannot serve HTTP on no-such-host.invalid" in _one_line(output)
+    assert "cannot serve HTTP on no-such-host.invalid" in one_line_error(output)
     assert sql(stack.primary_dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
                (pipe.name,)) == []
 
@@ -222,13 +212,13 @@ def test_settings_file_mistakes_are_one_line_each(stack: Stack, tmp_path: Path) 
     env = Pipeline(stack, None, tmp_path).env()
     broken = tmp_path / "broken.yaml"
     broken.write_text("slot_name: a\ntables: [x.y,\n")
-    code, output = _cli("run", "--config", str(broken), env=env)
+    code, output = run_cli("run", "--config", str(broken), env=env)
     assert code == 2
-    assert f"settings file {broken} is not valid YAML: " in _one_line(output), output
+    assert f"settings file {broken} is not valid YAML: " in one_line_error(output), output
     assert "line 3, column 1" in output
     typo = tmp_path / "typo.yaml"
     typo.write_text("spool_memory_byte: 10\n")
-    code, output = _cli("run", "--config", str(typo), env=env)
+    code, output = run_cli("run", "--config", str(typo), env=env)
     assert code == 2
     assert ("invalid setting spool_memory_byte: unknown setting; did you mean "
-            "spool_memory_bytes?") in _one_line(output)
+            "spool_memory_bytes?") in one_line_error(output)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,11 +26,11 @@ from services.bridge.topics import table_topic
 from services.stack.cluster import free_ports
 from services.stack.stack import Stack
 from tests.integration.bridge_harness import (
-    REPO,
     Pipeline,
     _lsn,
     one_line_error,
     read_topics,
+    run_cli,
     sql,
 )
 
@@ -207,13 +205,12 @@ def test_unparsable_kafka_config_is_one_line(stack: Stack, tmp_path: Path) -> No
 
 def _consume(tmp_path: Path, **env: str) -> tuple[int, str, float]:
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "consume", "--once"], cwd=REPO,
+    code, output = run_cli(
+        "consume", "--once",
         env={**{k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")},
              "SLOTBRIDGE_WAREHOUSE": str(tmp_path / "wh"),
-             "SLOTBRIDGE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), **env},
-        capture_output=True, text=True, timeout=120)
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+             "SLOTBRIDGE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), **env}, timeout=120)
+    return code, output, time.monotonic() - started
 
 
 def test_consume_bad_options_and_absent_kafka_are_one_line(stack: Stack,
