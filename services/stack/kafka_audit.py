@@ -259,14 +259,26 @@ def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditR
     return report
 
 
-def open_transaction_from(kafka: Kafka, topic: str, partition: int, offset: int) -> bool:
-    """Whether the partition's log, from ``offset`` on, holds data of a Kafka transaction
-    with no marker yet: the one reason a read_committed reader may stop below the high
-    watermark."""
+def transaction_starts_at(kafka: Kafka, topic: str, partition: int, offset: int) -> bool:
+    """Whether a Kafka transaction's first record in the partition's log is at ``offset``:
+    the one reason a read_committed reader may stop there, below the high watermark (the
+    last stable offset is the first offset of the oldest transaction without a marker).
+
+    The transaction may have ended since the reader stopped: its marker may be in the log
+    by the time this reads it, so what counts is where the transaction began, not whether
+    it is still open.
+    """
     dirs = [d for d in partition_dirs(kafka.data_dir, [topic]) if d[1] == partition]
     [part] = dump_segments(dirs)
-    outcomes = transaction_outcomes(part)
-    return any(verdict == "open" for at, verdict in outcomes.items() if at >= offset)
+    started: set[int] = set()  # producer ids inside a transaction at this point of the log
+    for b in part.batches:
+        if b.control:
+            started.discard(b.producer_id)
+        elif b.transactional and b.producer_id not in started:
+            started.add(b.producer_id)
+            if b.base_offset == offset:
+                return True
+    return False
 
 
 def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
