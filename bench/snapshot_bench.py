@@ -9,10 +9,11 @@ timestamptz; the load time is printed, never part of a rate):
    with the columns as raw output text, exactly the query and loaders the snapshot uses,
    and does nothing with the rows: the most a snapshot reader could do here;
 2. bridge: ``slotbridge run`` with ``snapshot_mode: initial_only`` (own slot, publication,
-   topic prefix) creates its slot, publishes the table as ``op: "r"`` records in one Kafka
-   transaction and exits. Printed: the rate inside the snapshot (the daemon's own "snapshot
-   read" log line: read + build + produce + flush), the rate over the whole process (spawn
-   to exit: imports, connections, Kafka init and commit included), and the peak RSS.
+   topic prefix) creates its slot, publishes the table as ``op: "r"`` records in chunks
+   (each its own Kafka transaction with progress) and exits. Printed: the rate inside the
+   snapshot (the daemon's own "snapshot of table published" log line: read, watermark,
+   build, produce, commit), the rate over the whole process (spawn to exit: imports,
+   connections, Kafka init included), and the peak RSS.
    The change topic is then read back with read_committed and must hold exactly
    ``--rows`` records.
 
@@ -98,9 +99,10 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path) -> dict[s
     output = log_path.read_text(errors="replace")
     if code != 0:
         raise SystemExit(f"bridge exited with {code}; see {log_path}")
-    found = re.search(r"snapshot read .*rows=(\d+) seconds=[\d.]+ rows_per_s=(\d+)", output)
+    found = re.search(r"snapshot of table published .*rows=(\d+) chunks=\d+ seconds=[\d.]+ "
+                      r"rows_per_s=(\d+)", output)
     if found is None:
-        raise SystemExit(f"no 'snapshot read' line in {log_path}")
+        raise SystemExit(f"no 'snapshot of table published' line in {log_path}")
     rows, rate = int(found.group(1)), int(found.group(2))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"DROP PUBLICATION snap_{tag}")

@@ -16,6 +16,7 @@ _COMMANDS = {
     "stack": "services.stack.cli:stack",
     "run": "services.bridge.cli:run",
     "status": "services.bridge.cli:status",
+    "snapshot": "services.bridge.cli:snapshot",
     "failover": "services.failover.cli:failover",
     "consume": "spark_consumers.cli:consume",
     "demo": "services.demo:demo",

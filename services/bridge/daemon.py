@@ -35,7 +35,6 @@ from confluent_kafka import KafkaException
 
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
-from services.bridge.coverage import SnapshotCoverage
 from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import (
     EventBuilder,
@@ -45,14 +44,12 @@ from services.bridge.events import (
     known_versions,
     max_change_bytes,
 )
-from services.bridge.metrics import BridgeMetrics
+from services.bridge.metrics import BridgeMetrics, SnapshotCollector
 from services.bridge.progress import (
     ConfirmTracker,
     OriginStore,
     ProgressError,
     high_water,
-    progress_key,
-    progress_value,
     read_kafka_progress,
     read_topic,
 )
@@ -73,7 +70,7 @@ from services.bridge.sink import (
     SinkError,
     kafka_client_config,
 )
-from services.bridge.snapshot import AddedTableSnapshots, SnapshotProgress, take_snapshot
+from services.bridge.snapshot import ChunkReader, SnapshotBook
 from services.bridge.source import (
     check_slot,
     ensure_publication,
@@ -86,7 +83,7 @@ from services.bridge.source import (
     warn_keyless_tables,
 )
 from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
-from services.bridge.stream import ReplicationConnection, SlotCreated, StreamError
+from services.bridge.stream import ReplicationConnection, StreamError
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, one_line
@@ -155,8 +152,11 @@ class Bridge:
     def __init__(self, settings: BridgeSettings) -> None:
         self.settings = settings
         self.spool_stats = SpoolStats()
-        self.snapshot_progress = SnapshotProgress()
+        self._book = SnapshotBook()  # this session's snapshots
+        self._readers: list[ChunkReader] = []
         self.metrics = BridgeMetrics(settings.slot_name, self.spool_stats)
+        self.metrics.registry.register(SnapshotCollector(settings.slot_name,
+                                                         lambda: self._book.report()))
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
         self._sessions_streamed = 0
@@ -178,7 +178,7 @@ class Bridge:
             if self.settings.http_port:
                 server = HealthServer(self.settings.http_host, self.settings.http_port,
                                       self._live, self._ready, self.metrics.registry,
-                                      {"/snapshot": self.snapshot_progress.report}).start()
+                                      {"/snapshot": lambda: self._book.report()}).start()
             self._sessions()
             return 0
         except (SourceError, HttpServerError) as exc:
@@ -237,10 +237,16 @@ class Bridge:
         return self._sessions_streamed > 0 and isinstance(exc, (*TRANSIENT, SourceError))
 
     def _live(self) -> tuple[bool, str]:
-        stale = time.monotonic() - self._health.last_loop
-        # A session being set up (snapshot, slot creation) may take long; a wedged socket
-        # loop must still be noticed.
-        return (stale < 120, f"main loop last ran {stale:.0f}s ago")
+        now = time.monotonic()
+        stale = now - self._health.last_loop
+        # A session being set up (slot creation waits for open transactions) may take
+        # long; a wedged socket loop must still be noticed.
+        if stale >= 120:
+            return False, f"main loop last ran {stale:.0f}s ago"
+        stalled = now - self._book.last_progress
+        if self._book.tables() and stalled >= self.settings.snapshot_stall_s:
+            return False, f"snapshot made no progress for {stalled:.0f}s"
+        return True, f"main loop last ran {stale:.0f}s ago"
 
     def _ready(self) -> tuple[bool, str]:
         if self._health.streaming:
@@ -276,36 +282,28 @@ class Bridge:
             mark = high_water(origin.progress(), kafka_progress)
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
             with self._racing_for_slot(sql):
-                created = self._ensure_slot(sql, repl, sink, origin, system.dbname,
-                                            kafka_progress, snapshot_pending=mark == 0)
+                self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress)
             warn_keyless_tables(sql, s.publication_name)
-            if created is not None and created.snapshot_name is not None:
-                mark = last_commit = self._snapshot(created, server, builder, sink, origin)
-                if s.snapshot_mode == "initial_only":
-                    repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
-                    log_event(log, logging.INFO, "initial_only: snapshot published, slot "
-                              "dropped", slot=s.slot_name)
-                    return
+            book = self._book = self._snapshots(sql, kafka_progress, mark)
 
             parallel = s.streaming == "parallel"
             tracker = ConfirmTracker(0)
             queue = TxnQueue(_QUEUE_BYTES)
             replay = PgOutputDecoder(4, parallel_abort=parallel)
-            coverage = self._coverage(sql, builder, kafka_progress, mark)
-            snapshots = AddedTableSnapshots(server.dsn, s.slot_name, s.publication_name,
-                                            builder, sink, self.snapshot_progress)
             log_event(log, logging.INFO, "session starting", slot=s.slot_name,
                       server=server.address,
                       system=identity.system_identifier, timeline=identity.timeline,
-                      high_water=format_lsn(mark), snapshots_pending=[
-                          f"{p.schema_}.{p.table}@{format_lsn(p.lsn)}"
-                          for p in (coverage.pending() if coverage is not None else ())])
+                      high_water=format_lsn(mark), snapshots=[
+                          f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)"
+                          for e in book.states()])
             publisher = Publisher(
                 settings=s, sink=sink, origin=origin, builder=builder, tracker=tracker,
                 identity=identity, high_water=mark, last_commit_lsn=last_commit, queue=queue,
                 decode=lambda payload, streamed: replay.decode(payload, streamed),
-                metrics=self.metrics, coverage=coverage,
-                snapshots=snapshots if coverage is not None else None)
+                metrics=self.metrics, book=book,
+                snapshot_added=s.snapshot_mode != "never"
+                and not publishes_all_tables(sql, s.publication_name),
+                published=lambda: {p.name for p in published_tables(sql, s.publication_name)})
             control = PgOutputDecoder(4, parallel_abort=parallel)
             assembler = Assembler(
                 control.decode,
@@ -325,7 +323,7 @@ class Bridge:
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
                       publication=s.publication_name)
             try:
-                self._loop(sql, repl, assembler, queue, publisher, tracker, coverage)
+                self._loop(sql, repl, assembler, queue, publisher, tracker, book, server.dsn)
             except StreamError as exc:
                 if f'publication "{s.publication_name}" does not exist' in str(exc):
                     raise publication_dropped(s) from None
@@ -334,10 +332,6 @@ class Bridge:
             publisher.stop()
             publisher.join(_STOP_GRACE_S)
             if publisher.is_alive():
-                # Most likely a snapshot of added tables waiting for a long transaction:
-                # give it up; its Kafka transaction aborts and the next start redoes it.
-                snapshots.cancel()
-                publisher.join(_STOP_GRACE_S)
                 log_event(log, logging.WARNING, "stopped before the publisher finished: its "
                           "open batch is not committed and will be published at the next start",
                           waited_s=2 * _STOP_GRACE_S)
@@ -346,9 +340,20 @@ class Bridge:
                 raise publisher.error
             confirmed = tracker.confirmable()
             repl.send_status(confirmed, confirmed)
+            if s.snapshot_mode == "initial_only" and not book.tables():
+                repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+                log_event(log, logging.INFO, "initial_only: snapshot published, slot dropped",
+                          slot=s.slot_name)
+                return
             log_event(log, logging.INFO, "stopped cleanly",
                       confirmed=format_lsn(confirmed) if confirmed else "nothing this session")
         finally:
+            self._book.close()
+            for reader in self._readers:
+                reader.stop()
+            for reader in self._readers:
+                reader.join(_STOP_GRACE_S)
+            self._readers = []
             self._health.streaming = False
             self.metrics.streaming.set(0)
             if publisher is not None and publisher.is_alive():
@@ -362,51 +367,31 @@ class Bridge:
                 server.close()
 
     def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
-                     repl: ReplicationConnection, sink: KafkaSink, origin: OriginStore,
-                     dbname: str,
-                     kafka_progress: ProgressRecord | None,
-                     snapshot_pending: bool) -> SlotCreated | None:
+                     repl: ReplicationConnection, origin: OriginStore, dbname: str,
+                     kafka_progress: ProgressRecord | None) -> None:
         """Create the slot (and the publication, and first the origin that marks the slot
-        as ours) if needed; returns it when created (with its snapshot)."""
+        as ours) if needed. No snapshot is exported: snapshots are read in chunks while the
+        slot streams."""
         s = self.settings
-        want_snapshot = s.snapshot_mode != "never"
         state = slot_state(sql, s.slot_name)
         if state is not None:
-            # Before anything else, above all before a drop: is it ours at all?
+            # Before anything else: is it ours at all?
             check_slot(state, s, ours=kafka_progress is not None or origin.exists())
         if state is not None and state.active_pid is not None:
             raise self._slot_busy(sql, f"process {state.active_pid}")
-        if state is not None and want_snapshot and snapshot_pending:
-            # Nothing was ever published from this slot: its snapshot was interrupted (or
-            # never taken). Its exported snapshot is gone, so start over from a new one.
-            log_event(log, logging.WARNING, "slot has no published snapshot; recreating it",
-                      slot=s.slot_name)
-            # A slot is inactive between its creation and START_REPLICATION: another bridge
-            # may be taking its snapshot on it right now. Drop it only once Kafka confirms
-            # this bridge fenced that one (which then cannot publish its snapshot):
-            # the other way round it would stream on our new slot from its older snapshot.
-            sink.prove_not_fenced()
-            try:
-                repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
-            except StreamError as exc:
-                if "does not exist" not in str(exc):  # else another bridge dropped it first
-                    raise
-            state = None
         ensure_publication(sql, s, slot_is_new=state is None)
         if state is None:
             # The origin first: a crash between the two leaves an origin without a slot
             # (harmless), never a slot of ours without its mark.
             origin.ensure()
             created = repl.create_slot(s.slot_name, two_phase=s.two_phase,
-                                       export_snapshot=want_snapshot)
+                                       export_snapshot=False)
             log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
-                      consistent_point=format_lsn(created.consistent_point), db=dbname,
-                      snapshot=created.snapshot_name)
-            return created
+                      consistent_point=format_lsn(created.consistent_point), db=dbname)
+            return
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
-        return None
 
     @contextmanager
     def _racing_for_slot(self, sql: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:
@@ -432,39 +417,20 @@ class Bridge:
         linger_s = timeout_ms / 1000 if timeout_ms > 0 else 60.0
         return SlotBusy(self.settings.slot_name, holder, linger_s + 2 * HEARTBEAT_S + 10)
 
-    def _snapshot(self, created: SlotCreated, server: Server, builder: EventBuilder,
-                  sink: KafkaSink, origin: OriginStore) -> int:
-        """Publish the initial snapshot as one Kafka transaction; returns the new mark."""
+    def _snapshots(self, sql: psycopg.Connection[tuple[object, ...]],
+                   kafka_progress: ProgressRecord | None, mark: int) -> SnapshotBook:
+        """The snapshots to go on with (as far as Kafka says they got), or, on a slot that
+        never published anything, the initial snapshot of every published table."""
         s = self.settings
-        assert created.snapshot_name is not None
-        point = created.consistent_point
-        log_event(log, logging.INFO, "initial snapshot starting", slot=s.slot_name,
-                  consistent_point=format_lsn(point))
-        sink.begin()
-        tables = take_snapshot(server.dsn, created.snapshot_name, s.publication_name, point,
-                               builder, sink, self.snapshot_progress)
-        sink.produce(s.progress_topic, progress_key(s.slot_name),
-                     progress_value(s.slot_name, point, point, server.identity))
-        failpoint("snapshot_before_commit")
-        sink.commit()
-        origin.advance(point)
-        self.snapshot_progress.published([f"{schema}.{table}" for schema, table in tables])
-        return point
-
-    def _coverage(self, sql: psycopg.Connection[tuple[object, ...]], builder: EventBuilder,
-                  kafka_progress: ProgressRecord | None, mark: int) -> SnapshotCoverage | None:
-        """What tables Kafka holds, if tables added to the publication are to be snapshotted.
-
-        Not with ``snapshot_mode: never``, nor for a FOR ALL TABLES publication: its new
-        tables are published from their creation on, so the stream carries all their rows.
-        """
-        s = self.settings
-        if s.snapshot_mode != "initial" or publishes_all_tables(sql, s.publication_name):
-            return None
-        # Tables with a schema record have their rows in Kafka (see coverage.py).
-        return SnapshotCoverage(builder.catalog.known.keys(),
-                                kafka_progress.snapshots if kafka_progress is not None else (),
-                                mark)
+        if kafka_progress is not None:
+            return SnapshotBook(kafka_progress.snapshots)
+        book = SnapshotBook()
+        if s.snapshot_mode != "never" and mark == 0:
+            for table in published_tables(sql, s.publication_name):
+                book.add(table.name, "initial")
+            log_event(log, logging.INFO, "initial snapshot starting", slot=s.slot_name,
+                      tables=[f"{a}.{b}" for a, b in book.tables()])
+        return book
 
     def _known_versions(self, schema_topic: str) -> dict[tuple[str, str], KnownVersion]:
         """Table versions already announced, so a restart reuses instead of re-minting."""
@@ -474,7 +440,7 @@ class Bridge:
 
     def _loop(self, sql: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
               assembler: Assembler, queue: TxnQueue, publisher: Publisher,
-              tracker: ConfirmTracker, coverage: SnapshotCoverage | None) -> None:
+              tracker: ConfirmTracker, book: SnapshotBook, dsn: str) -> None:
         s = self.settings
         received = 0  # highest WAL position seen
         queued_end = 0  # end LSN of the last sealed transaction handed to the publisher
@@ -488,6 +454,13 @@ class Bridge:
             self._health.last_loop = now
             if publisher.error is not None:
                 raise publisher.error
+            for reader in self._readers:
+                if reader.error is not None:
+                    raise reader.error
+            if book.tables() and not self._readers:
+                self._start_readers(dsn, book)
+            if s.snapshot_mode == "initial_only" and not book.tables():
+                return  # the clean stop publishes the last chunk's batch, then drops the slot
             reply = False
             if queue.full:
                 self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
@@ -525,15 +498,22 @@ class Bridge:
                 else 0)
             if now >= next_stats:
                 self._slot_stats(sql)
-                if coverage is not None:
-                    missing = [t for t in coverage.missing(
-                        p.name for p in published_tables(sql, s.publication_name))
-                        if t not in requested]
-                    if missing:
-                        # Queued behind what was received so far: its place in the stream.
-                        queue.put(SnapshotRequest(tuple(missing)))
-                        requested.update(missing)
+                missing = [p.name for p in published_tables(sql, s.publication_name)
+                           if publisher.is_missing(p.name) and p.name not in requested]
+                if missing:
+                    # Queued behind what was received so far: its place in the stream.
+                    queue.put(SnapshotRequest(tuple(missing)))
+                    requested.update(missing)
                 next_stats = now + _STATS_EVERY_S
+
+    def _start_readers(self, dsn: str, book: SnapshotBook) -> None:
+        """Chunk readers, one connection each; they work on different tables."""
+        s = self.settings
+        self._readers = [ChunkReader(f"chunk-reader-{n}", dsn, s.slot_name, s.publication_name,
+                                     book, s.snapshot_chunk_rows, s.snapshot_chunk_bytes)
+                         for n in range(s.snapshot_workers)]
+        for reader in self._readers:
+            reader.start()
 
     def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:
         names = ("spill_txns", "spill_count", "spill_bytes", "stream_txns", "stream_count",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.bridge.spool import SpoolStats
 
@@ -46,3 +51,27 @@ class BridgeMetrics:
         self.slot_stats = Gauge("slotbridge_slot_stat",
                                 "pg_stat_replication_slots counters of the bridge's slot",
                                 ["slot", "stat"], registry=r)
+
+
+class SnapshotCollector(Collector):
+    """Per-table snapshot figures, read from the running session's book at each scrape."""
+
+    _FIELDS = (("chunks_done", "Snapshot chunks published"),
+               ("rows_done", "Snapshot rows published"),
+               ("rows_estimated", "Rows the planner expects in the table"),
+               ("rows_per_s", "Snapshot rows published per second since it (re)started"),
+               ("eta_s", "Seconds left at that rate"))
+
+    def __init__(self, slot: str, report: Callable[[], dict[str, Any]]) -> None:
+        self._slot = slot
+        self._report = report
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        tables = self._report()["tables"]
+        for field, text in self._FIELDS:
+            family = GaugeMetricFamily(f"slotbridge_snapshot_{field}", text,
+                                       labels=["slot", "table", "state"])
+            for table, entry in tables.items():
+                if entry.get(field) is not None:
+                    family.add_metric([self._slot, table, entry["state"]], float(entry[field]))
+            yield family

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from services.bridge.records import PendingSnapshot, ProgressRecord
+from services.bridge.records import ProgressRecord, TableSnapshot
 from services.common.kafka import explain
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
@@ -234,7 +234,7 @@ def progress_key(slot: str) -> bytes:
 
 
 def progress_value(slot: str, end_lsn: int, commit_lsn: int, identity: ServerIdentity,
-                   snapshots: Sequence[PendingSnapshot] = ()) -> bytes:
+                   snapshots: Sequence[TableSnapshot] = ()) -> bytes:
     return json.dumps({
         "slot": slot, "end_lsn": end_lsn, "commit_lsn": commit_lsn,
         "system_identifier": identity.system_identifier, "timeline": identity.timeline,

@@ -9,27 +9,31 @@ transaction, advance the replication origin, and only then let the socket loop c
 the position to the slot. A crash between any two steps is covered by the high-water
 mark on restart; the failpoints below let tests crash in each window on purpose.
 
-A table published but not yet in Kafka (added to the publication after the initial
-snapshot) is snapshotted here, in stream order, inside the open batch: when the socket
-loop asks (``SnapshotRequest``) or when the stream first describes it, whichever comes
-first. ``coverage.py`` then drops the stream's changes that snapshot already holds.
+Snapshots meet the stream here: a transaction that holds nothing but a message of ours
+is a chunk's watermark (its rows, less what the stream overtook, go into the open batch
+at that place, see ``snapshot.py`` and ``chunks.py``) or a signal (an on-demand snapshot
+or its cancellation, so it takes effect in stream order). A table published but not yet
+in Kafka (added to the publication later) gets a snapshot when the socket loop finds it
+missing (``SnapshotRequest``) or the stream first describes it, whichever comes first.
+The progress record of every batch carries how far each snapshot got.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
-from services.bridge.coverage import SnapshotCoverage, TableName
+from services.bridge.chunks import StreamWatch, TableName
 from services.bridge.decoder import DecodeError
-from services.bridge.events import EventBuilder
+from services.bridge.events import EventBuilder, RelationInfo
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
     ConfirmTracker,
@@ -40,6 +44,7 @@ from services.bridge.progress import (
 )
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink
+from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 
@@ -110,29 +115,21 @@ class _Batch:
     started: float
     events: int = 0
     last: Transaction | None = None
-    snapshotted: list[TableName] = field(default_factory=list)
 
 
 Decode = Callable[[bytes, bool], m.Message]
-
-
-class TableSnapshots(Protocol):
-    def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
-        """Snapshot ``tables`` into the open Kafka transaction; returns the snapshot's
-        consistent point and the tables it read: those the publication publishes."""
-
-    def published(self, tables: Sequence[TableName]) -> None:
-        """Their Kafka transaction committed."""
+_MESSAGE = 0x4D  # 'M'
 
 
 class Publisher(threading.Thread):
     def __init__(self, *, settings: BridgeSettings, sink: KafkaSink, origin: OriginStore,
                  builder: EventBuilder, tracker: ConfirmTracker, identity: ServerIdentity,
                  high_water: int, last_commit_lsn: int, queue: TxnQueue, decode: Decode,
-                 metrics: BridgeMetrics, coverage: SnapshotCoverage | None = None,
-                 snapshots: TableSnapshots | None = None) -> None:
-        """Without ``coverage`` no table is ever snapshotted here (``snapshot_mode: never``,
-        or a FOR ALL TABLES publication, whose new tables stream from their creation)."""
+                 metrics: BridgeMetrics, book: SnapshotBook, snapshot_added: bool,
+                 published: Callable[[], set[TableName]]) -> None:
+        """``snapshot_added``: whether tables missing from Kafka get a snapshot (not with
+        ``snapshot_mode: never``, nor for a FOR ALL TABLES publication, whose new tables
+        stream from their creation)."""
         super().__init__(name="publisher", daemon=True)
         self._settings = settings
         self._sink = sink
@@ -145,12 +142,16 @@ class Publisher(threading.Thread):
         self._queue = queue
         self._decode = decode
         self._metrics = metrics
-        self._coverage = coverage
-        self._snapshots = snapshots
+        self._book = book
+        self._snapshot_added = snapshot_added
+        self._watch = StreamWatch()
+        self._published = published
         # Tables the stream described that the publication does not publish: the
         # partitions a change went through, described next to the root that
         # publish_via_partition_root publishes them as. Asked about once per session.
         self._not_published: set[TableName] = set()
+        for table in book.tables():
+            self._watch.watch(table)
         self._gids: list[str] = []
         self.error: BaseException | None = None
         self.last_commit_ts = 0  # µs since 2000 of the last published transaction
@@ -178,16 +179,15 @@ class Publisher(threading.Thread):
                     self._commit(batch)
                 return
             if isinstance(item, SnapshotRequest):
-                assert self._coverage is not None
-                missing = self._coverage.missing(item.tables)
-                if missing:
-                    batch = batch or self._begin()
-                    self._snapshot(missing, batch)
+                for table in item.tables:
+                    self._snapshot_if_missing(table)
             elif isinstance(item, Transaction) and not self._skip(item):
                 batch = batch or self._begin()
-                batch.events += self._publish(item, batch)
+                if not self._control(item, batch):
+                    batch.events += self._publish(item)
+                    failpoint("after_produce")
                 batch.last = item
-                failpoint("after_produce")
+                self._watch.committed(item.xid)
             if batch is not None and (batch.events >= self._settings.batch_max_events
                                       or time.monotonic() - batch.started >= max_s):
                 self._commit(batch)
@@ -222,12 +222,114 @@ class Publisher(threading.Thread):
         self._metrics.skipped.inc()
         return True
 
-    def _publish(self, txn: Transaction, batch: _Batch) -> int:
+    def is_missing(self, table: TableName) -> bool:
+        """Published, not in Kafka, and no snapshot of it under way (any thread may ask)."""
+        return (self._snapshot_added and table not in self._builder.catalog.known
+                and not self._book.covers(table))
+
+    def _snapshot_if_missing(self, table: TableName) -> None:
+        if self.is_missing(table):
+            self._start_snapshot(table, "added", None)
+
+    def _start_snapshot(self, table: TableName, request: str, where: str | None) -> None:
+        name = f"{table[0]}.{table[1]}"
+        under_way = self._book.add(table, request, where)
+        if under_way is not None:
+            if under_way != request:
+                log_event(log, logging.WARNING, "snapshot request ignored: the table's "
+                          "snapshot is under way; cancel that one first", table=name,
+                          request=request, under_way=under_way)
+            return
+        self._watch.watch(table)
+        log_event(log, logging.INFO, "snapshot requested", table=name, request=request,
+                  where=where)
+
+    def _control(self, txn: Transaction, batch: _Batch) -> bool:
+        """Whether ``txn`` holds nothing but a message of ours; acts on it if so."""
+        if txn.spool.count != 1:
+            return False
+        (lsn, payload), = txn.spool
+        if payload[0] != _MESSAGE:
+            return False
+        msg = self._decode(payload, txn.streamed)
+        if not isinstance(msg, m.LogicalMessage) or msg.prefix not in (WATERMARK, SIGNAL):
+            return False
+        txn.spool.discard()
+        try:
+            body = json.loads(msg.content)
+        except ValueError:
+            log_event(log, logging.WARNING, "ignored a malformed message of ours",
+                      prefix=msg.prefix, lsn=lsn)
+            return True
+        if not isinstance(body, dict) or body.get("slot") != self._settings.slot_name:
+            return True  # another bridge's, on the same database
+        if msg.prefix == WATERMARK:
+            chunk = self._book.take(str(body.get("chunk")))
+            if chunk is not None:
+                batch.events += self._publish_chunk(chunk, txn, lsn)
+        elif isinstance(body.get("snapshot"), dict):
+            request = body["snapshot"]
+            schema, _, name = str(request.get("table", "")).partition(".")
+            where = request.get("where")
+            self._start_snapshot((schema, name), str(request.get("id")),
+                                 str(where) if where is not None else None)
+        elif body.get("cancel") is not None:
+            for table in self._book.cancel(str(body["cancel"])):
+                self._watch.unwatch(table)
+                log_event(log, logging.INFO, "snapshot cancelled",
+                          table=f"{table[0]}.{table[1]}", request=body["cancel"])
+        return True
+
+    def _publish_chunk(self, chunk: Chunk, txn: Transaction, lsn: int) -> int:
+        """A chunk's rows, less those the stream overtook, at its watermark's place."""
+        catalog = self._builder.catalog
+        stream_shape = catalog.by_oid.get(chunk.relation.oid)
+        info = catalog.apply(chunk.relation)
+        rows = self._watch.fresh(chunk.table, chunk.snapshot, chunk.rows, info.key_idx,
+                                 chunk.xmins)
+        name = f"{chunk.table[0]}.{chunk.table[1]}"
+        if rows is None:
+            log_event(log, logging.INFO, "snapshot chunk read again: a transaction committed "
+                      "before the snapshot was requested was still running", table=name)
+            self._restore(stream_shape)
+            self._book.again(chunk)
+            return 0
+        count = 0
+        sink = self._sink
+        oid = chunk.relation.oid
+        changes: Iterator[tuple[int, m.Message]] = itertools.chain(
+            [(lsn, chunk.relation)],
+            ((lsn, m.Insert(None, oid, list(row))) for row in rows))
+        for topic, key, value in self._builder.transaction(0, txn.commit_lsn, txn.commit_ts,
+                                                           changes, snapshot="true"):
+            if topic == self._builder.transaction_topic:
+                continue  # a snapshot is not a source transaction
+            if topic not in sink.known_topics:
+                sink.ensure_topics({topic: topic == self._builder.schema_topic})
+            sink.produce(topic, key, value)
+            count += 1
+        # The stream's own description stays in force for its changes: pgoutput does not
+        # send it again.
+        self._restore(stream_shape)
+        if self._book.advance(chunk, len(rows)):
+            self._watch.unwatch(chunk.table)
+            done = self._book.report()["tables"][name]
+            log_event(log, logging.INFO, "snapshot of table published", table=name,
+                      rows=done["rows_done"], chunks=done["chunks_done"],
+                      seconds=done["seconds"], rows_per_s=done["rows_per_s"])
+        failpoint("after_chunk")
+        return count
+
+    def _restore(self, stream_shape: RelationInfo | None) -> None:
+        if stream_shape is not None:
+            self._builder.catalog.by_oid[stream_shape.oid] = stream_shape
+
+    def _publish(self, txn: Transaction) -> int:
         sink = self._sink
         count = 0
         try:
             for topic, key, value in self._builder.transaction(
-                    txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn, batch)):
+                    txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn)):
                 if topic not in sink.known_topics:
                     sink.ensure_topics({topic: topic == self._builder.schema_topic})
                 sink.produce(topic, key, value)
@@ -240,11 +342,11 @@ class Publisher(threading.Thread):
         self._metrics.transactions.inc()
         return count
 
-    def _changes(self, txn: Transaction, batch: _Batch) -> Iterator[tuple[int, m.Message]]:
+    def _changes(self, txn: Transaction) -> Iterator[tuple[int, m.Message]]:
         decode = self._decode
         streamed = txn.streamed
         aborted = txn.aborted_subxids
-        coverage = self._coverage
+        watch = self._watch
         relation = m.Relation
         for lsn, payload in txn.spool:
             # A relation described inside an aborted subtransaction still describes it for
@@ -259,55 +361,55 @@ class Publisher(threading.Thread):
                 if payload[0] == OVERSIZED:
                     self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
                 raise
-            if coverage is not None:
-                if msg.__class__ is relation:
-                    name = (msg.namespace, msg.name)
-                    if not coverage.covers(name) and name not in self._not_published:
-                        # The stream describes a table before its first change: the last
-                        # moment to snapshot it ahead of that change. The snapshot's
-                        # records go into the open batch, before this transaction's.
-                        self._snapshot([name], batch)
-                elif coverage.dropping:
-                    kept = self._not_in_snapshot(msg, txn.commit_lsn, coverage)
-                    if kept is None:
-                        continue
-                    msg = kept
+            if msg.__class__ is relation:
+                # The stream describes a table before its first change: a table missing
+                # from Kafka gets its snapshot from here on (its changes may come first).
+                name = (msg.namespace, msg.name)
+                if name not in self._not_published and self.is_missing(name):
+                    if name in self._published():
+                        self._start_snapshot(name, "added", None)
+                    else:
+                        self._not_published.add(name)
+            elif watch:
+                self._note(msg, txn.xid)
             yield lsn, msg
 
-    def _not_in_snapshot(self, msg: m.Message, commit_lsn: int,
-                         coverage: SnapshotCoverage) -> m.Message | None:
-        """``msg`` less what a snapshot taken after ``commit_lsn`` already holds."""
+    def _note(self, msg: m.Message, xid: int) -> None:
+        """Tell the watch what a change did to a table being snapshotted."""
         by_oid = self._builder.catalog.by_oid
-        if isinstance(msg, m.Insert | m.Update | m.Delete):
-            info = by_oid[msg.relation_oid]
-            return None if coverage.drops((info.schema, info.table), commit_lsn) else msg
+        watch = self._watch
         if isinstance(msg, m.Truncate):
-            oids = tuple(oid for oid in msg.relation_oids
-                         if not coverage.drops((by_oid[oid].schema, by_oid[oid].table),
-                                               commit_lsn))
-            return replace(msg, relation_oids=oids) if oids else None
-        return msg
-
-    def _snapshot(self, tables: Sequence[TableName], batch: _Batch) -> None:
-        assert self._coverage is not None and self._snapshots is not None
-        point, read = self._snapshots.take(tables)
-        self._not_published.update(set(tables) - set(read))
-        self._coverage.add(read, point)
-        batch.snapshotted.extend(read)
+            for oid in msg.relation_oids:
+                name = (by_oid[oid].schema, by_oid[oid].table)
+                if name in watch:
+                    watch.truncated(name, xid)
+            return
+        if not isinstance(msg, m.Insert | m.Update | m.Delete):
+            return
+        info = by_oid[msg.relation_oid]
+        name = (info.schema, info.table)
+        if name not in watch:
+            return
+        at = info.key_idx
+        if isinstance(msg, m.Insert):
+            watch.inserted(name, xid)
+            if at:
+                watch.changed(name, xid, tuple(msg.new[i] for i in at))  # type: ignore[misc]
+            return
+        if at:
+            for tup in (msg.old, getattr(msg, "new", None)):
+                if tup is not None:
+                    watch.changed(name, xid, tuple(tup[i] for i in at))  # type: ignore[misc]
 
     def _commit(self, batch: _Batch) -> None:
         last = batch.last
         end_lsn = last.end_lsn if last is not None else self.high_water
         if last is not None:
             self._last_commit_lsn = last.commit_lsn
-        pending = []
-        if self._coverage is not None:
-            # Every later transaction ends past end_lsn: points at or below it are done.
-            self._coverage.settle(end_lsn)
-            pending = self._coverage.pending()
         self._sink.produce(self._settings.progress_topic, progress_key(self._settings.slot_name),
                            progress_value(self._settings.slot_name, end_lsn,
-                                          self._last_commit_lsn, self._identity, pending))
+                                          self._last_commit_lsn, self._identity,
+                                          self._book.states()))
         failpoint("before_kafka_commit")
         seconds = self._sink.commit()
         self._committed_at = time.monotonic()
@@ -322,11 +424,8 @@ class Publisher(threading.Thread):
         self._metrics.kafka_commit.observe(seconds)
         self._metrics.events.inc(batch.events)
         self._metrics.published_lsn.set(end_lsn)
-        if batch.snapshotted:
-            log_event(log, logging.INFO, "snapshot of added tables published",
-                      tables=[f"{s}.{t}" for s, t in batch.snapshotted])
-            assert self._snapshots is not None
-            self._snapshots.published(batch.snapshotted)
-            failpoint("after_snapshot_commit")
+        for table in self._watch.tables():
+            if not self._book.covers(table):  # a reader gave it up
+                self._watch.unwatch(table)
         log_event(log, logging.DEBUG, "batch committed", events=batch.events,
                   end_lsn=end_lsn, kafka_commit_s=round(seconds, 4))

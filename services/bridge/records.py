@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 UNCHANGED_TOAST = "__debezium_unavailable_value"
 CONNECTOR = "slotbridge"
@@ -45,8 +45,9 @@ class Source(_Strict):
     txId: int | None = Field(description="source transaction id; null in a snapshot")
     lsn: int | None = Field(description="WAL position of the change")
     commit_lsn: int | None = Field(description=(
-        "WAL position of the transaction's commit; in a snapshot record (op r), one less than "
-        "the snapshot's consistent point, so that it sorts before every change streamed after"))
+        "WAL position of the transaction's commit; in a snapshot record (op r), the commit "
+        "of the watermark transaction that closed its chunk: it sorts after every change its "
+        "rows contain and before every change they do not"))
     ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
     snapshot: Literal["true", "last", "false"]
     sequence: str = Field(description='JSON array ["<commit_lsn>","<lsn>"] (Debezium style)')
@@ -125,13 +126,23 @@ class TableSchemaRecord(_Strict):
     ts_ms: int
 
 
-class PendingSnapshot(_Strict):
-    """A table snapshotted while streaming, whose rows as of ``lsn`` are in Kafka."""
+class TableSnapshot(_Strict):
+    """A table snapshot under way: how far its chunks got, as of the progress record.
+
+    Chunks follow the table's key (``cursor``: the text of the last key read) or, for a
+    table without one, its heap pages (``cursor``: the next page). A restart resumes after
+    ``cursor``; a table whose last chunk is published leaves the list.
+    """
 
     schema_: str = Field(alias="schema")
     table: str
-    lsn: int = Field(description="the snapshot's consistent point: the stream's changes to "
-                                 "this table committed before it are in the snapshot")
+    id: str = Field(description="the request: 'initial', 'added', or an on-demand request id")
+    where: str | None = Field(default=None, description="the on-demand condition, SQL")
+    cursor: list[str | None] | None = Field(
+        default=None, description="null before the first chunk")
+    chunks: int = 0
+    rows: int = Field(default=0, description="rows published so far")
+    started_ms: int
 
 
 class ProgressRecord(_Strict):
@@ -139,8 +150,7 @@ class ProgressRecord(_Strict):
 
     ``end_lsn`` is the end of the last source transaction whose records are committed in
     Kafka; with the replication origin it forms the bridge's high-water mark.
-    ``snapshots`` lists tables snapshotted past ``end_lsn``: a restart must keep dropping
-    their older changes until the stream reaches the snapshot's point.
+    ``snapshots`` lists the table snapshots not finished yet, as far as they got.
     """
 
     slot: str
@@ -149,7 +159,14 @@ class ProgressRecord(_Strict):
     system_identifier: str
     timeline: int
     ts_ms: int
-    snapshots: list[PendingSnapshot] = Field(default_factory=list)
+    snapshots: list[TableSnapshot] = Field(default_factory=list)
+
+    @field_validator("snapshots", mode="before")
+    @classmethod
+    def _drop_old_entries(cls, value: Any) -> Any:
+        # Before chunked snapshots an entry was a point until which the stream's older
+        # changes were dropped; the stream has long passed it.
+        return [e for e in value if "lsn" not in e] if isinstance(value, list) else value
 
 
 SCHEMAS: dict[str, type[BaseModel]] = {

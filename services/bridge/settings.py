@@ -48,6 +48,15 @@ class BridgeSettings(ServiceSettings):
     streaming: Literal["parallel", "on", "off"] = "parallel"
     two_phase: bool = True
     snapshot_mode: Literal["initial", "never", "initial_only"] = "initial"
+    snapshot_workers: int = Field(default=2, ge=1, le=16, description=(
+        "chunk readers, one connection each; each reads a different table"))
+    snapshot_chunk_rows: int = Field(default=20_000, ge=1, description=(
+        "rows per snapshot chunk (one watermark, one progress step)"))
+    snapshot_stall_s: float = Field(default=600.0, gt=0, description=(
+        "/healthz fails when snapshots are under way and no chunk was read or published "
+        "for this long"))
+    snapshot_chunk_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, description=(
+        "a chunk ends early past this much row text, which bounds a reader's memory"))
 
     kafka_bootstrap: str = Field(description="Kafka bootstrap servers, host:port[,host:port]")
     kafka_config: dict[str, str] = Field(

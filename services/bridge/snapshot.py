@@ -1,31 +1,39 @@
-"""Snapshots: tables' rows as of a consistent point, as ``op: "r"`` records.
+"""Snapshots: tables' rows as ``op: "r"`` records, read in chunks while the stream flows.
 
-The initial snapshot reads every published table inside the snapshot the slot exported
-when it was created (``SET TRANSACTION SNAPSHOT``): exactly the state at the slot's
-consistent point, and the stream that follows starts right after it: no gap, no overlap.
-It is ONE Kafka transaction, ended by a progress record at the consistent point. Killed
-half-way, it leaves nothing a ``read_committed`` consumer can see; the next start finds a
-slot with no progress, drops it and snapshots again from a fresh point.
+A table snapshot is a sequence of chunks, each read by a ``ChunkReader`` thread in a
+transaction of its own and closed by a watermark written into the WAL in that same
+transaction; the publisher meets the watermark in the stream, drops the rows the stream
+has overtaken (``chunks.py``) and publishes the rest at that place, in the same Kafka
+transaction as the progress record that says how far the table got. So a snapshot
+resumes after a crash at its last published chunk, no Kafka timeout bounds a table, and
+the stream never waits for a table to finish.
 
-A table added to the publication later is read the same way inside the snapshot of a
-temporary slot (``snapshot_tables``); ``coverage.py`` says which of the stream's changes
-that snapshot already holds.
+Chunks follow the table's key (keyset pages: ``WHERE key > last ORDER BY key LIMIT n``),
+or, for a table without one, its heap in ranges of pages (TID range scans); such a
+table's rows carry their inserting transaction so the stream's inserts are not doubled
+(see ``chunks.py`` for what a keyless table cannot promise).
+
+Each chunk locks its table in ACCESS SHARE mode before its snapshot is taken and reads
+the columns the publication publishes inside that snapshot: a concurrent ALTER TABLE
+either finished before (the chunk reads the new shape) or waits for the watermark (the
+stream carries the change after the rows). Rows carry the schema version they were read
+with.
 
 Values are read as the raw text the types' output functions produce: byte for byte what
-pgoutput sends, so one set of converters serves both paths. A table is read in ctid
-ranges (TID range scans), each through a server-side cursor: memory stays flat however
-large the table, and pages done out of the heap's size give progress even for a table
-never analysed. Ranges do not make a snapshot resumable, though: no exported snapshot
-outlives its session, so an interrupted snapshot starts over.
+pgoutput sends, so one set of converters serves both paths, and a key read here equals
+the same key in the stream.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -33,20 +41,20 @@ from psycopg import sql
 from psycopg.types.string import TextLoader
 
 from services.bridge import messages as m
-from services.bridge.coverage import TableName
-from services.bridge.events import EventBuilder
-from services.bridge.sink import KafkaSink
+from services.bridge.chunks import Row, TableName, XidSnapshot
+from services.bridge.records import TableSnapshot
 from services.bridge.source import PublishedTable, published_tables
-from services.bridge.stream import SESSION_OPTIONS, ReplicationConnection, now_pg_us
+from services.bridge.stream import SESSION_OPTIONS
+from services.common.failpoints import failpoint
 from services.common.logs import log_event
-from services.common.lsn import format_lsn
-from services.common.pg import SourceError, connect
+from services.common.pg import SourceRefused, connect
 
 log = logging.getLogger(__name__)
 
-_FETCH = 5_000
-_RANGE_PAGES = 1_024  # 8 MB of heap per ctid range
-_PROGRESS_EVERY_S = 5.0
+WATERMARK = "slotbridge.watermark"
+SIGNAL = "slotbridge.signal"
+_FETCH = 2_000
+_LOCK_TIMEOUT_MS = 5_000
 
 _COLUMNS_SQL = """
 SELECT a.attname, a.atttypid::int, a.atttypmod,
@@ -58,8 +66,12 @@ SELECT a.attname, a.atttypid::int, a.atttypmod,
          ELSE EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid
                       AND i.indisprimary AND a.attnum = ANY(i.indkey))
        END,
-       c.oid::int, c.relreplident, c.reltuples::bigint,
-       pg_relation_size(c.oid) / current_setting('block_size')::int
+       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid
+               AND i.indisprimary AND a.attnum = ANY(i.indkey)),
+       format_type(a.atttypid, a.atttypmod),
+       c.oid::int, c.relreplident, c.relkind::text, c.reltuples::bigint,
+       pg_relation_size(c.oid) / current_setting('block_size')::int,
+       pg_current_snapshot()::text
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
 WHERE n.nspname = %s AND c.relname = %s AND a.attname = ANY(%s)
@@ -67,205 +79,423 @@ ORDER BY a.attnum
 """
 
 
-class SnapshotProgress:
-    """Rows done per table of the snapshots this process took: for ``/snapshot`` and status.
+@dataclass(slots=True)
+class Chunk:
+    """Rows of one chunk as read, waiting for their watermark."""
 
-    Written by whichever thread snapshots, read by the HTTP server's threads.
-    """
+    token: str
+    table: TableName
+    relation: m.Relation
+    rows: list[Row]
+    keyed: bool  # rows follow the key; else heap pages, with xmins
+    xmins: list[int] | None
+    snapshot: XidSnapshot
+    start: list[str | None] | None  # the entry's cursor it was read from
+    cursor: list[str | None]  # where the next chunk starts
+    last: bool
+    estimate: int | None
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tables: dict[str, dict[str, Any]] = {}
 
-    def table(self, name: str, lsn: int, estimate: int | None) -> None:
-        with self._lock:
-            self._tables[name] = {"state": "reading", "lsn": format_lsn(lsn), "rows_done": 0,
-                                  "rows_estimated": estimate, "started_at": time.time()}
+@dataclass(slots=True)
+class _Entry:
+    state: TableSnapshot
+    estimate: int | None = None
+    reading: str | None = None  # token of the chunk read and not yet met by the publisher
+    claimed: bool = False  # a reader works on it
+    error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    rows_at_start: int = 0
 
-    def rows(self, name: str, done: int, estimate: int | None,
-             finished: bool = False) -> None:
-        with self._lock:
-            entry = self._tables[name]
-            entry["rows_done"] = done
-            entry["rows_estimated"] = estimate
-            if finished:
-                entry["state"] = "read"
 
-    def published(self, names: Collection[str]) -> None:
-        with self._lock:
-            for name in names:
-                self._tables[name]["state"] = "published"
+class SnapshotBook:
+    """The table snapshots under way, shared by the chunk readers, the publisher and the
+    HTTP server. The publisher alone moves an entry's cursor, so what the progress record
+    says is always what Kafka holds."""
+
+    def __init__(self, states: Collection[TableSnapshot] = ()) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._entries: dict[TableName, _Entry] = {}
+        self._chunks: dict[str, Chunk] = {}
+        self._closed = False
+        self._done: dict[str, dict[str, Any]] = {}
+        self.last_progress = time.monotonic()
+        for state in states:
+            self._entries[(state.schema_, state.table)] = _Entry(state,
+                                                                 rows_at_start=state.rows)
+
+    # -- requests (publisher thread) -------------------------------------------------
+
+    def add(self, table: TableName, request_id: str, where: str | None = None) -> str | None:
+        """Start a table's snapshot; returns the request already under way for the table
+        instead, if there is one (it is never cut short by another)."""
+        with self._cond:
+            entry = self._entries.get(table)
+            if entry is not None:
+                return entry.state.id
+            self._entries[table] = _Entry(TableSnapshot(
+                schema=table[0], table=table[1], id=request_id, where=where,
+                started_ms=int(time.time() * 1000)))
+            self._cond.notify_all()
+            return None
+
+    def cancel(self, request: str) -> list[TableName]:
+        """Cancel the snapshots of a request id or a ``schema.table``."""
+        with self._cond:
+            gone = [t for t, e in self._entries.items()
+                    if request in (e.state.id, f"{t[0]}.{t[1]}")]
+            for table in gone:
+                self._finish(table, "cancelled")
+            return gone
+
+    def covers(self, table: TableName) -> bool:
+        with self._cond:
+            return table in self._entries
+
+    def tables(self) -> list[TableName]:
+        with self._cond:
+            return list(self._entries)
+
+    def states(self) -> list[TableSnapshot]:
+        """What the progress record carries."""
+        with self._cond:
+            return [e.state.model_copy() for e in self._entries.values()]
+
+    # -- chunks ----------------------------------------------------------------------
+
+    def claim(self, timeout: float) -> TableSnapshot | None:
+        """A table for a reader: one with no chunk in flight that no other reader holds,
+        until ``release``."""
+        with self._cond:
+            for _ in range(2):
+                for entry in self._entries.values():
+                    if entry.reading is None and entry.error is None and not entry.claimed:
+                        entry.claimed = True
+                        return entry.state.model_copy()
+                if self._closed:
+                    return None
+                self._cond.wait(timeout)
+            return None
+
+    def release(self, table: TableName) -> None:
+        with self._cond:
+            entry = self._entries.get(table)
+            if entry is not None:
+                entry.claimed = False
+            self._cond.notify_all()
+
+    def offer(self, chunk: Chunk) -> bool:
+        """A chunk read, before its watermark commits; False if its table's snapshot
+        ended (or restarted) meanwhile."""
+        with self._cond:
+            entry = self._entries.get(chunk.table)
+            if entry is None or entry.state.cursor != chunk.start or self._closed:
+                return False
+            entry.reading = chunk.token
+            self.last_progress = time.monotonic()
+            entry.estimate = chunk.estimate
+            self._chunks[chunk.token] = chunk
+            return True
+
+    def withdraw(self, chunk: Chunk) -> None:
+        """Its watermark did not commit."""
+        with self._cond:
+            self._chunks.pop(chunk.token, None)
+            self.again(chunk)
+
+    def wait_met(self, chunk: Chunk, timeout: float) -> bool:
+        """Until the publisher is done with the chunk (or the book closed)."""
+        with self._cond:
+            if not self._met(chunk) and not self._closed:
+                self._cond.wait(timeout)
+            return self._met(chunk) or self._closed
+
+    def _met(self, chunk: Chunk) -> bool:
+        entry = self._entries.get(chunk.table)
+        return entry is None or entry.reading != chunk.token
+
+    def take(self, token: str) -> Chunk | None:
+        """The chunk whose watermark the publisher met; None for a watermark of an earlier
+        session or of a snapshot that ended since. The table gets no other chunk read
+        until ``advance`` or ``again``."""
+        with self._cond:
+            chunk = self._chunks.pop(token, None)
+            if chunk is None:
+                return None
+            entry = self._entries.get(chunk.table)
+            return chunk if entry is not None and entry.reading == token else None
+
+    def again(self, chunk: Chunk) -> None:
+        """The chunk must be read again."""
+        with self._cond:
+            entry = self._entries.get(chunk.table)
+            if entry is not None and entry.reading == chunk.token:
+                entry.reading = None
+            self._cond.notify_all()
+
+    def advance(self, chunk: Chunk, published: int) -> bool:
+        """The chunk's rows are in the open Kafka transaction; True when the table is done."""
+        with self._cond:
+            entry = self._entries[chunk.table]
+            state = entry.state
+            state.cursor, state.chunks, state.rows = (chunk.cursor, state.chunks + 1,
+                                                     state.rows + published)
+            entry.reading = None
+            self.last_progress = time.monotonic()
+            if chunk.last:
+                self._finish(chunk.table, "done")
+            self._cond.notify_all()
+            return chunk.last
+
+    def fail(self, table: TableName, reason: str) -> None:
+        """A snapshot that cannot go on (its condition does not parse, the table is gone)."""
+        with self._cond:
+            if table in self._entries:
+                self._finish(table, f"failed: {reason}")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _finish(self, table: TableName, outcome: str) -> None:
+        entry = self._entries.pop(table)
+        self._done[f"{table[0]}.{table[1]}"] = {**self._report(entry), "state": outcome}
+        self._cond.notify_all()
+
+    # -- reporting -------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
-        with self._lock:
-            return {"tables": {name: dict(entry) for name, entry in self._tables.items()}}
+        """Per table: chunks and rows done, the estimate, rate and ETA (``/snapshot``)."""
+        with self._cond:
+            tables = dict(self._done)
+            tables.update({f"{t[0]}.{t[1]}": self._report(e) for t, e in self._entries.items()})
+            return {"tables": tables}
 
-
-def take_snapshot(dsn: str, snapshot_name: str, publication: str, consistent_point: int,
-                  builder: EventBuilder, sink: KafkaSink, progress: SnapshotProgress,
-                  only: Collection[TableName] | None = None) -> list[TableName]:
-    """Publish the rows of the published tables (or of ``only`` those) into the open Kafka
-    transaction, as of the exported snapshot; returns the tables read."""
-    total = 0
-    started = time.monotonic()
-    # Records sort before every change the stream carries from the consistent point on,
-    # a commit exactly at it included (consumers order by commit LSN).
-    position = consistent_point - 1
-    with connect(dsn, autocommit=False, options=SESSION_OPTIONS) as conn:
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
-        # Publication membership as of the snapshot: a table removed since is not read.
-        tables = [t for t in published_tables(conn, publication) if only is None or t.name in only]
-        for table in tables:
-            relation, heap = _relation(conn, table)
-            progress.table(".".join(table.name), consistent_point, heap.rows)
-            for topic, key, value in builder.transaction(
-                    0, position, now_pg_us(), _rows(conn, relation, heap, table.row_filter,
-                                                    progress),
-                    snapshot="true"):
-                if topic == builder.transaction_topic:
-                    continue  # a snapshot is not a source transaction
-                if topic not in sink.known_topics:
-                    sink.ensure_topics({topic: topic == builder.schema_topic})
-                sink.produce(topic, key, value)
-                total += topic != builder.schema_topic
-        conn.rollback()
-    seconds = time.monotonic() - started
-    log_event(log, logging.INFO, "snapshot read", tables=len(tables), rows=total,
-              seconds=round(seconds, 1), rows_per_s=round(total / seconds) if seconds else None)
-    return [t.name for t in tables]
-
-
-class AddedTableSnapshots:
-    """Snapshots of tables added to the publication while the bridge streams.
-
-    Each is read inside the snapshot a temporary slot exports: the slot's consistent
-    point tells exactly which of the stream's changes the snapshot already holds.
-    Creating the slot waits for the transactions open at that moment to end, prepared
-    ones included, so a long transaction delays the snapshot (and the stream behind it).
-    """
-
-    def __init__(self, dsn: str, slot_name: str, publication: str, builder: EventBuilder,
-                 sink: KafkaSink, progress: SnapshotProgress) -> None:
-        self._dsn = dsn
-        self._slot = f"{slot_name[:57]}_snap"
-        self._publication = publication
-        self._builder = builder
-        self._sink = sink
-        self._progress = progress
-        self._creating: ReplicationConnection | None = None
-
-    def cancel(self) -> None:
-        """Cancel a temporary slot creation that is waiting for transactions to end."""
-        repl = self._creating
-        if repl is not None:
-            repl.cancel()
-
-    def take(self, tables: Sequence[TableName]) -> tuple[int, list[TableName]]:
-        with connect(self._dsn) as conn:
-            published = {t.name for t in published_tables(conn, self._publication)}
-        tables = [t for t in tables if t in published]
-        if not tables:
-            # Not worth a temporary slot, which waits for every open transaction.
-            return 0, []
-        repl = ReplicationConnection(self._dsn)
-        try:
-            log_event(log, logging.INFO, "snapshot of added tables starting",
-                      tables=[f"{s}.{t}" for s, t in tables])
-            self._creating = repl
-            try:
-                created = repl.export_snapshot(self._slot)
-            finally:
-                self._creating = None
-            assert created.snapshot_name is not None
-            read = take_snapshot(self._dsn, created.snapshot_name, self._publication,
-                                 created.consistent_point, self._builder, self._sink,
-                                 self._progress, only=tables)
-        finally:
-            repl.close()  # drops the temporary slot
-        return created.consistent_point, read
-
-    def published(self, tables: Sequence[TableName]) -> None:
-        self._progress.published([f"{s}.{t}" for s, t in tables])
+    @staticmethod
+    def _report(entry: _Entry) -> dict[str, Any]:
+        state = entry.state
+        seconds = time.monotonic() - entry.started
+        rate = (state.rows - entry.rows_at_start) / seconds if seconds > 0 else 0.0
+        left = entry.estimate - state.rows if entry.estimate is not None else None
+        return {"state": "reading", "request": state.id, "where": state.where,
+                "chunks_done": state.chunks, "rows_done": state.rows,
+                "rows_estimated": entry.estimate, "seconds": round(seconds, 1),
+                "rows_per_s": round(rate),
+                "eta_s": round(left / rate) if left is not None and left > 0 and rate else None}
 
 
 @dataclass(frozen=True, slots=True)
-class _Heap:
-    pages: int  # 0 for a partitioned table: its rows live in its partitions
-    rows: int | None  # the planner's estimate; None until first vacuumed or analysed
+class _Shape:
+    relation: m.Relation
+    key_names: tuple[str, ...]  # chunk order; () for heap pages
+    key_types: tuple[str, ...]
+    partitioned: bool
+    estimate: int | None
+    pages: int
+    snapshot: XidSnapshot
 
 
-def _relation(conn: psycopg.Connection[tuple[object, ...]],
-              published: PublishedTable) -> tuple[m.Relation, _Heap]:
+class ChunkReader(threading.Thread):
+    """Reads chunks of the book's tables, one at a time, each closed by its watermark."""
+
+    def __init__(self, name: str, dsn: str, slot: str, publication: str, book: SnapshotBook,
+                 chunk_rows: int, chunk_bytes: int) -> None:
+        super().__init__(name=name, daemon=True)
+        self._dsn = dsn
+        self._slot = slot
+        self._publication = publication
+        self._book = book
+        self._chunk_rows = chunk_rows
+        self._chunk_bytes = chunk_bytes
+        self._session = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._stop_event = threading.Event()
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self.error: BaseException | None = None
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.cancel_safe(timeout=2)
+
+    def run(self) -> None:
+        try:
+            with connect(self._dsn, autocommit=False, options=SESSION_OPTIONS) as conn:
+                self._conn = conn
+                conn.execute(f"SET lock_timeout = {_LOCK_TIMEOUT_MS}")
+                conn.commit()
+                while not self._stop_event.is_set():
+                    state = self._book.claim(0.5)
+                    if state is None:
+                        continue
+                    try:
+                        self._one(conn, state)
+                    finally:
+                        self._book.release((state.schema_, state.table))
+        except BaseException as exc:
+            if not self._stop_event.is_set():
+                self.error = exc
+        finally:
+            self._conn = None
+
+    def _one(self, conn: psycopg.Connection[tuple[object, ...]], state: TableSnapshot) -> None:
+        table = (state.schema_, state.table)
+        name = f"{table[0]}.{table[1]}"
+        try:
+            chunk = self._read(conn, state)
+        except psycopg.errors.LockNotAvailable:
+            conn.rollback()
+            log_event(log, logging.INFO, "snapshot chunk waits for a lock on its table (DDL "
+                      "running?)", table=name)
+            return
+        except psycopg.errors.InsufficientPrivilege as exc:
+            conn.rollback()
+            raise SourceRefused(f"cannot read table {name} for the snapshot: "
+                              f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the "
+                              "bridge's role, or remove the table from the publication") from None
+        except psycopg.Error as exc:
+            # Checked by `slotbridge snapshot`, an on-demand condition can still fail on
+            # some row (a division by zero): that request ends, the bridge goes on.
+            conn.rollback()
+            if state.where is None or isinstance(exc, psycopg.OperationalError):
+                raise
+            reason = (f"its condition {state.where!r} fails: "
+                      f"{exc.diag.message_primary or exc}")
+            log_event(log, logging.ERROR, f"snapshot of {name} abandoned: {reason}",
+                      request=state.id)
+            self._book.fail(table, reason)
+            return
+        if chunk is None:  # no longer published, or gone
+            conn.rollback()
+            self._book.fail(table, "the table is no longer published")
+            return
+        if not self._book.offer(chunk):
+            conn.rollback()
+            return
+        try:
+            failpoint("before_watermark")
+            conn.execute("SELECT pg_logical_emit_message(true, %s, %s)",
+                         (WATERMARK, json.dumps({"slot": self._slot, "chunk": chunk.token})))
+            conn.commit()
+        except BaseException:
+            self._book.withdraw(chunk)
+            raise
+        while not self._book.wait_met(chunk, 0.5):
+            if self._stop_event.is_set():
+                return
+
+    def _read(self, conn: psycopg.Connection[tuple[object, ...]],
+              state: TableSnapshot) -> Chunk | None:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        schema, table = state.schema_, state.table
+        ident = sql.Identifier(schema, table)
+        try:
+            # Before the snapshot is taken (LOCK takes none): DDL committed before is seen,
+            # DDL after waits for this transaction, which ends with the watermark.
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(ident))
+        except psycopg.errors.UndefinedTable:
+            return None
+        published = next((p for p in published_tables(conn, self._publication)
+                          if p.name == (schema, table)), None)
+        if published is None:
+            return None
+        shape = _shape(conn, published)
+        for column in shape.relation.columns:
+            conn.adapters.register_loader(column.type_oid, TextLoader)
+        self._seq += 1
+        token = f"{self._session}:{self._seq}"
+        keyed = bool(shape.key_names)
+        columns = [sql.Identifier(c.name) for c in shape.relation.columns]
+        terms: list[sql.Composable] = []
+        params: list[object] = []
+        if published.row_filter is not None:
+            # The server's own deparsed expression, from the catalogue: SQL already.
+            terms.append(sql.SQL(_literal_percent(published.row_filter)))
+        if state.where is not None:
+            terms.append(sql.SQL(_literal_percent(state.where)))
+        if keyed:
+            index = {c.name: i for i, c in enumerate(shape.relation.columns)}
+            key_at = [index[n] for n in shape.key_names]
+            if state.cursor is not None:
+                terms.append(sql.SQL("({}) > ({})").format(
+                    sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
+                    sql.SQL(", ").join(sql.SQL("CAST({} AS {})").format(sql.Placeholder(),
+                                                                         sql.SQL(t))
+                                       for t in shape.key_types)))
+                params.extend(state.cursor)
+            query = sql.SQL("SELECT {} FROM {}{} ORDER BY {} LIMIT {}").format(
+                sql.SQL(", ").join(columns), ident, _where(terms),
+                sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
+                sql.Literal(self._chunk_rows))
+        else:
+            start = int(state.cursor[0] or 0) if state.cursor is not None else 0
+            pages = max(1, round(self._chunk_rows * shape.pages / shape.estimate)
+                        if shape.estimate else 1_024)
+            stop = start + pages
+            if not shape.partitioned:
+                terms.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)")))
+                if stop < shape.pages:
+                    terms.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({stop},0)")))
+            query = sql.SQL("SELECT xmin::text, {} FROM {}{}").format(
+                sql.SQL(", ").join(columns), ident, _where(terms))
+        rows: list[Row] = []
+        size = 0
+        with conn.cursor(name=f"chunk_{token.replace(':', '_')}") as cur:
+            cur.itersize = _FETCH
+            cur.execute(query, params)
+            while size < self._chunk_bytes:
+                batch = cur.fetchmany(_FETCH)
+                if not batch:
+                    break
+                rows.extend(batch)  # type: ignore[arg-type]
+                size += sum(len(str(v)) for row in batch for v in row if v is not None)
+        xmins: list[int] | None = None
+        if keyed:
+            full = len(rows) >= self._chunk_rows or size >= self._chunk_bytes
+            last = not full or not rows
+            cursor = list(rows[-1][i] for i in key_at) if rows else state.cursor or []
+        else:
+            xmins = [int(str(r[0])) for r in rows]
+            rows = [r[1:] for r in rows]
+            last = shape.partitioned or stop >= shape.pages
+            cursor = [str(stop)]
+        return Chunk(token, (schema, table), shape.relation, rows, keyed, xmins,
+                     shape.snapshot, state.cursor, cursor, last, shape.estimate)
+
+
+def _literal_percent(condition: str) -> str:
+    """A condition as a term of a query with parameters, where % marks a placeholder."""
+    return f"({condition.replace('%', '%%')})"
+
+
+def _where(terms: list[sql.Composable]) -> sql.Composable:
+    return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(terms) if terms else sql.SQL("")
+
+
+def _shape(conn: psycopg.Connection[tuple[object, ...]], published: PublishedTable) -> _Shape:
+    """The table's published columns and chunk key, inside the chunk's snapshot (this query
+    takes it)."""
     schema, table = published.name
     with conn.cursor() as cur:
         cur.execute(_COLUMNS_SQL, (schema, table, published.columns))
         rows = cur.fetchall()
     columns = tuple(m.Column(str(name), int(str(oid)), int(str(mod)), bool(key))
                     for name, oid, mod, key, *_ in rows)
-    rel_oid, ident, estimate, pages = (int(str(rows[0][4])), str(rows[0][5]),
-                                       int(str(rows[0][6])), int(str(rows[0][7])))
-    return (m.Relation(None, rel_oid, schema, table, ident, columns),
-            _Heap(pages, estimate if estimate >= 0 else None))
+    first = rows[0]
+    rel_oid, ident, kind = int(str(first[6])), str(first[7]), str(first[8])
+    estimate, pages, snapshot = int(str(first[9])), int(str(first[10])), str(first[11])
+    # The key records carry (the catalogue's rule in events.py): the replica identity's
+    # columns, or the primary key under REPLICA IDENTITY FULL. Without one, heap pages.
+    if ident == "f":
+        key = [(str(r[0]), str(r[5])) for r in rows if r[4]]
+    elif ident in ("d", "i"):
+        key = [(str(r[0]), str(r[5])) for r in rows if r[3]]
+    else:
+        key = []
+    return _Shape(m.Relation(None, rel_oid, schema, table, ident, columns),
+                  tuple(n for n, _ in key), tuple(t for _, t in key), kind == "p",
+                  estimate if estimate >= 0 else None, pages, XidSnapshot.parse(snapshot))
 
-
-def _ranges(pages: int, row_filter: str | None) -> list[sql.Composable]:
-    """WHERE clauses covering the heap in ctid ranges, each with the publication's row
-    filter. The heap is read after the snapshot was taken, so pages added since hold no
-    row it sees; the last range is open all the same, which costs nothing."""
-    # The server's own deparsed expression, from the catalogue: SQL already.
-    keep = [sql.SQL(f"({row_filter})")] if row_filter is not None else []
-    if pages == 0:
-        return [sql.SQL(" WHERE {}").format(keep[0]) if keep else sql.SQL("")]
-    out: list[sql.Composable] = []
-    for start in range(0, pages, _RANGE_PAGES):
-        terms = [sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)"))]
-        if start + _RANGE_PAGES < pages:
-            terms.append(sql.SQL("ctid < {}::tid").format(
-                sql.Literal(f"({start + _RANGE_PAGES},0)")))
-        out.append(sql.SQL(" WHERE ") + sql.SQL(" AND ").join(terms + keep))
-    return out
-
-
-def _rows(conn: psycopg.Connection[tuple[object, ...]], relation: m.Relation, heap: _Heap,
-          row_filter: str | None, progress: SnapshotProgress) -> Iterator[tuple[int, m.Message]]:
-    yield 0, relation
-    name = f"{relation.namespace}.{relation.name}"
-    # Raw text output of every column (what pgoutput sends): not a ::text cast, which
-    # differs for some types (bool gives 'true', bpchar drops its padding).
-    for column in relation.columns:
-        conn.adapters.register_loader(column.type_oid, TextLoader)
-    columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in relation.columns)
-    select = sql.SQL("SELECT {} FROM {}").format(
-        columns, sql.Identifier(relation.namespace, relation.name))
-    ranges = _ranges(heap.pages, row_filter)
-    estimate = heap.rows
-    done = 0
-    started = last_report = time.monotonic()
-    try:
-        for n, where in enumerate(ranges, 1):
-            # A named (server-side) cursor streams the range in batches: memory stays flat.
-            with conn.cursor(name=f"snap_{relation.oid}") as cur:
-                cur.itersize = _FETCH
-                cur.execute(select + where)
-                for row in cur:
-                    done += 1
-                    yield 0, m.Insert(None, relation.oid, list(row))  # type: ignore[arg-type]
-                    if done % 1000 == 0 and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
-                        last_report = time.monotonic()
-                        progress.rows(name, done, estimate)
-                        rate = done / (last_report - started)
-                        log_event(log, logging.INFO, "snapshot progress", table=name,
-                                  rows_done=done, rows_estimated=estimate,
-                                  ranges_done=f"{n - 1}/{len(ranges)}", rows_per_s=round(rate),
-                                  eta_s=round((estimate - done) / rate)
-                                  if estimate is not None and estimate > done else None)
-            if heap.rows is None and n < len(ranges):
-                # Never analysed: extrapolate from the share of the heap read so far.
-                estimate = round(done * len(ranges) / n)
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise SourceError(f"cannot read table {name} for the snapshot: "
-                          f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the bridge's "
-                          "role, or remove the table from the publication") from None
-    progress.rows(name, done, done, finished=True)
-    log_event(log, logging.INFO, "snapshot table read", table=name, rows=done)

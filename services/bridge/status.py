@@ -57,8 +57,10 @@ def collect(settings: BridgeSettings) -> dict[str, Any]:
     else:
         report["kafka_published_lsn"] = format_lsn(progress.end_lsn) if progress else None
         report["kafka_progress_timeline"] = progress.timeline if progress else None
-        report["snapshots_pending"] = {
-            f"{p.schema_}.{p.table}": format_lsn(p.lsn) for p in progress.snapshots
+        # As far as Kafka holds them: what a restart resumes from.
+        report["snapshots_published"] = {
+            f"{p.schema_}.{p.table}": f"{p.rows:,} rows in {p.chunks} chunks ({p.id})"
+            for p in progress.snapshots
         } if progress else {}
     report["snapshot"] = _daemon_snapshot(settings)
     return report

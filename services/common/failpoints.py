@@ -6,6 +6,7 @@ on purpose, not by luck. The variable holds ``name=action`` pairs separated by c
     SLOTBRIDGE_FAILPOINTS="after_kafka_commit=kill"      # SIGKILL ourselves right there
     SLOTBRIDGE_FAILPOINTS="before_origin_advance=3*kill"  # on the third time through
     SLOTBRIDGE_FAILPOINTS="before_kafka_commit=error"     # raise FailpointError
+    SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.1"     # every time through: a slow part
 
 Without the variable ``failpoint()`` costs one dict lookup.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 class FailpointError(RuntimeError):
@@ -45,6 +47,9 @@ def failpoint(name: str) -> None:
         return
     hits = _HITS[name] = _HITS.get(name, 0) + 1
     nth, action = armed
+    if action.startswith("sleep"):
+        time.sleep(float(action[5:]))
+        return
     if hits != nth:
         return
     if action == "kill":

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from services.bridge.progress import read_kafka_progress
 from services.stack.kafka import Kafka
 from services.stack.kafka_audit import AuditReport, audit, transaction_starts_at
 from services.stack.stack import Stack
@@ -252,17 +253,23 @@ class Pipeline:
     def wait_caught_up(self, timeout: float = 120) -> None:
         """Until the bridge has published everything the source has written now.
 
-        The slot's confirmed position alone says too little: a new slot starts confirmed at
-        its consistent point, before the initial snapshot is in Kafka. The bridge confirms
-        only what Kafka holds, and advances its replication origin right after each Kafka
-        commit (the snapshot's first), so: origin moved (unless no snapshot is taken) and
-        slot confirmed up to now.
+        The slot's confirmed position alone says too little: snapshots are read in chunks
+        while the slot streams. The bridge confirms only what Kafka holds, and advances its
+        replication origin right after each Kafka commit, so: origin moved (unless no
+        snapshot is taken), slot confirmed up to now, and Kafka's progress record lists no
+        snapshot still under way.
         """
         target = _lsn(sql(self.stack.primary_dsn, "SELECT pg_current_wal_insert_lsn()::text")[0][0])
         snapshot = self.env().get("SLOTBRIDGE_SNAPSHOT_MODE", "initial") != "never"
-        wait_for(lambda: self._confirmed() >= target and (not snapshot or self._origin() > 0),
-                 timeout, f"slot {self.name} to confirm {target:X} after its snapshot\n"
+        wait_for(lambda: self._confirmed() >= target and (not snapshot or (
+            self._origin() > 0 and not self._snapshots_under_way())),
+                 timeout, f"slot {self.name} to confirm {target:X} after its snapshots\n"
                  f"{self.output()[-3000:]}")
+
+    def _snapshots_under_way(self) -> bool:
+        progress = read_kafka_progress({"bootstrap.servers": self.kafka.bootstrap},
+                                       self.progress_topic, self.name)
+        return progress is None or bool(progress.snapshots)
 
     def _origin(self) -> int:
         rows = sql(self.stack.primary_dsn, "SELECT pg_replication_origin_progress(roname, true)"

@@ -1,0 +1,164 @@
+"""Reconciling snapshot chunks with the stream, by transaction visibility (DBLog's idea).
+
+A chunk is read in a transaction of its own: its rows are the table as of that
+transaction's snapshot S. The same transaction then writes a watermark into the WAL (a
+transactional logical message), so the watermark reaches the publisher in commit order,
+and the chunk's rows are published at exactly that place in the stream:
+
+- a transaction committed after the watermark started after S was taken, or was still
+  running then: S does not see it, and its changes follow the rows, as they must;
+- a transaction before the watermark that S sees is in the rows already;
+- a transaction before the watermark that S does not see (still running when S was
+  taken) changed the table after the rows were read: a row with a key it changed would be
+  older than what the stream already published, so the row is dropped; the stream holds
+  that key's newer state.
+
+Visibility is PostgreSQL's own (S's xmin, xmax and in-progress list, from
+``pg_current_snapshot()``), not WAL order: a commit record is written before its
+transaction becomes visible, so in the narrow window between the two a position alone
+would be wrong. The stream's changes are watched per table from the moment its snapshot
+is requested; a transaction that committed just before that and that S still saw running
+is caught by a short memory of recent commits (``RECENT``): the chunk is then read again.
+
+A table without a key (REPLICA IDENTITY NOTHING, or FULL without a primary key read
+whole) has no key to match. Its rows carry their inserting transaction (``xmin``): a row
+inserted by a transaction the stream already published is dropped. Rows of a
+subtransaction carry the subtransaction's id, which the stream does not tell, so a row a
+SAVEPOINT inserted while its table was being snapshotted may arrive twice.
+
+Pure: no I/O; the publisher thread is its only user.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TableName = tuple[str, str]  # (schema, table)
+Key = tuple[str | None, ...]  # key columns' text, as PostgreSQL's output functions print it
+Row = tuple[str | None, ...]
+
+RECENT = 100_000  # commits remembered from before a table's snapshot was requested
+
+
+@dataclass(frozen=True, slots=True)
+class XidSnapshot:
+    """``pg_current_snapshot()``: full 64-bit transaction ids."""
+
+    xmin: int
+    xmax: int
+    xip: frozenset[int]
+
+    @classmethod
+    def parse(cls, text: str) -> XidSnapshot:
+        xmin, xmax, xip = text.split(":")
+        return cls(int(xmin), int(xmax), frozenset(int(x) for x in xip.split(",") if x))
+
+    def full(self, xid: int) -> int:
+        """The 64-bit id of a 32-bit one from the stream: the one nearest xmax (ids in use
+        span less than 2^31, so there is exactly one)."""
+        candidate = (self.xmax & ~0xFFFFFFFF) | xid
+        if candidate > self.xmax + 0x7FFFFFFF:
+            candidate -= 1 << 32
+        elif candidate < self.xmax - 0x80000000:
+            candidate += 1 << 32
+        return candidate
+
+    def sees(self, xid: int) -> bool:
+        """Whether a committed transaction is visible in this snapshot."""
+        full = self.full(xid)
+        return full < self.xmin or (full < self.xmax and full not in self.xip)
+
+
+@dataclass(slots=True)
+class _Watch:
+    since: int  # commits counted when watching began: later ones count higher
+    keys: dict[Key, list[int]] = field(default_factory=dict)  # key -> xids that changed it
+    truncated_by: list[int] = field(default_factory=list)
+    inserted_by: set[int] = field(default_factory=set)  # keyless tables: xids with inserts
+
+
+class StreamWatch:
+    """What the stream changed in the tables being snapshotted, and which chunk rows that
+    makes stale."""
+
+    def __init__(self, recent: int = RECENT) -> None:
+        self._tables: dict[TableName, _Watch] = {}
+        self._recent: OrderedDict[int, int] = OrderedDict()  # xid -> commit count
+        self._recent_max = recent
+        self._commits = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._tables)
+
+    def __contains__(self, table: TableName) -> bool:
+        return table in self._tables
+
+    def tables(self) -> list[TableName]:
+        return list(self._tables)
+
+    def watch(self, table: TableName) -> None:
+        if table not in self._tables:
+            self._tables[table] = _Watch(self._commits)
+
+    def unwatch(self, table: TableName) -> None:
+        self._tables.pop(table, None)
+
+    def committed(self, xid: int) -> None:
+        """A transaction the stream delivered, in commit order (changes noted before)."""
+        self._commits += 1
+        recent = self._recent
+        recent[xid] = self._commits
+        recent.move_to_end(xid)
+        if len(recent) > self._recent_max:
+            recent.popitem(last=False)
+
+    def changed(self, table: TableName, xid: int, key: Key) -> None:
+        self._tables[table].keys.setdefault(key, []).append(xid)
+
+    def inserted(self, table: TableName, xid: int) -> None:
+        self._tables[table].inserted_by.add(xid)
+
+    def truncated(self, table: TableName, xid: int) -> None:
+        self._tables[table].truncated_by.append(xid)
+
+    def fresh(self, table: TableName, snap: XidSnapshot, rows: Sequence[Row],
+              key_at: Sequence[int], xmins: Sequence[int] | None) -> list[Row] | None:
+        """The rows of a chunk read in ``snap`` that the stream has not overtaken, or None
+        if the chunk must be read again. Call it at the chunk's watermark.
+
+        ``key_at``: positions of the key columns in a row (none: no key); ``xmins``: each
+        row's inserting transaction, for chunks read by heap pages."""
+        watch = self._tables[table]
+        if any(self._recent.get(xid, watch.since + 1) <= watch.since
+               for xid in (x & 0xFFFFFFFF for x in snap.xip)):
+            # A transaction that committed before the watch began was running when the
+            # chunk was read: its changes were published unwatched.
+            return None
+        if any(not snap.sees(xid) for xid in watch.truncated_by):
+            return []  # every row read is gone since; the stream said so already
+        stale = {k for k, xids in watch.keys.items() if any(not snap.sees(x) for x in xids)}
+        if not key_at:
+            stale.clear()
+        inserted = watch.inserted_by if xmins is not None else set()
+        if xmins is None:
+            watch.inserted_by.clear()  # chunks follow the key: inserts are matched by key
+        if not stale and not inserted:
+            kept = list(rows)
+        else:
+            kept = [row for i, row in enumerate(rows)
+                    if not (stale and tuple(row[j] for j in key_at) in stale)
+                    and not (inserted and xmins is not None and xmins[i] in inserted)]
+        self._forget(watch, snap)
+        return kept
+
+
+    @staticmethod
+    def _forget(watch: _Watch, snap: XidSnapshot) -> None:
+        """Drop what every later chunk's snapshot sees too: later snapshots see all this
+        one does, so such changes can make no later row stale. Inserting transactions stay:
+        their rows may lie in chunks still to come."""
+        watch.keys = {k: xids for k, xids in watch.keys.items()
+                      if any(not snap.sees(xid) for xid in xids)}
+        watch.truncated_by = [x for x in watch.truncated_by if not snap.sees(x)]
