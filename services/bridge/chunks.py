@@ -20,6 +20,10 @@ would be wrong. The stream's changes are watched per table from the moment its s
 is requested; a transaction that committed just before that and that S still saw running
 is caught by a short memory of recent commits (``RECENT``): the chunk is then read again.
 
+Rows the stream inserted while their table was watched, and the chunk also saw, are
+not published again: the insert carried the whole row. A row the stream only updated is
+published again (an update leaves unchanged TOASTed values out).
+
 A table without a key (REPLICA IDENTITY NOTHING, or FULL without a primary key read
 whole) has no key to match. Its rows carry their inserting transaction (``xmin``): a row
 inserted by a transaction the stream already published is dropped. Rows of a
@@ -77,6 +81,9 @@ class _Watch:
     keys: dict[Key, list[int]] = field(default_factory=dict)  # key -> xids that changed it
     truncated_by: list[int] = field(default_factory=list)
     inserted_by: set[int] = field(default_factory=set)  # keyless tables: xids with inserts
+    # Keys whose first watched change was an insert (its xid): the stream carried their whole
+    # row, so a chunk that sees the insert need not publish it again.
+    born: dict[Key, int] = field(default_factory=dict)
 
 
 class StreamWatch:
@@ -114,8 +121,11 @@ class StreamWatch:
         if len(recent) > self._recent_max:
             recent.popitem(last=False)
 
-    def changed(self, table: TableName, xid: int, key: Key) -> None:
-        self._tables[table].keys.setdefault(key, []).append(xid)
+    def changed(self, table: TableName, xid: int, key: Key, insert: bool = False) -> None:
+        watch = self._tables[table]
+        if insert and key not in watch.keys and key not in watch.born:
+            watch.born[key] = xid
+        watch.keys.setdefault(key, []).append(xid)
 
     def inserted(self, table: TableName, xid: int) -> None:
         self._tables[table].inserted_by.add(xid)
@@ -139,6 +149,8 @@ class StreamWatch:
         if any(not snap.sees(xid) for xid in watch.truncated_by):
             return []  # every row read is gone since; the stream said so already
         stale = {k for k, xids in watch.keys.items() if any(not snap.sees(x) for x in xids)}
+        # A row the stream inserted and the chunk saw is whole in Kafka already: not twice.
+        stale.update(k for k, xid in watch.born.items() if snap.sees(xid))
         if not key_at:
             stale.clear()
         inserted = watch.inserted_by if xmins is not None else set()

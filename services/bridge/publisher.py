@@ -394,7 +394,8 @@ class Publisher(threading.Thread):
         if isinstance(msg, m.Insert):
             watch.inserted(name, xid)
             if at:
-                watch.changed(name, xid, tuple(msg.new[i] for i in at))  # type: ignore[misc]
+                watch.changed(name, xid, tuple(msg.new[i] for i in at),  # type: ignore[misc]
+                              insert=True)
             return
         if at:
             for tup in (msg.old, getattr(msg, "new", None)):

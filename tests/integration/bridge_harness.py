@@ -285,8 +285,10 @@ class Pipeline:
                    "pg_replication_slots WHERE slot_name = %s", (self.name,))
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
-    def changes(self, table: str) -> list[Record]:
-        return [r for r in read_topics(self.kafka, [self.topic(table)])
+    def changes(self, table: str, timeout: float = 20.0) -> list[Record]:
+        """The table's change records (tombstones left out); ``timeout``: for the read, which
+        a topic of a million records needs more of."""
+        return [r for r in read_topics(self.kafka, [self.topic(table)], timeout)
                 if r.value is not None]
 
     def audit(self) -> AuditReport:

@@ -33,6 +33,7 @@ SCHEMA = "chunked"
 SCALE = float(os.environ.get("SLOTBRIDGE_TEST_SNAPSHOT_SCALE", "1"))
 ROWS = {"orders": int(1_000_000 * SCALE), "lines": int(700_000 * SCALE),
         "events": int(300_000 * SCALE)}
+_READ_S = 300.0  # reading a million records back
 
 
 def _load(dsn: str) -> None:
@@ -119,12 +120,13 @@ def _replay(records: list[Record], key: Callable[[Record], Any]) -> tuple[dict[A
     return rows, snapshots
 
 
-def _assert_equal(pipe: Pipeline, table: str, key_columns: list[str]) -> int:
-    """Topic replayed per key == table, on the columns each record carries."""
+def _assert_equal(pipe: Pipeline, table: str, key_columns: list[str]) -> list[Record]:
+    """Topic replayed per key == table, on the columns each record carries; returns the
+    topic's records."""
     dsn = pipe.stack.primary_dsn
     source = {tuple(r[c] for c in key_columns): r
               for (r,) in sql(dsn, f"SELECT to_jsonb(t) FROM {SCHEMA}.{table} t")}
-    records = pipe.changes(f"{SCHEMA}.{table}")
+    records = pipe.changes(f"{SCHEMA}.{table}", _READ_S)
     replayed, snapshots = _replay(records, lambda r: tuple(r.key[c] for c in key_columns))
     twice = [k for k, n in snapshots.items() if n > 1]
     assert not twice, f"{table}: keys with two snapshot rows: {twice[:5]}"
@@ -134,16 +136,18 @@ def _assert_equal(pipe: Pipeline, table: str, key_columns: list[str]) -> int:
     wrong = [k for k, after in replayed.items()
              if any(source[k][c] != v for c, v in after.items() if c in source[k])]
     assert not wrong, f"{table}: rows differ from the table: {wrong[:5]}"
-    return len(records)
+    return records
 
 
-def _assert_keyless_equal(pipe: Pipeline) -> None:
+def _assert_keyless_equal(pipe: Pipeline) -> int:
+    """The keyless table's rows as a multiset; returns its snapshot records."""
     source = Counter(tuple(r) for r in sql(pipe.stack.primary_dsn,
                                            f"SELECT at, payload FROM {SCHEMA}.events"))
-    topic = Counter((r.value["after"]["at"], r.value["after"]["payload"])
-                    for r in pipe.changes(f"{SCHEMA}.events"))
+    records = pipe.changes(f"{SCHEMA}.events", _READ_S)
+    topic = Counter((r.value["after"]["at"], r.value["after"]["payload"]) for r in records)
     assert topic == source, (f"events: {sum((topic - source).values())} extra, "
                              f"{sum((source - topic).values())} missing")
+    return sum(1 for r in records if r.value["op"] == "r")
 
 
 @pytest.mark.slow
@@ -185,17 +189,16 @@ def test_chunked_snapshot_resumes_under_writes_kill_and_ddl(stack: Stack,
         resumed = re.search(rf"{orders} \(initial, (\d+) chunks done\)", run2)
         assert resumed and int(resumed[1]) > 0, "the restart did not resume the snapshot"
         snapshot_records = 0
+        versions: set[int] = set()
         for table, key in (("orders", ["id"]), ("lines", ["order_id", "line"])):
-            _assert_equal(pipe, table, key)
-            snapshot_records += sum(1 for r in pipe.changes(f"{SCHEMA}.{table}")
-                                    if r.value["op"] == "r")
-        _assert_keyless_equal(pipe)
-        snapshot_records += sum(1 for r in pipe.changes(f"{SCHEMA}.events")
-                                if r.value["op"] == "r")
+            records = _assert_equal(pipe, table, key)
+            snapshot_records += sum(1 for r in records if r.value["op"] == "r")
+            if table == "orders":
+                versions = {r.value["source"]["schema_version"] for r in records
+                            if r.value["op"] == "r"}
+        snapshot_records += _assert_keyless_equal(pipe)
         # What both runs published as snapshot rows: the tables once, not twice.
         assert snapshot_records < 1.3 * total, (snapshot_records, total)
-        versions = {r.value["source"]["schema_version"] for r in
-                    pipe.changes(f"{SCHEMA}.orders") if r.value["op"] == "r"}
         assert len(versions) >= 2, "no chunk was read with the table's new shape"
         pipe.audit()
         print(f"\nsnapshot: {total} rows, {snapshot_records} snapshot records, writes "

@@ -64,3 +64,15 @@ def test_keyless_rows_the_stream_inserted_are_not_published_twice() -> None:
     watch.committed(90)
     rows = [("x",), ("y",)]
     assert watch.fresh(T, XidSnapshot.parse("91:91:"), rows, [], [12, 90]) == [("x",)]
+
+
+def test_rows_the_stream_inserted_and_the_chunk_saw_are_not_published_twice() -> None:
+    watch = StreamWatch()
+    watch.watch(T)
+    watch.changed(T, 40, ("1",), insert=True)
+    watch.committed(40)
+    watch.changed(T, 41, ("2",))  # an update: its row may lack TOASTed values
+    watch.committed(41)
+    rows = [("1", "a"), ("2", "b")]
+    assert _chunk("42:42:", rows, watch) == [("2", "b")]
+    assert _chunk("43:43:", rows, watch) == [("2", "b")]  # still known in later chunks
