@@ -177,6 +177,92 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     assert len(delta_rows(spark, paths.history)) == changes
 
 
+# -- history independent of the batch split --------------------------------------------
+
+Change = tuple[str, int | None, int, int]  # op, key (None: truncate), commit LSN, total order
+
+
+def _truncating_workload(table: SynthTable, seed: int, transactions: int
+                         ) -> tuple[list[list[Record]], list[Change], dict[int, str]]:
+    """Transactions of inserts, updates, deletes and truncates (some in the middle of a
+    transaction, changes after them); the changes in order and the live keys' names."""
+    rng = random.Random(seed)
+    live: dict[int, str] = {}
+    txs: list[list[Record]] = []
+    changes: list[Change] = []
+    for n in range(transactions):
+        lsn = 10_000 + 1_000 * n
+        records: list[Record] = []
+        for order in range(1, rng.randint(1, 6) + 1):
+            if rng.random() < 0.06:
+                records += table.change("t", None, lsn, order, n)
+                changes.append(("t", None, lsn, order))
+                live.clear()
+                continue
+            key = rng.randint(1, 25)
+            if key in live and rng.random() < 0.25:
+                records += table.change("d", {"id": key}, lsn, order, n)
+                changes.append(("d", key, lsn, order))
+                del live[key]
+                continue
+            op = "u" if key in live else "c"
+            live[key] = f"k{key}-{n}-{order}"
+            records += table.change(op, {"id": key, "name": live[key]}, lsn, order, n)
+            changes.append((op, key, lsn, order))
+        txs.append(records)
+    return txs, changes, live
+
+
+def _expected_ends(changes: list[Change]) -> dict[tuple[int, int], int | None]:
+    """SCD type 2 by definition: a version ends at its key's next change or the next
+    truncate, whichever comes first; deletes and truncates end where they are."""
+    ends: dict[tuple[int, int], int | None] = {}
+    for i, (op, key, lsn, order) in enumerate(changes):
+        if op in ("d", "t"):
+            ends[(lsn, order)] = lsn
+            continue
+        ends[(lsn, order)] = next((later_lsn for later_op, later_key, later_lsn, _ in
+                                   changes[i + 1:] if later_op == "t" or later_key == key),
+                                  None)
+    return ends
+
+
+def test_history_is_the_same_whatever_the_batch_split(
+        stack: Stack, spark: SparkSession, tmp_path: Path) -> None:
+    """Three partitions: a truncate (no key) lands on any partition, each key on its own,
+    so small batches see truncates before or after the changes around them."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    table = SynthTable(prefix, "public", "trunc", (
+        SynthColumn("id", "integer", 23, key=True), SynthColumn("name", "text", 25)))
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"], partitions=3)
+    txs, changes, live = _truncating_workload(table, 15, 60)
+    assert sum(op == "t" for op, *_ in changes) >= 5
+    writer.send([table.schema_record()])
+    for records in txs:
+        writer.send(records)
+
+    histories = []
+    for name, cap in (("whole", None), ("split", 20)):
+        settings = consumer_settings(stack, prefix, tmp_path / name, tables=["public.trunc"],
+                                     max_offsets_per_trigger=cap)
+        status = consume_once(spark, settings)
+        assert status.batches >= (1 if cap is None else 10), status.batches
+        paths = table_paths(settings.warehouse, "public.trunc")
+        assert {r["id"]: r["name"] for r in delta_rows(spark, paths.current)} == live, name
+        history = delta_rows(spark, paths.history)
+        ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"]
+                for r in history}
+        assert len(ends) == len(history) == len(changes), name
+        wrong = {position: (end, ends[position])
+                 for position, end in _expected_ends(changes).items()
+                 if ends[position] != end}
+        assert not wrong, f"{name}: (commit LSN, order): (expected end, stored end) {wrong}"
+        histories.append(sorted(history, key=lambda r: (r["_cdc_commit_lsn"],
+                                                        r["_cdc_total_order"])))
+    assert histories[0] == histories[1]
+
+
 # -- end to end: PostgreSQL -> bridge -> Kafka -> Spark -> Delta ---------------------------
 
 TYPED_TABLE = """

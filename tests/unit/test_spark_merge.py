@@ -254,3 +254,43 @@ def test_new_column_evolves_tables(spark: SparkSession, tmp_path: Path) -> None:
     assert current[1]["extra"] is None
     assert current[2]["extra"] == 5
     assert "extra" in h.history()[0]
+
+
+def test_truncate_after_a_change_closes_the_stored_version_at_the_change(
+        spark: SparkSession, tmp_path: Path) -> None:
+    """Issue #15 item 1: key 1's open version comes from an earlier batch; one batch holds
+    its update and then a truncate. The old version ends at the update, the update at the
+    truncate, never both at the truncate."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run([*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)])
+    h.run([*t.change("u", row(1, "x"), 200, 1, 2), *t.change("t", None, 300, 1, 3)])
+    ends = {(r["id"], r["valid_from_lsn"]): r["valid_to_lsn"] for r in h.history()}
+    assert ends == {(1, 100): 200, (2, 100): 300, (1, 200): 300, (None, 300): 300}
+
+
+def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
+        spark: SparkSession, tmp_path: Path) -> None:
+    """A truncate and the changes around it on different partitions reach the job in
+    either order; the history must be the one a single batch gives."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    changes = [
+        t.change("c", row(1), 100, 1, 1), t.change("c", row(2), 100, 2, 1),
+        t.change("u", row(1, "a"), 200, 1, 2), t.change("t", None, 300, 1, 3),
+        t.change("c", row(1, "b"), 400, 1, 4), t.change("u", row(1, "c"), 500, 1, 5),
+        t.change("t", None, 500, 2, 5), t.change("c", row(3), 600, 1, 6),
+    ]
+    whole = Harness(spark, tmp_path / "whole", t)
+    whole.run([r for c in changes for r in c])
+    split = Harness(spark, tmp_path / "split", t)
+    # Truncates held back (a slow partition), then the rest in two batches, replayed.
+    for part in ([0, 1, 2, 4], [5, 7], [3, 6], [5, 7]):
+        split.run([r for i in part for r in changes[i]])
+
+    def ends(h: Harness) -> list[tuple[Any, ...]]:
+        return sorted(((r["id"] or 0), r["valid_from_lsn"], r["_cdc_total_order"],
+                       r["valid_to_lsn"] or 0) for r in h.history())
+    assert ends(split) == ends(whole) == [
+        (0, 300, 1, 300), (0, 500, 2, 500), (1, 100, 1, 200), (1, 200, 1, 300),
+        (1, 400, 1, 500), (1, 500, 1, 500), (2, 100, 2, 300), (3, 600, 1, 0)]
+    assert split.current() == whole.current()
