@@ -23,6 +23,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from services.common.logs import log_event
 from spark_consumers.batch import BatchProcessor
+from spark_consumers.errors import error_line
 from spark_consumers.kafka import change_stream
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
@@ -131,28 +132,40 @@ def run(settings: ConsumerSettings, once: bool = False) -> int:
     status = Status()
     spark = build_session(settings)
     try:
-        query = start_query(spark, settings, status, once)
-        status.state = "running"
+        return _follow(spark, settings, status, once, stop)
+    except Exception as exc:
+        # Whatever ends the job - the query's own failure, which awaitTermination raises,
+        # or the driver's - the status file and the log say so in one line.
+        status.state, status.error = "failed", error_line(exc)
         status.write(settings.status_path)
-        log_event(log, logging.INFO, "consumer started", query_id=str(query.id),
-                  checkpoint=settings.checkpoint_dir, warehouse=settings.warehouse,
-                  topics=settings.change_topics() or settings.change_topic_pattern())
-        while query.isActive and not stop.is_set():
-            query.awaitTermination(_POLL_S)
-            status.record_lag(_progress(query))
-            status.write(settings.status_path)
-        if query.isActive:
-            _stop_between_batches(query)
-        error = query.exception()
-        status.state = "failed" if error is not None else "stopped"
-        status.write(settings.status_path)
-        if error is not None:
-            log_event(log, logging.ERROR, "consumer failed", error=str(error))
-            return 1
-        log_event(log, logging.INFO, "consumer stopped", batches=status.batches)
-        return 0
+        log_event(log, logging.ERROR, "consumer failed", error=status.error)
+        return 1
     finally:
         spark.stop()
+
+
+def _follow(spark: SparkSession, settings: ConsumerSettings, status: Status, once: bool,
+            stop: threading.Event) -> int:
+    """Start the query and keep the status file current until it ends; raises its error."""
+    query = start_query(spark, settings, status, once)
+    status.state = "running"
+    status.write(settings.status_path)
+    log_event(log, logging.INFO, "consumer started", query_id=str(query.id),
+              checkpoint=settings.checkpoint_dir, warehouse=settings.warehouse,
+              topics=settings.change_topics() or settings.change_topic_pattern())
+    while query.isActive and not stop.is_set():
+        query.awaitTermination(_POLL_S)
+        status.record_lag(_progress(query))
+        status.write(settings.status_path)
+    if query.isActive:
+        _stop_between_batches(query)
+    error = query.exception()
+    if error is not None:
+        raise error
+    status.state = "stopped"
+    status.write(settings.status_path)
+    log_event(log, logging.INFO, "consumer stopped", batches=status.batches)
+    return 0
 
 
 def _progress(query: StreamingQuery) -> dict[str, object] | None:

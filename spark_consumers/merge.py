@@ -25,6 +25,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
+from services.common.failpoints import failpoint
 from spark_consumers import schema as s
 from spark_consumers.parse import REASON, can_be_toasted, toast_flag
 from spark_consumers.tables import (
@@ -254,6 +255,8 @@ class TableWriter:
         try:
             changes = rows if toasted is None else toasted
             self._merge_history(changes, table, facts)
+            # Crash tests kill the job here: history committed, current state not yet.
+            failpoint("consume_after_history")
             if table.key_columns:
                 self._merge_current(changes, table, facts)
         finally:

@@ -30,6 +30,7 @@ class Status:
     """Everything reported; mutated by the batch function and the driver's poll loop."""
 
     state: str = "starting"
+    error: str | None = None  # one line: why the job failed
     batches: int = 0
     last_batch_id: int | None = None
     last_batch_seconds: float | None = None
@@ -62,6 +63,7 @@ class Status:
     def as_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "error": self.error,
             "batches": self.batches,
             "last_batch_id": self.last_batch_id,
             "last_batch_seconds": self.last_batch_seconds,
@@ -82,9 +84,16 @@ class Status:
 
 
 def _offsets(value: Any) -> dict[str, dict[str, int]]:
-    """A source offset as Spark reports it (JSON text or already a dict) -> topic -> part."""
+    """A source offset as Spark reports it (JSON text or already a dict) -> topic -> part.
+
+    An offset Spark does not know is reported as null, or by PySpark as the text "None"
+    (a batch replayed after a crash, a pattern no topic matches yet): no offsets then.
+    """
     if isinstance(value, str):
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
     if not isinstance(value, dict):
         return {}
     return {topic: {str(p): int(o) for p, o in parts.items()}

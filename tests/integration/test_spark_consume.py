@@ -15,7 +15,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 import uuid
 from decimal import Decimal
 from pathlib import Path
@@ -33,7 +32,7 @@ from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
 from spark_consumers.synthetic import Record, SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers.tables import dead_letter_path, table_paths
-from tests.integration.bridge_harness import Pipeline, sql, wait_for
+from tests.integration.bridge_harness import Pipeline, run_cli, sql
 
 pytestmark = pytest.mark.spark
 
@@ -134,31 +133,30 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
         "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_SHUFFLE_PARTITIONS": "1",
         "SLOTBRIDGE_LOG_FORMAT": "text",
     })
+    # The driver SIGKILLs itself in the third batch, after the history MERGE committed
+    # and before the current-state MERGE: the restart must replay that batch.
     log = (tmp_path / "consume.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "consume"], cwd=REPO,
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            env={**env, "SLOTBRIDGE_FAILPOINTS": "consume_after_history=3*kill"},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        def batches() -> int:
-            if proc.poll() is not None:
-                raise AssertionError((tmp_path / "consume.log").read_text()[-3000:])
-            assert settings.status_path is not None
-            try:
-                return int(json.loads(settings.status_path.read_text())["batches"])
-            except (FileNotFoundError, ValueError):
-                return 0
-        wait_for(lambda: batches() >= 2, 240, "two batches of the consumer")
-        for records in txs[60:90]:
-            writer.send(records)
-        time.sleep(1.0)  # likely in the middle of a batch now
+        code = proc.wait(300)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # driver and its JVM: a real crash
+        os.killpg(proc.pid, signal.SIGKILL)  # its JVM too, as a real crash leaves nothing
         proc.wait()
         log.close()
-    for records in txs[90:]:
+    assert code == -signal.SIGKILL, (tmp_path / "consume.log").read_text()[-3000:]
+    assert settings.status_path is not None
+    assert json.loads(settings.status_path.read_text())["batches"] == 2
+    for records in txs[60:]:
         writer.send(records)
 
-    status = consume_once(spark, settings)
+    # The restart (--once) replays the killed batch, goes on to the end and says so.
+    code, output = run_cli("consume", "--once", env=env, timeout=600)
+    assert code == 0, output[-3000:]
+    final = json.loads(settings.status_path.read_text())
+    assert (final["state"], final["error"], final["total_lag"]) == ("stopped", None, 0), final
+    assert "Traceback" not in output, output[-3000:]
     paths = table_paths(settings.warehouse, "public.items")
     assert _current(spark, paths.current) == _expected(state)
     history = delta_rows(spark, paths.history)
@@ -169,12 +167,29 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     dead = delta_rows(spark, dead_letter_path(settings.warehouse))
     assert [d["table"] for d in dead] == ["public.items"]
     assert dead[0]["reason"].startswith("source.commit_lsn missing")
-    assert status.lag.get(table.topic, 0) == 0
     # A replay of everything from scratch into the same tables changes nothing.
     replay = settings.model_copy(update={"checkpoint_dir": str(tmp_path / "checkpoint2")})
     consume_once(spark, replay)
     assert _current(spark, paths.current) == _expected(state)
     assert len(delta_rows(spark, paths.history)) == changes
+
+
+def test_once_on_a_prefix_without_topics(stack: Stack, tmp_path: Path) -> None:
+    """Nothing to read yet (a consumer deployed before its bridge): --once ends cleanly."""
+    settings = consumer_settings(stack, f"sp{uuid.uuid4().hex[:8]}", tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
+    env.update({"SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+                "SLOTBRIDGE_TOPIC_PREFIX": settings.topic_prefix,
+                "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
+                "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
+                "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
+                "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_LOG_FORMAT": "text"})
+    code, output = run_cli("consume", "--once", env=env, timeout=300)
+    assert code == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert settings.status_path is not None
+    final = json.loads(settings.status_path.read_text())
+    assert (final["state"], final["error"], final["batches"]) == ("stopped", None, 0), final
 
 
 # -- history independent of the batch split --------------------------------------------

@@ -110,3 +110,14 @@ def test_lag_from_progress() -> None:
         "latestOffset": {"p.public.a": {"0": 12, "1": 5}, "p.public.b": {"0": 3}},
     }]}
     assert lag_from_progress(progress) == {"p.public.a": 2, "p.public.b": 3}
+
+
+@pytest.mark.parametrize("unknown", ["None", None, "null", ""])
+def test_lag_from_progress_without_offsets(unknown: str | None) -> None:
+    """A replayed batch and a pattern matching no topic yet report offsets Spark does
+    not know as the text "None" (PySpark) or null: no lag, no JSONDecodeError."""
+    progress = {"sources": [{"startOffset": unknown, "endOffset": unknown,
+                             "latestOffset": unknown}]}
+    assert lag_from_progress(progress) == {}
+    progress["sources"][0]["latestOffset"] = json.dumps({"p.public.a": {"0": 4}})
+    assert lag_from_progress(progress) == {"p.public.a": 4}
