@@ -93,6 +93,14 @@ def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consum
         # and to read back in the MERGE's two passes.
         "spark.databricks.delta.merge.materializeSource.rddStorageLevel": "MEMORY_AND_DISK",
         "spark.sql.streaming.stopGracefullyOnShutdown": "false",
+        # Spark's default INT96 holds only 1677-2262 for readers that map it to
+        # nanoseconds (delta-rs, pandas): one timestamptz of 0001-01-01 or 9999-12-31 made
+        # a whole table unreadable to them. Microseconds are PostgreSQL's own precision.
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+        # PostgreSQL's calendar is proleptic Gregorian, as Spark's: old dates and
+        # timestamps are written as they are, never rebased to the Julian calendar.
+        "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
+        "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
         **settings.spark_conf,
     }
     for key, value in conf.items():
