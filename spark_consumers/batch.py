@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from services.common.logs import log_event
 from spark_consumers import schema as s
-from spark_consumers.deadletter import quarantine
+from spark_consumers.deadletter import STOPPED, quarantine, stopped_tables
+from spark_consumers.errors import error_line
 from spark_consumers.kafka import refresh_registry
 from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
 from spark_consumers.parse import (
@@ -60,6 +62,9 @@ class BatchProcessor:
         self.status = status
         self.registry = registry if registry is not None else s.SchemaRegistry()
         self.writers: dict[str, TableWriter] = {}
+        # Tables stopped by an error of their own -> why; read from the dead-letter
+        # table at the first batch, so a stopped table stays stopped across restarts.
+        self.stopped: dict[str, str] | None = None
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
@@ -79,11 +84,38 @@ class BatchProcessor:
         if missing:
             for problem in refresh_registry(self.spark, self.settings, self.registry):
                 log_event(log, logging.WARNING, problem)
+        if self.stopped is None:
+            self.stopped = stopped_tables(self.spark, dead_letter_path(self.settings.warehouse))
         counts: dict[str, TableCounts] = {}
         for table, survey in sorted(surveys.items()):
-            counts[table] = self._apply_table(raw, envs.where(F.col(TABLE) == table), table,
-                                              survey, batch_id)
+            table_envs = envs.where(F.col(TABLE) == table)
+            why = self.stopped.get(table)
+            if why is None:
+                try:
+                    counts[table] = self._apply_table(raw, table_envs, table, survey, batch_id)
+                    continue
+                except (AnalysisException, TableRefused) as exc:
+                    # Raised by this table's shape or data, so a retry would raise it again:
+                    # stop this table alone. Anything else (Kafka, disk, memory) fails the
+                    # job, and the batch is replayed on restart.
+                    why = self.stopped[table] = error_line(exc)
+                    log_event(log, logging.ERROR, "table stopped; its records go to the "
+                              "dead-letter table from now on", table=table, reason=why,
+                              batch_id=batch_id)
+            counts[table] = self._set_aside(raw, table_envs, table, why, batch_id)
         return counts
+
+    def _set_aside(self, raw: DataFrame, envs: DataFrame, table: str, why: str,
+                   batch_id: int) -> TableCounts:
+        """A stopped table's records of this batch, dead-lettered with the reason. Applying
+        later changes over the ones set aside would build a wrong table."""
+        bad = envs.select(*COORDINATES, F.col(TABLE), F.lit(STOPPED + why).alias(REASON))
+        quarantine(self.spark, dead_letter_path(self.settings.warehouse),
+                   _with_texts(bad, raw), batch_id)
+        count = bad.count()
+        log_event(log, logging.WARNING, "records of a stopped table quarantined", table=table,
+                  count=count, batch_id=batch_id, reason=why)
+        return TableCounts(quarantined=count, stopped=why)
 
     def _survey(self, envs: DataFrame) -> dict[str, _Survey]:
         op = F.col("e.op")
@@ -117,6 +149,10 @@ class BatchProcessor:
             quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
             return TableCounts(quarantined=bad.count())
         schema = self.registry.merged(table)
+        collisions = schema.case_collisions()
+        if collisions:
+            raise TableRefused(f"columns {' and '.join(collisions[0])} differ only in case; "
+                               "a Delta table cannot hold both (rename one at the source)")
         typed = with_neighbours(typed_rows(envs, schema, known), schema).withColumn(
             TABLE, F.lit(table)).persist()
         try:
@@ -151,6 +187,10 @@ class BatchProcessor:
                                               has_deletes=survey.deletes,
                                               has_toast_markers=has_toast,
                                               oldest_lsn=survey.oldest_lsn))
+
+
+class TableRefused(Exception):
+    """A table the consumer cannot store as it is; the text says why, in one line."""
 
 
 def _with_texts(bad: DataFrame, raw: DataFrame) -> DataFrame:

@@ -89,8 +89,10 @@ class ConsumerSettings(ServiceSettings):
         return [table_topic(self.topic_prefix, *name.split(".")) for name in self.tables]
 
     def change_topic_pattern(self) -> str:
-        """Java regex of every change topic: ``prefix.schema.table`` (two more segments).
-
-        The prefix's own topics (``.schema``, ``.transaction``, ``.message``) have one.
-        """
+        """Java regex of the change topics to read: those of ``tables``, or else every
+        ``prefix.schema.table`` (the prefix's own topics, ``.schema``, ``.transaction``,
+        ``.message``, have one segment less)."""
+        topics = self.change_topics()
+        if topics is not None:
+            return "|".join(rf"\Q{topic}\E" for topic in topics)
         return rf"\Q{self.topic_prefix}\E\.[^.]+\.[^.]+"

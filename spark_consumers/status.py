@@ -23,6 +23,7 @@ log = logging.getLogger("slotbridge.consume")
 class TableCounts:
     applied: int = 0
     quarantined: int = 0
+    stopped: str | None = None  # why the table's records are all set aside
 
 
 @dataclass
@@ -47,11 +48,11 @@ class Status:
             total = self.tables.setdefault(table, TableCounts())
             total.applied += batch.applied
             total.quarantined += batch.quarantined
+            total.stopped = batch.stopped or total.stopped
         self.updated_at = time.time()
         log_event(log, logging.INFO, "batch applied", batch_id=batch_id,
                   seconds=self.last_batch_seconds,
-                  tables={t: {"applied": c.applied, "quarantined": c.quarantined}
-                          for t, c in counts.items()})
+                  tables={t: _counts(c) for t, c in counts.items()})
 
     def record_lag(self, progress: dict[str, Any] | None) -> None:
         """Offsets not yet consumed, per topic, from the query's last progress report."""
@@ -67,8 +68,8 @@ class Status:
             "batches": self.batches,
             "last_batch_id": self.last_batch_id,
             "last_batch_seconds": self.last_batch_seconds,
-            "tables": {t: {"applied": c.applied, "quarantined": c.quarantined}
-                       for t, c in sorted(self.tables.items())},
+            "tables": {t: _counts(c) for t, c in sorted(self.tables.items())},
+            "stopped_tables": sorted(t for t, c in self.tables.items() if c.stopped),
             "lag": dict(sorted(self.lag.items())),
             "total_lag": sum(self.lag.values()),
             "updated_at": self.updated_at,
@@ -81,6 +82,13 @@ class Status:
         temp = path.with_name(path.name + ".tmp")
         temp.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
         os.replace(temp, path)
+
+
+def _counts(counts: TableCounts) -> dict[str, Any]:
+    shown: dict[str, Any] = {"applied": counts.applied, "quarantined": counts.quarantined}
+    if counts.stopped:
+        shown["stopped"] = counts.stopped
+    return shown
 
 
 def _offsets(value: Any) -> dict[str, dict[str, int]]:

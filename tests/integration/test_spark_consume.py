@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable as DeltaLakeTable
+from deltalake import QueryBuilder
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import FloatType, StringType, TimestampType
@@ -72,25 +74,27 @@ def delta_rows(spark: SparkSession, path: str) -> list[dict[str, Any]]:
 
 # -- every Delta reader, not only Spark ----------------------------------------------------
 
-def _delta_log_files(path: Path) -> list[str]:
-    """The data files of a Delta table's latest version, from its log alone.
+def _delta_log_state(path: Path) -> tuple[list[str], dict[str, str]]:
+    """A Delta table's data files at its latest version and its column names (physical
+    name -> name; the same unless the table maps names), from its log alone.
 
     DuckDB's delta extension is downloaded at run time (not possible offline), so DuckDB
     reads the Parquet files the log lists: the last checkpoint, then the commits after it.
     """
     log_dir = path / "_delta_log"
     live: set[str] = set()
+    schema = ""
     after = -1
     last = log_dir / "_last_checkpoint"
     if last.exists():
         after = int(json.loads(last.read_text())["version"])
         parts = sorted(str(p) for p in log_dir.glob(f"{after:020d}.checkpoint*.parquet"))
-        rows = duckdb.sql(f"SELECT add.path, add.deletionVector FROM read_parquet({parts!r}) "
-                          "WHERE add IS NOT NULL").fetchall()
-        assert all(dv is None for _, dv in rows), f"{path}: deletion vectors"
-        live.update(p for p, _ in rows)
-    commits = sorted(p for p in log_dir.glob("*.json") if int(p.stem) > after)
-    for commit in commits:
+        rows = duckdb.sql(f"SELECT add.path, add.deletionVector, metaData.schemaString "
+                          f"FROM read_parquet({parts!r})").fetchall()
+        assert all(dv is None for _, dv, _ in rows), f"{path}: deletion vectors"
+        live.update(p for p, _, _ in rows if p is not None)
+        schema = next((s for _, _, s in rows if s is not None), schema)
+    for commit in sorted(p for p in log_dir.glob("*.json") if int(p.stem) > after):
         for line in commit.read_text().splitlines():
             action = json.loads(line)
             if "add" in action:
@@ -98,7 +102,11 @@ def _delta_log_files(path: Path) -> list[str]:
                 live.add(action["add"]["path"])
             elif "remove" in action:
                 live.discard(action["remove"]["path"])
-    return sorted(str(path / unquote(p)) for p in live)
+            elif "metaData" in action:
+                schema = action["metaData"]["schemaString"]
+    names = {f["metadata"].get("delta.columnMapping.physicalName", f["name"]): f["name"]
+             for f in json.loads(schema)["fields"]}
+    return sorted(str(path / unquote(p)) for p in live), names
 
 
 def _canonical(value: Any) -> Any:
@@ -133,11 +141,16 @@ def assert_every_reader_agrees(spark: SparkSession, warehouse: str) -> set[str]:
     duck.execute("SET TimeZone = 'UTC'")
     for path in tables:
         by_spark = _rows(spark.read.format("delta").load(str(path)).toArrow())
-        by_delta_rs = _rows(DeltaLakeTable(str(path)).to_pyarrow_table())
-        assert by_delta_rs == by_spark, f"delta-rs reads {path} differently"
-        files = _delta_log_files(path)
-        by_duckdb = _rows(duck.sql(f"SELECT * FROM read_parquet({files!r}, union_by_name=true)"
-                                   ).to_arrow_table()) if files else []
+        files, names = _delta_log_state(path)
+        by_delta_rs = DeltaLakeTable(str(path))
+        query = QueryBuilder().register("t", by_delta_rs).execute("SELECT * FROM t")
+        assert _rows(pa.table(query.read_all())) == by_spark, f"delta-rs reads {path} differently"
+        if all(physical == name for physical, name in names.items()):
+            # delta-rs's pyarrow path ignores column mapping (all nulls, no error).
+            assert _rows(by_delta_rs.to_pyarrow_table()) == by_spark, path
+        columns = ", ".join(f'"{physical}" AS "{name}"' for physical, name in names.items())
+        by_duckdb = _rows(duck.sql(f"SELECT {columns} FROM read_parquet({files!r}, "
+                                   "union_by_name=true)").to_arrow_table()) if files else []
         assert by_duckdb == by_spark, f"DuckDB reads {path} differently"
     return {str(p.relative_to(warehouse)) for p in tables}
 
@@ -363,6 +376,64 @@ def test_history_is_the_same_whatever_the_batch_split(
     for name in ("whole", "split"):
         assert assert_every_reader_agrees(spark, str(tmp_path / name / "warehouse")) == {
             "current/public.trunc", "history/public.trunc", "_tombstones/public.trunc"}
+
+
+# -- one bad table stops alone ---------------------------------------------------------
+
+def test_one_bad_table_stops_alone(stack: Stack, spark: SparkSession, tmp_path: Path,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Names Delta refuses unmapped are mapped; names it cannot hold at all (x and X) stop
+    that table alone, loudly and across restarts; a configured table without a topic
+    stops nothing."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    key = SynthColumn("id", "integer", 23, key=True)
+    good = SynthTable(prefix, "public", "good", (key, SynthColumn("name", "text", 25)))
+    mixed = SynthTable(prefix, "public", "mixed", (
+        key, SynthColumn("Mixed Case", "text", 25), SynthColumn("a=b (c)", "integer", 23)))
+    clash = SynthTable(prefix, "public", "clash", (
+        SynthColumn("x", "integer", 23, key=True), SynthColumn("X", "text", 25)))
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([t.topic for t in (good, mixed, clash)],
+                         compacted=[f"{prefix}.schema"])
+    writer.send([t.schema_record() for t in (good, mixed, clash)])
+
+    def send(lsn: int) -> None:
+        writer.send([*good.change("c", {"id": lsn, "name": f"g{lsn}"}, lsn, 1, lsn),
+                     *mixed.change("c", {"id": lsn, "Mixed Case": f"m{lsn}", "a=b (c)": lsn},
+                                   lsn, 2, lsn),
+                     *clash.change("c", {"x": lsn, "X": f"c{lsn}"}, lsn, 3, lsn)])
+
+    send(100)
+    send(200)
+    settings = consumer_settings(stack, prefix, tmp_path, tables=[
+        "public.good", "public.mixed", "public.clash", "public.absent"])
+    with caplog.at_level(logging.WARNING, logger="slotbridge.consume"):
+        first = consume_once(spark, settings)
+    stopped = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in stopped] == [
+        "table stopped; its records go to the dead-letter table from now on"], stopped
+    why = "columns x and X differ only in case; a Delta table cannot hold both " \
+          "(rename one at the source)"
+    assert first.tables["public.clash"].stopped == why
+    assert first.as_dict()["stopped_tables"] == ["public.clash"]
+
+    send(300)  # a restart reads the stop from the dead-letter table
+    second = consume_once(spark, settings)
+    assert second.tables["public.clash"].stopped == why
+    assert (second.tables["public.good"].applied, second.tables["public.mixed"].applied) == (1, 1)
+    paths = {t: table_paths(settings.warehouse, f"public.{t}") for t in ("good", "mixed")}
+    assert sorted(r["name"] for r in delta_rows(spark, paths["good"].current)) == [
+        "g100", "g200", "g300"]
+    assert sorted((r["Mixed Case"], r["a=b (c)"]) for r in
+                  delta_rows(spark, paths["mixed"].current)) == [
+        ("m100", 100), ("m200", 200), ("m300", 300)]
+    dead = delta_rows(spark, dead_letter_path(settings.warehouse))
+    assert sorted((d["table"], d["reason"]) for d in dead) == [
+        ("public.clash", f"table stopped: {why}")] * 3
+    assert not os.path.exists(table_paths(settings.warehouse, "public.clash").current)
+    assert assert_every_reader_agrees(spark, settings.warehouse) == {
+        "current/public.good", "history/public.good", "current/public.mixed",
+        "history/public.mixed", "_dead_letter"}
 
 
 # -- end to end: PostgreSQL -> bridge -> Kafka -> Spark -> Delta ---------------------------
