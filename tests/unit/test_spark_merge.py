@@ -294,3 +294,36 @@ def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
         (0, 300, 1, 300), (0, 500, 2, 500), (1, 100, 1, 200), (1, 200, 1, 300),
         (1, 400, 1, 500), (1, 500, 1, 500), (2, 100, 2, 300), (3, 600, 1, 0)]
     assert split.current() == whole.current()
+
+
+def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path) -> None:
+    """PostgreSQL's infinities become the extreme values of the Parquet types, BC values
+    their astronomical years (1 BC is year 0); nothing is quarantined."""
+    t = SynthTable("p", "public", "t", (*COLUMNS[:4], COLUMNS[5], COLUMNS[6], COLUMNS[7]))
+    h = Harness(spark, tmp_path, t)
+    edge = {"id": 0, "amount": "1.00", "big": 1, "name": "e"}
+    h.run([*t.change("c", {**edge, "id": 1, "at": "infinity", "local": "-infinity",
+                           "day": "infinity"}, 100, 1, 1),
+           *t.change("c", {**edge, "id": 2, "at": "-infinity", "local": "infinity",
+                           "day": "-infinity"}, 100, 2, 1),
+           *t.change("c", {**edge, "id": 3, "at": "0044-03-15T12:00:00.5Z BC",
+                           "local": "0001-01-01T00:00:00 BC", "day": "4714-11-24 BC"},
+                     100, 3, 1)])
+    assert not _delta_table_exists(spark, dead_letter_path(h.settings.warehouse))
+    path = table_paths(h.settings.warehouse, "public.t").current
+    rows = {r["id"]: (r["at"], r["local"], r["day"]) for r in spark.read.format("delta")
+            .load(path).selectExpr("id", "unix_micros(at) AS at",
+                                   "unix_micros(cast(local AS timestamp)) AS local",
+                                   "unix_date(day) AS day").collect()}
+    biggest, days = 2**63 - 1, 2**31 - 1
+    assert rows[1] == (biggest, -biggest, days)
+    assert rows[2] == (-biggest, biggest, -days)
+    texts = spark.read.format("delta").load(path).where("id = 3").selectExpr(
+        "cast(at AS string)", "cast(local AS string)", "cast(day AS string)").first()
+    assert tuple(texts) == ("-0043-03-15 12:00:00.5", "0000-01-01 00:00:00", "-4713-11-24")
+
+
+def _delta_table_exists(spark: SparkSession, path: str) -> bool:
+    from delta.tables import DeltaTable
+
+    return DeltaTable.isDeltaTable(spark, path)
