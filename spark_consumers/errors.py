@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)):? ?(.*)$")
+_PY4J = "py4j.protocol.Py4JJavaError"
 _JAVA_CAUSE = re.compile(r"^\s*Caused by: (.*)$")
 _MAX = 400
 
@@ -31,8 +32,13 @@ def _python_error(lines: list[str]) -> str | None:
     starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
     if not starts:
         return None
-    for line in lines[starts[-1] + 1:]:
+    rest = lines[starts[-1] + 1:]
+    for n, line in enumerate(rest):
         if not line.startswith((" ", "\t")) and _PY_ERROR.match(line):
+            if line.startswith(_PY4J) and n + 1 < len(rest) and rest[n + 1].startswith(": "):
+                # "An error occurred while calling o512.execute." names no problem; the
+                # Java exception on the next line does.
+                return rest[n + 1][2:]
             # PySpark's captured errors repeat the JVM's text after the first line.
             return line
     return None

@@ -62,6 +62,11 @@ class ConsumerSettings(ServiceSettings):
                                   "cache when unset (spark-submit --jars may provide them)",
     )
     shuffle_partitions: int = Field(default=4, ge=1)
+    stop_grace_s: float = Field(
+        default=60.0, ge=0, description="on SIGTERM, how long a running batch may take to "
+        "finish; then it is abandoned (and replayed on the next start). The Helm chart "
+        "gives the pod this plus 30 s to stop the JVM",
+    )
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

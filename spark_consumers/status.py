@@ -54,6 +54,11 @@ class Status:
                   seconds=self.last_batch_seconds,
                   tables={t: _counts(c) for t, c in counts.items()})
 
+    @property
+    def quarantined(self) -> int:
+        """Records this run sent to the dead-letter table, every table together."""
+        return sum(c.quarantined for c in self.tables.values())
+
     def record_lag(self, progress: dict[str, Any] | None) -> None:
         """Offsets not yet consumed, per topic, from the query's last progress report."""
         if not progress:
@@ -70,6 +75,7 @@ class Status:
             "last_batch_seconds": self.last_batch_seconds,
             "tables": {t: _counts(c) for t, c in sorted(self.tables.items())},
             "stopped_tables": sorted(t for t, c in self.tables.items() if c.stopped),
+            "quarantined": self.quarantined,
             "lag": dict(sorted(self.lag.items())),
             "total_lag": sum(self.lag.values()),
             "updated_at": self.updated_at,

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import shlex
 import signal
 import struct
 import subprocess
@@ -38,7 +39,7 @@ from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
 from spark_consumers.synthetic import Record, SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers.tables import dead_letter_path, table_paths
-from tests.integration.bridge_harness import Pipeline, run_cli, sql
+from tests.integration.bridge_harness import Pipeline, one_line_error, run_cli, sql
 
 pytestmark = pytest.mark.spark
 
@@ -245,11 +246,14 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
         writer.send(table.change("c", state[key], 50_000 + key, 1, key))
         changes += 1
 
-    # The restart (--once) replays the killed batch, goes on to the end and says so.
-    code, output = run_cli("consume", "--once", env=env, timeout=600)
-    assert code == 0, output[-3000:]
+    # The restart (--once) replays the killed batch, goes on to the end and says so; the
+    # bad record (offset ~190, after the killed batch) is quarantined in this run.
+    code, output = run_cli("consume", "--once", "--fail-on-quarantine", env=env, timeout=600)
+    assert code == 3, output[-3000:]
     final = json.loads(settings.status_path.read_text())
-    assert (final["state"], final["error"], final["total_lag"]) == ("stopped", None, 0), final
+    assert (final["state"], final["error"], final["total_lag"], final["quarantined"]) == (
+        "stopped", None, 0, 1), final
+    assert "records quarantined in this run" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     paths = table_paths(settings.warehouse, "public.items")
     assert _current(spark, paths.current) == _expected(state)
@@ -274,19 +278,66 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
 def test_once_on_a_prefix_without_topics(stack: Stack, tmp_path: Path) -> None:
     """Nothing to read yet (a consumer deployed before its bridge): --once ends cleanly."""
     settings = consumer_settings(stack, f"sp{uuid.uuid4().hex[:8]}", tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
-    env.update({"SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
-                "SLOTBRIDGE_TOPIC_PREFIX": settings.topic_prefix,
-                "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
-                "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
-                "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
-                "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_LOG_FORMAT": "text"})
-    code, output = run_cli("consume", "--once", env=env, timeout=300)
+    code, output = run_cli("consume", "--once", env=_consumer_env(settings), timeout=300)
     assert code == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert settings.status_path is not None
     final = json.loads(settings.status_path.read_text())
     assert (final["state"], final["error"], final["batches"]) == ("stopped", None, 0), final
+
+
+def _consumer_env(settings: ConsumerSettings) -> dict[str, str]:
+    """The environment of a ``slotbridge consume`` child with ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
+    env.update({"SLOTBRIDGE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+                "SLOTBRIDGE_TOPIC_PREFIX": settings.topic_prefix,
+                "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
+                "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
+                "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
+                "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_LOG_FORMAT": "text"})
+    return env
+
+
+def test_printed_spark_submit_line_runs_the_job(stack: Stack, tmp_path: Path) -> None:
+    """The README's spark-submit path: the line the CLI prints consumes (--once) and ends
+    cleanly, here on a prefix whose bridge has not written yet."""
+    settings = consumer_settings(stack, f"sp{uuid.uuid4().hex[:8]}", tmp_path)
+    config = tmp_path / "consumer.yaml"
+    config.write_text(json.dumps({"kafka_bootstrap": settings.kafka_bootstrap,
+                                  "topic_prefix": settings.topic_prefix,
+                                  "warehouse": settings.warehouse,
+                                  "checkpoint_dir": settings.checkpoint_dir,
+                                  "status_path": str(settings.status_path),
+                                  "spark_master": "local[1]", "log_format": "text"}))
+    code, line = run_cli("consume", "--config", str(config), "--print-spark-submit", "--once",
+                         env=_consumer_env(settings))
+    assert code == 0 and "spark-submit" in line, line
+    proc = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert settings.status_path is not None
+    final = json.loads(settings.status_path.read_text())
+    assert (final["state"], final["error"]) == ("stopped", None), final
+
+
+def test_unwritable_warehouse_is_one_line(stack: Stack, tmp_path: Path) -> None:
+    """A runtime failure (here: the warehouse is below a regular file, which even root
+    cannot write into) ends the job with one ERROR line and state failed."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    table = SynthTable(prefix, "public", "t", (SynthColumn("id", "integer", 23, key=True),))
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
+    writer.send([table.schema_record(), *table.change("c", {"id": 1}, 100, 1, 1)])
+    (tmp_path / "file").write_text("not a folder")
+    settings = consumer_settings(stack, prefix, tmp_path).model_copy(
+        update={"warehouse": str(tmp_path / "file" / "warehouse")})
+    code, output = run_cli("consume", "--once", env=_consumer_env(settings), timeout=300)
+    assert code == 1, output[-3000:]
+    line = one_line_error(output)
+    assert "file/warehouse" in line and len(line) < 600, line
+    assert settings.status_path is not None
+    final = json.loads(settings.status_path.read_text())
+    assert final["state"] == "failed" and final["error"] in line, final
 
 
 # -- history independent of the batch split --------------------------------------------

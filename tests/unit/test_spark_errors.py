@@ -44,3 +44,17 @@ def test_plain_and_long_errors() -> None:
     assert error_line(ValueError("bad value\nmore")) == "bad value"
     assert error_line(RuntimeError()) == "RuntimeError"
     assert len(error_line("x" * 1000)) == 400
+
+
+def test_java_error_behind_py4j() -> None:
+    text = """Traceback (most recent call last):
+  File "/repo/spark_consumers/tables.py", line 117, in ensure_table
+    builder.execute()
+py4j.protocol.Py4JJavaError: An error occurred while calling o512.execute.
+: org.apache.spark.sql.delta.DeltaIOException: [DELTA_CANNOT_CREATE_LOG_PATH] Cannot create \
+file:/w/history/public.t/_delta_log
+\tat org.apache.spark.sql.delta.DeltaErrorsBase.cannotCreateLogPathException(DeltaErrors.scala:1)
+"""
+    assert error_line(text) == (
+        "org.apache.spark.sql.delta.DeltaIOException: [DELTA_CANNOT_CREATE_LOG_PATH] Cannot "
+        "create file:/w/history/public.t/_delta_log")
