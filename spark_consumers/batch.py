@@ -38,6 +38,7 @@ from spark_consumers.parse import (
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
 from spark_consumers.tables import dead_letter_path, table_paths
+from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
 
@@ -68,17 +69,20 @@ class BatchProcessor:
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
+        timings = BatchTimings()
         envs = envelopes(raw, self.settings.topic_prefix).persist()
         try:
-            counts = self._process(raw, envs, batch_id)
+            counts = self._process(raw, envs, batch_id, timings)
         finally:
             envs.unpersist()
-        self.status.record_batch(batch_id, counts, time.monotonic() - started)
+        self.status.record_batch(batch_id, counts, time.monotonic() - started, timings)
         self.status.write(self.settings.status_path)
 
     def _process(self, raw: DataFrame, envs: DataFrame, batch_id: int,
-                 ) -> dict[str, TableCounts]:
-        surveys = self._survey(envs)
+                 timings: BatchTimings) -> dict[str, TableCounts]:
+        # The survey is the first action on the batch: it reads and parses the records.
+        with timings.phase("read, parse, survey"):
+            surveys = self._survey(envs)
         missing = [t for t, sv in surveys.items()
                    if any(not self.registry.has(t, v) for v in sv.versions)]
         if missing:
@@ -92,7 +96,8 @@ class BatchProcessor:
             why = self.stopped.get(table)
             if why is None:
                 try:
-                    counts[table] = self._apply_table(raw, table_envs, table, survey, batch_id)
+                    counts[table] = self._apply_table(raw, table_envs, table, survey,
+                                                      batch_id, timings)
                     continue
                 except (AnalysisException, TableRefused) as exc:
                     # Raised by this table's shape or data, so a retry would raise it again:
@@ -140,7 +145,7 @@ class BatchProcessor:
         return dict(surveys)
 
     def _apply_table(self, raw: DataFrame, envs: DataFrame, table: str, survey: _Survey,
-                     batch_id: int) -> TableCounts:
+                     batch_id: int, timings: BatchTimings) -> TableCounts:
         dead_letters = dead_letter_path(self.settings.warehouse)
         known = sorted(self.registry.versions.get(table, {}))
         if not known:
@@ -158,9 +163,10 @@ class BatchProcessor:
         try:
             toast = reduce(or_, [F.col(toast_flag(i)) for i in range(len(schema.columns))],
                            F.lit(False))
-            split = {bool(r["good"]): r for r in typed.groupBy(
-                F.col(REASON).isNull().alias("good")).agg(
-                    F.count("*").alias("n"), F.max(toast).alias("toast")).collect()}
+            with timings.phase(f"{table} type"):
+                split = {bool(r["good"]): r for r in typed.groupBy(
+                    F.col(REASON).isNull().alias("good")).agg(
+                        F.count("*").alias("n"), F.max(toast).alias("toast")).collect()}
             good_n = int(split[True]["n"]) if True in split else 0
             bad_n = int(split[False]["n"]) if False in split else 0
             if bad_n:
@@ -170,13 +176,13 @@ class BatchProcessor:
                           count=bad_n, batch_id=batch_id)
             if good_n:
                 self._merge(typed.where(F.col(REASON).isNull()), schema, survey,
-                            bool(split[True]["toast"]))
+                            bool(split[True]["toast"]), timings)
         finally:
             typed.unpersist()
         return TableCounts(applied=good_n, quarantined=bad_n)
 
     def _merge(self, good: DataFrame, schema: s.TableSchema, survey: _Survey,
-               has_toast: bool) -> None:
+               has_toast: bool, timings: BatchTimings) -> None:
         writer = self.writers.get(schema.name)
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
@@ -186,7 +192,7 @@ class BatchProcessor:
         writer.apply(good, schema, BatchFacts(truncates=tuple(sorted(survey.truncates)),
                                               has_deletes=survey.deletes,
                                               has_toast_markers=has_toast,
-                                              oldest_lsn=survey.oldest_lsn))
+                                              oldest_lsn=survey.oldest_lsn), timings)
 
 
 class TableRefused(Exception):

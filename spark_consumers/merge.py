@@ -37,6 +37,7 @@ from spark_consumers.tables import (
     quote,
     tombstone_struct,
 )
+from spark_consumers.timings import BatchTimings
 
 Position = tuple[int, int]
 _NEXT = "_next_change"
@@ -240,7 +241,8 @@ class TableWriter:
         self._truncates: set[Position] | None = None
         self._tombstones: bool | None = None
 
-    def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+    def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts,
+              timings: BatchTimings) -> None:
         """Both tables for one batch: history first, so a crash in between leaves the
         current state behind, never ahead of the history (replay fixes either).
 
@@ -254,11 +256,14 @@ class TableWriter:
                    if facts.has_toast_markers else None)
         try:
             changes = rows if toasted is None else toasted
-            self._merge_history(changes, table, facts)
+            with timings.phase(f"{table.name} history"):
+                self._merge_history(changes, table, facts)
+                timings.merged(f"{table.name} history", self.history)
             # Crash tests kill the job here: history committed, current state not yet.
             failpoint("consume_after_history")
             if table.key_columns:
-                self._merge_current(changes, table, facts)
+                with timings.phase(f"{table.name} current"):
+                    self._merge_current(changes, table, facts, timings)
         finally:
             if toasted is not None:
                 toasted.unpersist()
@@ -298,7 +303,7 @@ class TableWriter:
         # A truncate before the batch's oldest change ends nothing this batch recomputes:
         # a reachable stored version that old would already be closed at it.
         later = tuple(sorted(t for t in truncates if t[0] >= facts.oldest_lsn))
-        history = DeltaTable.forPath(self.spark, self.paths.history)
+        history = self.history
         fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
         union = fresh
         if keys or facts.truncates:
@@ -327,15 +332,20 @@ class TableWriter:
          .execute())
         self._truncates = truncates
 
+    @property
+    def history(self) -> DeltaTable:
+        return DeltaTable.forPath(self.spark, self.paths.history)
+
     def _history_truncates(self) -> set[Position]:
         """Every truncate the history holds; read once, then kept up to date in memory."""
         if self._truncates is None:
-            stored = DeltaTable.forPath(self.spark, self.paths.history).toDF().where(
+            stored = self.history.toDF().where(
                 F.col(s.OP) == "t").select(s.COMMIT_LSN, s.TOTAL_ORDER).collect()
             self._truncates = {(int(r[0]), int(r[1])) for r in stored}
         return self._truncates
 
-    def _merge_current(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+    def _merge_current(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts,
+                       timings: BatchTimings) -> None:
         """Bring the current-state table to the newest change of every key in the batch."""
         target = self._target(self.paths.current, table, current_struct(table))
         keys = list(table.key_columns)
@@ -369,8 +379,10 @@ class TableWriter:
              .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
                                    values=_assign(target))
              .execute())
+            timings.merged(f"{table.name} current", current)
             if facts.has_deletes and stones is not None and tombstones is not None:
                 _merge_tombstones(stones, _align(latest, tombstones, (s.OP,)), table)
+                timings.merged(f"{table.name} tombstones", stones)
                 self._tombstones = True
         finally:
             latest.unpersist()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.logs import log_event
+from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
 
@@ -35,15 +36,17 @@ class Status:
     batches: int = 0
     last_batch_id: int | None = None
     last_batch_seconds: float | None = None
+    last_batch_timings: BatchTimings = field(default_factory=BatchTimings)
     tables: dict[str, TableCounts] = field(default_factory=dict)
     lag: dict[str, int] = field(default_factory=dict)
     updated_at: float = field(default_factory=time.time)
 
     def record_batch(self, batch_id: int, counts: dict[str, TableCounts],
-                     seconds: float) -> None:
+                     seconds: float, timings: BatchTimings | None = None) -> None:
         self.batches += 1
         self.last_batch_id = batch_id
         self.last_batch_seconds = round(seconds, 3)
+        self.last_batch_timings = timings or BatchTimings()
         for table, batch in counts.items():
             total = self.tables.setdefault(table, TableCounts())
             total.applied += batch.applied
@@ -52,7 +55,9 @@ class Status:
         self.updated_at = time.time()
         log_event(log, logging.INFO, "batch applied", batch_id=batch_id,
                   seconds=self.last_batch_seconds,
-                  tables={t: _counts(c) for t, c in counts.items()})
+                  tables={t: _counts(c) for t, c in counts.items()},
+                  phases=self.last_batch_timings.phases,
+                  merges=self.last_batch_timings.merges)
 
     @property
     def quarantined(self) -> int:
@@ -73,6 +78,8 @@ class Status:
             "batches": self.batches,
             "last_batch_id": self.last_batch_id,
             "last_batch_seconds": self.last_batch_seconds,
+            "last_batch_phases": self.last_batch_timings.phases,
+            "last_batch_merges": self.last_batch_timings.merges,
             "tables": {t: _counts(c) for t, c in sorted(self.tables.items())},
             "stopped_tables": sorted(t for t, c in self.tables.items() if c.stopped),
             "quarantined": self.quarantined,

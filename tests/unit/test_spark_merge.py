@@ -177,6 +177,15 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     assert len(history) == 6
     assert [(r["valid_from_lsn"], r["valid_to_lsn"]) for r in history if r["id"] == 1] == [
         (100, 200), (200, 300), (300, None)]
+    # Where the batch's time went, with Delta's own metrics of each MERGE.
+    status = h.processor.status.as_dict()
+    assert set(status["last_batch_phases"]) == {
+        "read, parse, survey", "public.t type", "public.t history", "public.t current"}
+    merges = status["last_batch_merges"]
+    assert set(merges) == {"public.t history", "public.t current"}
+    assert merges["public.t history"]["numTargetRowsInserted"] == 1
+    assert merges["public.t history"]["numTargetRowsUpdated"] == 1
+    assert merges["public.t current"]["executionTimeMs"] > 0
 
 
 def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
