@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from services.common.logs import log_event
 from spark_consumers import schema as s
-from spark_consumers.deadletter import quarantine
+from spark_consumers.deadletter import STOPPED, quarantine, stopped_tables
+from spark_consumers.errors import error_line
 from spark_consumers.kafka import refresh_registry
 from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
 from spark_consumers.parse import (
@@ -36,6 +38,7 @@ from spark_consumers.parse import (
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
 from spark_consumers.tables import dead_letter_path, table_paths
+from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
 
@@ -60,30 +63,64 @@ class BatchProcessor:
         self.status = status
         self.registry = registry if registry is not None else s.SchemaRegistry()
         self.writers: dict[str, TableWriter] = {}
+        # Tables stopped by an error of their own -> why; read from the dead-letter
+        # table at the first batch, so a stopped table stays stopped across restarts.
+        self.stopped: dict[str, str] | None = None
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
+        timings = BatchTimings()
         envs = envelopes(raw, self.settings.topic_prefix).persist()
         try:
-            counts = self._process(raw, envs, batch_id)
+            counts = self._process(raw, envs, batch_id, timings)
         finally:
             envs.unpersist()
-        self.status.record_batch(batch_id, counts, time.monotonic() - started)
+        self.status.record_batch(batch_id, counts, time.monotonic() - started, timings)
         self.status.write(self.settings.status_path)
 
     def _process(self, raw: DataFrame, envs: DataFrame, batch_id: int,
-                 ) -> dict[str, TableCounts]:
-        surveys = self._survey(envs)
+                 timings: BatchTimings) -> dict[str, TableCounts]:
+        # The survey is the first action on the batch: it reads and parses the records.
+        with timings.phase("read, parse, survey"):
+            surveys = self._survey(envs)
         missing = [t for t, sv in surveys.items()
                    if any(not self.registry.has(t, v) for v in sv.versions)]
         if missing:
             for problem in refresh_registry(self.spark, self.settings, self.registry):
                 log_event(log, logging.WARNING, problem)
+        if self.stopped is None:
+            self.stopped = stopped_tables(self.spark, dead_letter_path(self.settings.warehouse))
         counts: dict[str, TableCounts] = {}
         for table, survey in sorted(surveys.items()):
-            counts[table] = self._apply_table(raw, envs.where(F.col(TABLE) == table), table,
-                                              survey, batch_id)
+            table_envs = envs.where(F.col(TABLE) == table)
+            why = self.stopped.get(table)
+            if why is None:
+                try:
+                    counts[table] = self._apply_table(raw, table_envs, table, survey,
+                                                      batch_id, timings)
+                    continue
+                except (AnalysisException, TableRefused) as exc:
+                    # Raised by this table's shape or data, so a retry would raise it again:
+                    # stop this table alone. Anything else (Kafka, disk, memory) fails the
+                    # job, and the batch is replayed on restart.
+                    why = self.stopped[table] = error_line(exc)
+                    log_event(log, logging.ERROR, "table stopped; its records go to the "
+                              "dead-letter table from now on", table=table, reason=why,
+                              batch_id=batch_id)
+            counts[table] = self._set_aside(raw, table_envs, table, why, batch_id)
         return counts
+
+    def _set_aside(self, raw: DataFrame, envs: DataFrame, table: str, why: str,
+                   batch_id: int) -> TableCounts:
+        """A stopped table's records of this batch, dead-lettered with the reason. Applying
+        later changes over the ones set aside would build a wrong table."""
+        bad = envs.select(*COORDINATES, F.col(TABLE), F.lit(STOPPED + why).alias(REASON))
+        quarantine(self.spark, dead_letter_path(self.settings.warehouse),
+                   _with_texts(bad, raw), batch_id)
+        count = bad.count()
+        log_event(log, logging.WARNING, "records of a stopped table quarantined", table=table,
+                  count=count, batch_id=batch_id, reason=why)
+        return TableCounts(quarantined=count, stopped=why)
 
     def _survey(self, envs: DataFrame) -> dict[str, _Survey]:
         op = F.col("e.op")
@@ -108,7 +145,7 @@ class BatchProcessor:
         return dict(surveys)
 
     def _apply_table(self, raw: DataFrame, envs: DataFrame, table: str, survey: _Survey,
-                     batch_id: int) -> TableCounts:
+                     batch_id: int, timings: BatchTimings) -> TableCounts:
         dead_letters = dead_letter_path(self.settings.warehouse)
         known = sorted(self.registry.versions.get(table, {}))
         if not known:
@@ -117,14 +154,19 @@ class BatchProcessor:
             quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
             return TableCounts(quarantined=bad.count())
         schema = self.registry.merged(table)
+        collisions = schema.case_collisions()
+        if collisions:
+            raise TableRefused(f"columns {' and '.join(collisions[0])} differ only in case; "
+                               "a Delta table cannot hold both (rename one at the source)")
         typed = with_neighbours(typed_rows(envs, schema, known), schema).withColumn(
             TABLE, F.lit(table)).persist()
         try:
             toast = reduce(or_, [F.col(toast_flag(i)) for i in range(len(schema.columns))],
                            F.lit(False))
-            split = {bool(r["good"]): r for r in typed.groupBy(
-                F.col(REASON).isNull().alias("good")).agg(
-                    F.count("*").alias("n"), F.max(toast).alias("toast")).collect()}
+            with timings.phase(f"{table} type"):
+                split = {bool(r["good"]): r for r in typed.groupBy(
+                    F.col(REASON).isNull().alias("good")).agg(
+                        F.count("*").alias("n"), F.max(toast).alias("toast")).collect()}
             good_n = int(split[True]["n"]) if True in split else 0
             bad_n = int(split[False]["n"]) if False in split else 0
             if bad_n:
@@ -134,13 +176,13 @@ class BatchProcessor:
                           count=bad_n, batch_id=batch_id)
             if good_n:
                 self._merge(typed.where(F.col(REASON).isNull()), schema, survey,
-                            bool(split[True]["toast"]))
+                            bool(split[True]["toast"]), timings)
         finally:
             typed.unpersist()
         return TableCounts(applied=good_n, quarantined=bad_n)
 
     def _merge(self, good: DataFrame, schema: s.TableSchema, survey: _Survey,
-               has_toast: bool) -> None:
+               has_toast: bool, timings: BatchTimings) -> None:
         writer = self.writers.get(schema.name)
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
@@ -150,7 +192,11 @@ class BatchProcessor:
         writer.apply(good, schema, BatchFacts(truncates=tuple(sorted(survey.truncates)),
                                               has_deletes=survey.deletes,
                                               has_toast_markers=has_toast,
-                                              oldest_lsn=survey.oldest_lsn))
+                                              oldest_lsn=survey.oldest_lsn), timings)
+
+
+class TableRefused(Exception):
+    """A table the consumer cannot store as it is; the text says why, in one line."""
 
 
 def _with_texts(bad: DataFrame, raw: DataFrame) -> DataFrame:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,9 +21,14 @@ from spark_consumers.settings import ConsumerSettings
               help="YAML or TOML settings file (SLOTBRIDGE_* variables override it).")
 @click.option("--once", is_flag=True,
               help="Consume what Kafka holds now, then stop (availableNow trigger).")
+@click.option("--fail-on-quarantine", is_flag=True,
+              help="Exit 3 after a clean end that sent records to the dead-letter table.")
+@click.option("--print-spark-submit", "print_submit", is_flag=True,
+              help="Print the spark-submit command that runs this job, and exit.")
 @click.option("--status", "show_status", is_flag=True,
               help="Print the job's status file and exit.")
-def consume(config: Path | None, once: bool, show_status: bool) -> None:
+def consume(config: Path | None, once: bool, fail_on_quarantine: bool, print_submit: bool,
+            show_status: bool) -> None:
     """Stream the change topics into current-state and history Delta tables."""
     try:
         settings = load_settings(ConsumerSettings, config)
@@ -32,6 +38,12 @@ def consume(config: Path | None, once: bool, show_status: bool) -> None:
         if settings.status_path is None or not settings.status_path.exists():
             raise click.ClickException("no status file (set status_path; is the job running?)")
         click.echo(json.dumps(json.loads(settings.status_path.read_text()), indent=2))
+        return
+    if print_submit:
+        # Spark is imported only now: --status and settings errors need no JVM.
+        from spark_consumers.job import spark_submit_command
+
+        click.echo(shlex.join(spark_submit_command(settings, config, once)))
         return
     try:
         check_kafka(settings)
@@ -43,4 +55,4 @@ def consume(config: Path | None, once: bool, show_status: bool) -> None:
     # Spark is imported only now: --status and settings errors need no JVM.
     from spark_consumers.job import run
 
-    sys.exit(run(settings, once=once))
+    sys.exit(run(settings, once=once, fail_on_quarantine=fail_on_quarantine))

@@ -13,6 +13,10 @@ from pyspark.sql import functions as F
 
 from spark_consumers.tables import DEAD_LETTER_SCHEMA, ensure_table
 
+# Reason prefix of a stopped table's records (see BatchProcessor): the marker that keeps
+# the table stopped after a restart.
+STOPPED = "table stopped: "
+
 
 def quarantine(spark: SparkSession, path: str, bad: DataFrame, batch_id: int) -> None:
     """Store ``bad`` (Kafka columns + ``_table`` + ``_reason``) in the dead-letter table."""
@@ -28,3 +32,13 @@ def quarantine(spark: SparkSession, path: str, bad: DataFrame, batch_id: int) ->
                              "AND t.offset = s.offset")
      .whenNotMatchedInsertAll()
      .execute())
+
+
+def stopped_tables(spark: SparkSession, path: str) -> dict[str, str]:
+    """Tables whose records are set aside since an error of their own -> that error."""
+    if not DeltaTable.isDeltaTable(spark, path):
+        return {}
+    rows = (DeltaTable.forPath(spark, path).toDF()
+            .where(F.col("reason").startswith(STOPPED))
+            .groupBy("table").agg(F.min_by("reason", "offset").alias("reason")).collect())
+    return {r["table"]: r["reason"][len(STOPPED):] for r in rows}

@@ -23,13 +23,13 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from services.common.logs import log_event
 from spark_consumers.batch import BatchProcessor
+from spark_consumers.errors import error_line
 from spark_consumers.kafka import change_stream
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
 
 log = logging.getLogger("slotbridge.consume")
 _POLL_S = 2
-_STOP_WAIT_S = 120.0
 
 
 def default_jars_dir() -> Path:
@@ -60,24 +60,9 @@ def extra_jars(jars_dir: Path) -> list[str]:
     return [j for j in jars if _artifact(j) not in shipped]
 
 
-def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consume",
-                  ) -> SparkSession:
-    """A session with Delta, the Kafka source and UTC as the session time zone.
-
-    UTC makes ``timestamp with time zone`` values show the instant the source stored,
-    whatever the machine's zone. Under spark-submit without ``jars_dir`` the jars are
-    expected on the classpath already (``--jars`` / ``--packages``).
-    """
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = SparkSession.builder.appName(app_name)
-    if settings.spark_master is not None:
-        builder = builder.master(settings.spark_master)
-    jars_dir = settings.jars_dir
-    if jars_dir is None and settings.spark_master is not None:
-        jars_dir = default_jars_dir()
-    if jars_dir is not None:
-        builder = builder.config("spark.jars", ",".join(extra_jars(jars_dir)))
-    conf = {
+def session_conf(settings: ConsumerSettings) -> dict[str, str]:
+    """Spark settings of the job: the same for ``slotbridge consume`` and spark-submit."""
+    return {
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         "spark.sql.session.timeZone": "UTC",
@@ -92,13 +77,81 @@ def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consum
         # and to read back in the MERGE's two passes.
         "spark.databricks.delta.merge.materializeSource.rddStorageLevel": "MEMORY_AND_DISK",
         "spark.sql.streaming.stopGracefullyOnShutdown": "false",
+        # Spark's default INT96 holds only 1677-2262 for readers that map it to
+        # nanoseconds (delta-rs, pandas): one timestamptz of 0001-01-01 or 9999-12-31 made
+        # a whole table unreadable to them. Microseconds are PostgreSQL's own precision.
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+        # PostgreSQL's calendar is proleptic Gregorian, as Spark's: old dates and
+        # timestamps are written as they are, never rebased to the Julian calendar.
+        "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
+        "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
         **settings.spark_conf,
     }
-    for key, value in conf.items():
+
+
+def _jars(settings: ConsumerSettings) -> list[str]:
+    """The jars to add: from ``jars_dir``, or the bootstrap's cache in local mode; none
+    under spark-submit without ``jars_dir`` (``--jars`` / ``--packages`` bring them)."""
+    jars_dir = settings.jars_dir
+    if jars_dir is None and settings.spark_master is not None:
+        jars_dir = default_jars_dir()
+    return extra_jars(jars_dir) if jars_dir is not None else []
+
+
+def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consume",
+                  ) -> SparkSession:
+    """A session with Delta, the Kafka source and UTC as the session time zone.
+
+    UTC makes ``timestamp with time zone`` values show the instant the source stored,
+    whatever the machine's zone.
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if settings.spark_master is not None:
+        builder = builder.master(settings.spark_master)
+    jars = _jars(settings)
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
+    for key, value in session_conf(settings).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    # A failed query is reported once, in one line, by run(); Spark's own report of it
+    # is the whole stack trace again.
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+        "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
+        jvm.org.apache.logging.log4j.Level.OFF)
     return spark
+
+
+def spark_submit_command(settings: ConsumerSettings, config: Path | None,
+                         once: bool = False) -> list[str]:
+    """The spark-submit command running this job as ``slotbridge consume`` would.
+
+    The driver imports ``spark_consumers`` and ``services``, so it runs this Python (where
+    slotbridge is installed) with the repository on its path; executors need only PySpark.
+    """
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    # spark-submit runs main.py as a script: the driver finds the packages through
+    # PYTHONPATH, which it passes on to the driver's Python.
+    root = Path(__file__).resolve().parents[1]
+    command = ["env", f"PYTHONPATH={root}", str(submit), "--name", "slotbridge-consume",
+               "--conf", f"spark.pyspark.python={sys.executable}",
+               "--conf", f"spark.pyspark.driver.python={sys.executable}"]
+    if settings.spark_master is not None:
+        command += ["--master", settings.spark_master]
+    # The cached jars ship with the submission (spark-submit uploads them to a cluster).
+    command += ["--jars", ",".join(extra_jars(settings.jars_dir or default_jars_dir()))]
+    for key, value in session_conf(settings).items():
+        command += ["--conf", f"{key}={value}"]
+    command.append(str(Path(__file__).resolve().parent / "main.py"))
+    if config is not None:
+        command.append(str(config.resolve()))
+    return command + (["--once"] if once else [])
 
 
 def start_query(spark: SparkSession, settings: ConsumerSettings, status: Status,
@@ -115,10 +168,16 @@ def start_query(spark: SparkSession, settings: ConsumerSettings, status: Status,
     return writer.start()
 
 
-def run(settings: ConsumerSettings, once: bool = False) -> int:
+QUARANTINED_EXIT = 3
+
+
+def run(settings: ConsumerSettings, once: bool = False,
+        fail_on_quarantine: bool = False) -> int:
     """Run until the query ends (``once``), fails, or a signal asks for a stop.
 
-    Returns the process exit code: 0 for a clean end, 1 when the query failed.
+    Returns the process exit code: 0 for a clean end, 1 when the query failed,
+    ``QUARANTINED_EXIT`` after a clean end that quarantined records when
+    ``fail_on_quarantine`` asks for it (a scheduled ``--once`` that must not pass quietly).
     """
     stop = threading.Event()
 
@@ -126,33 +185,55 @@ def run(settings: ConsumerSettings, once: bool = False) -> int:
         log_event(log, logging.INFO, "stop requested", signal=signal.Signals(signum).name)
         stop.set()
 
+    # py4j logs the traceback of a foreachBatch call that raised; the same error ends the
+    # query and run() reports it in one line.
+    logging.getLogger("py4j").setLevel(logging.CRITICAL)
     signal.signal(signal.SIGTERM, ask_stop)
     signal.signal(signal.SIGINT, ask_stop)
     status = Status()
     spark = build_session(settings)
     try:
-        query = start_query(spark, settings, status, once)
-        status.state = "running"
+        code = _follow(spark, settings, status, once, stop)
+        if code == 0 and fail_on_quarantine and status.quarantined:
+            log_event(log, logging.ERROR, "records quarantined in this run; see the "
+                      "dead-letter table", count=status.quarantined,
+                      tables={t: c.quarantined for t, c in status.tables.items()
+                              if c.quarantined})
+            return QUARANTINED_EXIT
+        return code
+    except Exception as exc:
+        # Whatever ends the job - the query's own failure, which awaitTermination raises,
+        # or the driver's - the status file and the log say so in one line.
+        status.state, status.error = "failed", error_line(exc)
         status.write(settings.status_path)
-        log_event(log, logging.INFO, "consumer started", query_id=str(query.id),
-                  checkpoint=settings.checkpoint_dir, warehouse=settings.warehouse,
-                  topics=settings.change_topics() or settings.change_topic_pattern())
-        while query.isActive and not stop.is_set():
-            query.awaitTermination(_POLL_S)
-            status.record_lag(_progress(query))
-            status.write(settings.status_path)
-        if query.isActive:
-            _stop_between_batches(query)
-        error = query.exception()
-        status.state = "failed" if error is not None else "stopped"
-        status.write(settings.status_path)
-        if error is not None:
-            log_event(log, logging.ERROR, "consumer failed", error=str(error))
-            return 1
-        log_event(log, logging.INFO, "consumer stopped", batches=status.batches)
-        return 0
+        log_event(log, logging.ERROR, "consumer failed", error=status.error)
+        return 1
     finally:
         spark.stop()
+
+
+def _follow(spark: SparkSession, settings: ConsumerSettings, status: Status, once: bool,
+            stop: threading.Event) -> int:
+    """Start the query and keep the status file current until it ends; raises its error."""
+    query = start_query(spark, settings, status, once)
+    status.state = "running"
+    status.write(settings.status_path)
+    log_event(log, logging.INFO, "consumer started", query_id=str(query.id),
+              checkpoint=settings.checkpoint_dir, warehouse=settings.warehouse,
+              topics=settings.change_topics() or settings.change_topic_pattern())
+    while query.isActive and not stop.is_set():
+        query.awaitTermination(_POLL_S)
+        status.record_lag(_progress(query))
+        status.write(settings.status_path)
+    if query.isActive:
+        _stop_between_batches(query, settings.stop_grace_s)
+    error = query.exception()
+    if error is not None:
+        raise error
+    status.state = "stopped"
+    status.write(settings.status_path)
+    log_event(log, logging.INFO, "consumer stopped", batches=status.batches)
+    return 0
 
 
 def _progress(query: StreamingQuery) -> dict[str, object] | None:
@@ -164,9 +245,15 @@ def _progress(query: StreamingQuery) -> dict[str, object] | None:
     return dict(json_value()) if callable(json_value) else dict(progress)
 
 
-def _stop_between_batches(query: StreamingQuery) -> None:
-    """Stop once no batch is running, so a batch is not cut in the middle without need."""
-    deadline = time.monotonic() + _STOP_WAIT_S
+def _stop_between_batches(query: StreamingQuery, grace_s: float) -> None:
+    """Stop once no batch is running, so a batch is not cut in the middle without need;
+    after ``grace_s`` the running batch is abandoned (its writes are idempotent and the
+    next start replays it), so the stop fits the pod's termination grace period."""
+    deadline = time.monotonic() + grace_s
     while query.status.get("isTriggerActive") and time.monotonic() < deadline:
         time.sleep(0.2)
+    abandoned = bool(query.status.get("isTriggerActive"))
     query.stop()
+    log_event(log, logging.WARNING if abandoned else logging.INFO,
+              "batch abandoned after the stop grace; the next start replays it"
+              if abandoned else "stopped between batches", stop_grace_s=grace_s)

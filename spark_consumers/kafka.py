@@ -26,11 +26,10 @@ def kafka_options(settings: ConsumerSettings) -> dict[str, str]:
 def change_stream(spark: SparkSession, settings: ConsumerSettings) -> DataFrame:
     """The streaming DataFrame of every configured change topic (raw Kafka rows)."""
     reader = spark.readStream.format("kafka").options(**kafka_options(settings))
-    topics = settings.change_topics()
-    if topics is None:
-        reader = reader.option("subscribePattern", settings.change_topic_pattern())
-    else:
-        reader = reader.option("subscribe", ",".join(topics))
+    # Always a pattern, also for named tables: with "subscribe" a topic that does not
+    # exist yet failed the query after the client's 60 s metadata timeout; a pattern
+    # subscription picks the topic up whenever the bridge creates it.
+    reader = reader.option("subscribePattern", settings.change_topic_pattern())
     reader = reader.option("startingOffsets", settings.starting_offsets)
     # Topics are created by the bridge on first use; a configured table whose topic does
     # not exist yet must not fail the job, nor must compaction of deleted keys.

@@ -18,9 +18,10 @@ from spark_consumers.settings import ConsumerSettings
 
 
 def main(argv: list[str]) -> int:
-    args = [a for a in argv if a != "--once"]
+    flags = ("--once", "--fail-on-quarantine")
+    args = [a for a in argv if a not in flags]
     if len(args) > 1:
-        print("usage: main.py [CONFIG] [--once]", file=sys.stderr)
+        print("usage: main.py [CONFIG] [--once] [--fail-on-quarantine]", file=sys.stderr)
         return 2
     try:
         settings = load_settings(ConsumerSettings, Path(args[0]) if args else None)
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 1
     setup_logging(settings.log_format, settings.log_level)
-    return run(settings, once="--once" in argv)
+    return run(settings, once="--once" in argv,
+               fail_on_quarantine="--fail-on-quarantine" in argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ but before its checkpoint) or applying an older change after a newer one changes
   truncate deletes every row older than it. Deleted keys and the last truncate are kept
   in a small tombstone table so a late, older insert cannot bring a row back.
 - history: MERGE that inserts a change only if ``(commit_lsn, total_order, op)`` is not
-  there yet and, in the same commit, closes the key's open version (SCD type 2).
+  there yet and, in the same commit, moves the end (``valid_to_lsn``) of every version
+  the batch ends (SCD type 2), so the history does not depend on how the changes were
+  split into batches (see ``TableWriter._merge_history``).
 
 Unchanged-TOAST values are filled in first, from the key's previous change in the batch or
 else from the current-state row, so history and current state both hold real values.
@@ -23,6 +25,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
+from services.common.failpoints import failpoint
 from spark_consumers import schema as s
 from spark_consumers.parse import REASON, can_be_toasted, toast_flag
 from spark_consumers.tables import (
@@ -34,11 +37,12 @@ from spark_consumers.tables import (
     quote,
     tombstone_struct,
 )
+from spark_consumers.timings import BatchTimings
 
 Position = tuple[int, int]
-_KIND = "_merge_kind"
 _NEXT = "_next_change"
-_FIRST = "_first_change"
+_STORED = "_stored"
+_OLD_END = "_stored_valid_to"
 _POINT = f"struct<{quote(s.COMMIT_LSN)}:bigint,{quote(s.TOTAL_ORDER)}:bigint>"
 
 
@@ -97,22 +101,63 @@ def _position_order() -> list[Column]:
 
 
 def with_neighbours(rows: DataFrame, table: s.TableSchema) -> DataFrame:
-    """Typed rows + what ``TableWriter.apply`` needs of each change's neighbours.
+    """Typed rows + ``_NEXT``: the position of the key's next change in the batch (null for
+    its newest), which the current-state MERGE needs.
 
-    ``_NEXT`` is the position of the key's next change in the batch (null for its newest),
-    ``_FIRST`` tells the key's first change in the batch. One window serves both tables and
-    rides along with the batch's one cached copy, so a batch is shuffled and sorted by key
-    once. Truncates (no key) and rows with a ``_reason`` (dead letters) get partitions of
-    their own, so they are nobody's neighbour; the history finds the next truncate with
-    ``_next_truncate``.
+    The window rides along with the batch's one cached copy. Truncates (no key) and rows
+    with a ``_reason`` (dead letters) get partitions of their own, so they are nobody's
+    neighbour.
     """
     if not table.key_columns:
         return rows.withColumn(_NEXT, F.lit(None).cast(_POINT))
     by_key = Window.partitionBy(*[F.col(quote(k)) for k in table.key_columns],
                                 F.col(s.OP) == "t", F.col(REASON).isNull()).orderBy(
         *_position_order())
-    return (rows.withColumn(_NEXT, F.lead(F.struct(*_position_order())).over(by_key))
-            .withColumn(_FIRST, F.row_number().over(by_key) == 1))
+    return rows.withColumn(_NEXT, F.lead(F.struct(*_position_order())).over(by_key))
+
+
+def _reachable(oldest_lsn: int, alias: str = "") -> str:
+    """SQL: a stored history row whose end a batch with changes from ``oldest_lsn`` on can
+    move, or that lies after one of them: open, ending after ``oldest_lsn``, or as new.
+
+    Any stored row after a reachable one is reachable too (it starts at or after the
+    reachable row's end), so recomputing ends over the batch and these rows is exact.
+    """
+    end, lsn = f"{alias}{quote(s.VALID_TO)}", f"{alias}{quote(s.COMMIT_LSN)}"
+    return f"({end} IS NULL OR {end} > {oldest_lsn} OR {lsn} >= {oldest_lsn})"
+
+
+def _recompute_ends(union: DataFrame, table: s.TableSchema,
+                    truncates: tuple[Position, ...]) -> DataFrame:
+    """Batch rows and reachable stored rows with ``valid_from``/``valid_to`` recomputed;
+    a change stored and in the batch (a replay) comes out once, as the stored row.
+
+    The stored row's old end is kept as ``_OLD_END``; the new end is never later than it
+    (the stored rows outside ``union`` can only end a row earlier, never later).
+    """
+    keys = [F.col(quote(k)) for k in table.key_columns]
+    op, position = F.col(s.OP), F.struct(*_position_order())
+    rows = union.withColumnRenamed(s.VALID_TO, _OLD_END)
+    if keys:
+        # Stored copies sort first, so a batch copy of a stored change is the one dropped.
+        by_key = Window.partitionBy(*keys, op == "t").orderBy(*_position_order(),
+                                                              F.col(_STORED).desc())
+        rows = (rows.withColumn("_previous", F.lag(position).over(by_key))
+                .where(F.col("_previous").isNull() | (F.col("_previous") != position))
+                .drop("_previous"))
+        following = F.lead(position).over(by_key)[s.COMMIT_LSN]
+    else:
+        by_change = Window.partitionBy(*_position_order()).orderBy(F.col(_STORED).desc())
+        rows = (rows.withColumn("_copy", F.row_number().over(by_change))
+                .where(F.col("_copy") == 1).drop("_copy"))
+        following = F.lit(None).cast("long")
+    if truncates:
+        following = F.least(following, _next_truncate(truncates)[s.COMMIT_LSN])
+    return rows.withColumns({
+        s.VALID_FROM: F.col(s.COMMIT_LSN),
+        s.VALID_TO: F.when(op.isin("d", "t"), F.col(s.COMMIT_LSN))
+        .otherwise(F.least(following, F.col(_OLD_END))),
+    })
 
 
 def _next_truncate(truncates: tuple[Position, ...]) -> Column:
@@ -193,9 +238,11 @@ class TableWriter:
         self.paths = paths
         self._schemas: dict[str, tuple[s.TableSchema, StructType]] = {}
         self._floor: Position | None = None
+        self._truncates: set[Position] | None = None
         self._tombstones: bool | None = None
 
-    def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+    def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts,
+              timings: BatchTimings) -> None:
         """Both tables for one batch: history first, so a crash in between leaves the
         current state behind, never ahead of the history (replay fixes either).
 
@@ -209,9 +256,14 @@ class TableWriter:
                    if facts.has_toast_markers else None)
         try:
             changes = rows if toasted is None else toasted
-            self._merge_history(changes, table, facts)
+            with timings.phase(f"{table.name} history"):
+                self._merge_history(changes, table, facts)
+                timings.merged(f"{table.name} history", self.history)
+            # Crash tests kill the job here: history committed, current state not yet.
+            failpoint("consume_after_history")
             if table.key_columns:
-                self._merge_current(changes, table, facts)
+                with timings.phase(f"{table.name} current"):
+                    self._merge_current(changes, table, facts, timings)
         finally:
             if toasted is not None:
                 toasted.unpersist()
@@ -234,59 +286,66 @@ class TableWriter:
     def _merge_history(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
         """Insert each change once and keep SCD type 2 validity right.
 
-        A change is valid from its commit LSN to the commit LSN of the key's next change
-        (or of the next truncate); deletes and truncates are closed at their own LSN, so
-        the open versions (``valid_to_lsn IS NULL``) are exactly the live rows. A late
-        change older than a stored truncate is closed at that truncate.
+        A change is valid from its commit LSN to the commit LSN of the first thing after it
+        that ends it: the key's next change or the next truncate, whichever comes first
+        (deletes and truncates end at their own LSN), so the open versions
+        (``valid_to_lsn IS NULL``) are exactly the live rows. That is a function of the
+        set of changes alone, and a minimum: a batch can only move a stored version's end
+        earlier. So every batch recomputes the ends of its own changes and of the stored
+        rows it can reach (``_reachable``) over both together, and writes the ones that
+        differ: the history is the same however the changes were split into batches,
+        including late records (a truncate and the changes around it sit on different
+        Kafka partitions) and replays.
         """
         target = self._target(self.paths.history, table, history_struct(table))
         keys = table.key_columns
-        op = F.col(s.OP)
-        following = F.col(_NEXT)
-        if facts.truncates:
-            following = F.least(following, _next_truncate(facts.truncates)) if keys \
-                else _next_truncate(facts.truncates)
-        valid_to = following[s.COMMIT_LSN]
-        if self._floor is not None:
-            valid_to = F.coalesce(valid_to, F.when(F.expr(_older_than(self._floor)),
-                                                   F.lit(self._floor[0])))
-        changes = (rows.withColumn(s.VALID_FROM, F.col(s.COMMIT_LSN))
-                   .withColumn(s.VALID_TO, F.when(op.isin("d", "t"), F.col(s.COMMIT_LSN))
-                               .otherwise(valid_to)))
-        history = DeltaTable.forPath(self.spark, self.paths.history)
-        for position in facts.truncates:
-            # Before the MERGE: versions older than the truncate end at it, not at the
-            # key's next change later in this batch.
-            history.update(
-                condition=f"{quote(s.VALID_TO)} IS NULL AND {quote(s.OP)} <> 't' AND "
-                          f"{_older_than(position)}",
-                set={quote(s.VALID_TO): F.lit(position[0])})
-        inserts = _align(changes, target).withColumn(_KIND, F.lit("i"))
-        same_change = (f"t.{quote(s.COMMIT_LSN)} = s.{quote(s.COMMIT_LSN)} AND "
-                       f"t.{quote(s.TOTAL_ORDER)} = s.{quote(s.TOTAL_ORDER)} AND "
-                       f"t.{quote(s.OP)} = s.{quote(s.OP)}")
-        if keys:
-            closers = (changes.where((op != "t") & F.col(_FIRST))
-                       .select(*[F.col(quote(k)) for k in keys], F.col(s.COMMIT_LSN),
-                               F.col(s.TOTAL_ORDER), F.lit("c").alias(_KIND)))
-            source = inserts.unionByName(_align(closers, target, (_KIND,)),
-                                         allowMissingColumns=True)
-            condition = (f"{_key_match(keys)} AND ((s.{_KIND} = 'i' AND {same_change}) OR "
-                         f"(s.{_KIND} = 'c' AND t.{quote(s.VALID_TO)} IS NULL AND "
-                         f"{newer('s', 't')}))")
-        else:
-            source, condition = inserts, same_change
-        # Implied by both branches and about the target alone, so Spark filters the stored
-        # rows before the join: only open versions and rows as new as the batch take part.
-        condition += (f" AND (t.{quote(s.VALID_TO)} IS NULL OR "
-                      f"t.{quote(s.COMMIT_LSN)} >= {facts.oldest_lsn})")
-        (history.alias("t").merge(source.alias("s"), condition)
-         .whenMatchedUpdate(condition=f"s.{_KIND} = 'c'",
-                            set={quote(s.VALID_TO): f"s.{quote(s.COMMIT_LSN)}"})
-         .whenNotMatchedInsert(condition=f"s.{_KIND} = 'i'", values=_assign(target))
+        truncates = self._history_truncates() | set(facts.truncates)
+        # A truncate before the batch's oldest change ends nothing this batch recomputes:
+        # a reachable stored version that old would already be closed at it.
+        later = tuple(sorted(t for t in truncates if t[0] >= facts.oldest_lsn))
+        history = self.history
+        fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
+        union = fresh
+        if keys or facts.truncates:
+            stored = history.toDF().where(_reachable(facts.oldest_lsn))
+            if not facts.truncates:
+                # Only a truncate reaches keys the batch does not change.
+                stored = stored.join(rows.where(F.col(s.OP) != "t").select(
+                    *[F.col(quote(k)) for k in keys]), list(keys), "left_semi")
+            identity = [*keys, s.OP, s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO]
+            union = fresh.unionByName(
+                _align(stored.select(*[F.col(quote(c)) for c in identity]), target)
+                .withColumn(_STORED, F.lit(True)))
+        ends = _recompute_ends(union, table, later)
+        # Stored rows whose end did not move and batch rows already stored (a replay) are
+        # left out: a MERGE rewrites every file holding a matched row.
+        ends = ends.where(~F.col(_STORED) | ~F.col(s.VALID_TO).eqNullSafe(F.col(_OLD_END)))
+        same_change = " AND ".join(f"t.{quote(c)} = s.{quote(c)}"
+                                   for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP))
+        # The stored side of the join is narrowed by the same predicate that chose the
+        # reachable rows, so Spark filters the history's rows before joining.
+        (history.alias("t").merge(ends.alias("s"),
+                                  f"{same_change} AND {_reachable(facts.oldest_lsn, 't.')}")
+         .whenMatchedUpdate(condition=f"s.{_STORED}",
+                            set={quote(s.VALID_TO): f"s.{quote(s.VALID_TO)}"})
+         .whenNotMatchedInsert(condition=f"NOT s.{_STORED}", values=_assign(target))
          .execute())
+        self._truncates = truncates
 
-    def _merge_current(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
+    @property
+    def history(self) -> DeltaTable:
+        return DeltaTable.forPath(self.spark, self.paths.history)
+
+    def _history_truncates(self) -> set[Position]:
+        """Every truncate the history holds; read once, then kept up to date in memory."""
+        if self._truncates is None:
+            stored = self.history.toDF().where(
+                F.col(s.OP) == "t").select(s.COMMIT_LSN, s.TOTAL_ORDER).collect()
+            self._truncates = {(int(r[0]), int(r[1])) for r in stored}
+        return self._truncates
+
+    def _merge_current(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts,
+                       timings: BatchTimings) -> None:
         """Bring the current-state table to the newest change of every key in the batch."""
         target = self._target(self.paths.current, table, current_struct(table))
         keys = list(table.key_columns)
@@ -320,8 +379,10 @@ class TableWriter:
              .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
                                    values=_assign(target))
              .execute())
+            timings.merged(f"{table.name} current", current)
             if facts.has_deletes and stones is not None and tombstones is not None:
                 _merge_tombstones(stones, _align(latest, tombstones, (s.OP,)), table)
+                timings.merged(f"{table.name} tombstones", stones)
                 self._tombstones = True
         finally:
             latest.unpersist()

@@ -21,8 +21,11 @@ from pyspark.sql.types import (
     ArrayType,
     BinaryType,
     DataType,
+    DateType,
     DecimalType,
     StringType,
+    TimestampNTZType,
+    TimestampType,
 )
 
 from services.bridge.records import UNCHANGED_TOAST
@@ -104,7 +107,39 @@ def _scalar(raw: Column, data_type: DataType) -> Column:
         return raw
     if isinstance(data_type, BinaryType):
         return F.try_to_binary(raw, F.lit("base64"))
+    if isinstance(data_type, DateType | TimestampType | TimestampNTZType):
+        return _datetime(raw, data_type)
     return raw.try_cast(data_type)
+
+
+# PostgreSQL's infinities, stored as the extreme values of the Parquet types: what
+# PostgreSQL itself stores for 'infinity', and what DuckDB reads back as infinity.
+_MAX_DAYS = 2**31 - 1
+_MAX_MICROS = 2**63 - 1
+
+
+def _datetime(raw: Column, data_type: DataType) -> Column:
+    """A date or timestamp from the bridge's text, PostgreSQL's whole range included.
+
+    ``infinity``/``-infinity`` become the largest/smallest (bar one) value of the column's
+    Parquet type; a BC value (``0044-03-15T12:00:00Z BC``) becomes its astronomical year
+    (``-0043-03-15T12:00:00Z``; 1 BC is year 0), which Spark, delta-rs and DuckDB hold.
+    """
+    if isinstance(data_type, DateType):
+        infinity = F.date_from_unix_date(F.lit(_MAX_DAYS))
+        minus_infinity = F.date_from_unix_date(F.lit(-_MAX_DAYS))
+    else:
+        # The session time zone is UTC (job.build_session), so the cast to
+        # timestamp_ntz keeps the very microseconds.
+        infinity = F.timestamp_micros(F.lit(_MAX_MICROS)).cast(data_type)
+        minus_infinity = F.timestamp_micros(F.lit(-_MAX_MICROS)).cast(data_type)
+    year = F.regexp_extract(raw, r"^(\d+)", 1).cast("int")
+    astronomical = F.concat(F.when(year > 1, F.lit("-")).otherwise(F.lit("")),
+                            F.lpad((year - 1).cast("string"), 4, "0"),
+                            F.regexp_extract(raw, r"^\d+(.*) BC$", 1))
+    text = F.when(raw.endswith(" BC"), astronomical).otherwise(raw)
+    return (F.when(raw == "infinity", infinity).when(raw == "-infinity", minus_infinity)
+            .otherwise(text.try_cast(data_type)))
 
 
 def _element(data_type: DataType) -> Callable[[Column], Column]:

@@ -160,6 +160,17 @@ class TableSchema:
         return cls(schema=value["schema"], table=value["table"], version=int(value["version"]),
                    columns=columns, key_columns=tuple(value["key_columns"]))
 
+    def case_collisions(self) -> list[tuple[str, str]]:
+        """Column names equal but for case (``x`` and ``X``): PostgreSQL keeps both, a
+        Delta table cannot (its names are case-insensitive, mapped or not)."""
+        seen: dict[str, str] = {}
+        pairs = []
+        for column in self.columns:
+            other = seen.setdefault(column.name.lower(), column.name)
+            if other != column.name:
+                pairs.append((other, column.name))
+        return pairs
+
     def struct(self) -> StructType:
         """Spark schema of the source columns (all nullable: old rows may lack new columns)."""
         return StructType([StructField(c.name, c.spark_type, True, {"pg_type": c.pg_type})

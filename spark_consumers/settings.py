@@ -62,6 +62,11 @@ class ConsumerSettings(ServiceSettings):
                                   "cache when unset (spark-submit --jars may provide them)",
     )
     shuffle_partitions: int = Field(default=4, ge=1)
+    stop_grace_s: float = Field(
+        default=60.0, ge=0, description="on SIGTERM, how long a running batch may take to "
+        "finish; then it is abandoned (and replayed on the next start). The Helm chart "
+        "gives the pod this plus 30 s to stop the JVM",
+    )
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
@@ -89,8 +94,10 @@ class ConsumerSettings(ServiceSettings):
         return [table_topic(self.topic_prefix, *name.split(".")) for name in self.tables]
 
     def change_topic_pattern(self) -> str:
-        """Java regex of every change topic: ``prefix.schema.table`` (two more segments).
-
-        The prefix's own topics (``.schema``, ``.transaction``, ``.message``) have one.
-        """
+        """Java regex of the change topics to read: those of ``tables``, or else every
+        ``prefix.schema.table`` (the prefix's own topics, ``.schema``, ``.transaction``,
+        ``.message``, have one segment less)."""
+        topics = self.change_topics()
+        if topics is not None:
+            return "|".join(rf"\Q{topic}\E" for topic in topics)
         return rf"\Q{self.topic_prefix}\E\.[^.]+\.[^.]+"

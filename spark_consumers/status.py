@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.logs import log_event
+from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
 
@@ -23,6 +24,7 @@ log = logging.getLogger("slotbridge.consume")
 class TableCounts:
     applied: int = 0
     quarantined: int = 0
+    stopped: str | None = None  # why the table's records are all set aside
 
 
 @dataclass
@@ -30,27 +32,37 @@ class Status:
     """Everything reported; mutated by the batch function and the driver's poll loop."""
 
     state: str = "starting"
+    error: str | None = None  # one line: why the job failed
     batches: int = 0
     last_batch_id: int | None = None
     last_batch_seconds: float | None = None
+    last_batch_timings: BatchTimings = field(default_factory=BatchTimings)
     tables: dict[str, TableCounts] = field(default_factory=dict)
     lag: dict[str, int] = field(default_factory=dict)
     updated_at: float = field(default_factory=time.time)
 
     def record_batch(self, batch_id: int, counts: dict[str, TableCounts],
-                     seconds: float) -> None:
+                     seconds: float, timings: BatchTimings | None = None) -> None:
         self.batches += 1
         self.last_batch_id = batch_id
         self.last_batch_seconds = round(seconds, 3)
+        self.last_batch_timings = timings or BatchTimings()
         for table, batch in counts.items():
             total = self.tables.setdefault(table, TableCounts())
             total.applied += batch.applied
             total.quarantined += batch.quarantined
+            total.stopped = batch.stopped or total.stopped
         self.updated_at = time.time()
         log_event(log, logging.INFO, "batch applied", batch_id=batch_id,
                   seconds=self.last_batch_seconds,
-                  tables={t: {"applied": c.applied, "quarantined": c.quarantined}
-                          for t, c in counts.items()})
+                  tables={t: _counts(c) for t, c in counts.items()},
+                  phases=self.last_batch_timings.phases,
+                  merges=self.last_batch_timings.merges)
+
+    @property
+    def quarantined(self) -> int:
+        """Records this run sent to the dead-letter table, every table together."""
+        return sum(c.quarantined for c in self.tables.values())
 
     def record_lag(self, progress: dict[str, Any] | None) -> None:
         """Offsets not yet consumed, per topic, from the query's last progress report."""
@@ -62,11 +74,15 @@ class Status:
     def as_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "error": self.error,
             "batches": self.batches,
             "last_batch_id": self.last_batch_id,
             "last_batch_seconds": self.last_batch_seconds,
-            "tables": {t: {"applied": c.applied, "quarantined": c.quarantined}
-                       for t, c in sorted(self.tables.items())},
+            "last_batch_phases": self.last_batch_timings.phases,
+            "last_batch_merges": self.last_batch_timings.merges,
+            "tables": {t: _counts(c) for t, c in sorted(self.tables.items())},
+            "stopped_tables": sorted(t for t, c in self.tables.items() if c.stopped),
+            "quarantined": self.quarantined,
             "lag": dict(sorted(self.lag.items())),
             "total_lag": sum(self.lag.values()),
             "updated_at": self.updated_at,
@@ -81,10 +97,24 @@ class Status:
         os.replace(temp, path)
 
 
+def _counts(counts: TableCounts) -> dict[str, Any]:
+    shown: dict[str, Any] = {"applied": counts.applied, "quarantined": counts.quarantined}
+    if counts.stopped:
+        shown["stopped"] = counts.stopped
+    return shown
+
+
 def _offsets(value: Any) -> dict[str, dict[str, int]]:
-    """A source offset as Spark reports it (JSON text or already a dict) -> topic -> part."""
+    """A source offset as Spark reports it (JSON text or already a dict) -> topic -> part.
+
+    An offset Spark does not know is reported as null, or by PySpark as the text "None"
+    (a batch replayed after a crash, a pattern no topic matches yet): no offsets then.
+    """
     if isinstance(value, str):
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
     if not isinstance(value, dict):
         return {}
     return {topic: {str(p): int(o) for p, o in parts.items()}

@@ -107,13 +107,16 @@ class TransactionalWriter:
         })
         self.producer.init_transactions(30)
 
-    def create_topics(self, topics: Iterable[str], compacted: Iterable[str] = ()) -> None:
-        """Create topics with one partition (existing ones are left alone)."""
+    def create_topics(self, topics: Iterable[str], compacted: Iterable[str] = (),
+                      partitions: int = 1) -> None:
+        """Create ``topics`` with ``partitions`` partitions, ``compacted`` with one
+        (existing ones are left alone)."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         compact = set(compacted)
-        wanted = [NewTopic(t, num_partitions=1, replication_factor=1,
+        wanted = [NewTopic(t, num_partitions=1 if t in compact else partitions,
+                           replication_factor=1,
                            config={"cleanup.policy": "compact"} if t in compact else {})
                   for t in {*topics, *compact}]
         for future in admin.create_topics(wanted).values():

@@ -91,14 +91,40 @@ def tombstone_struct(table: s.TableSchema) -> StructType:
     return StructType([*keys, *_POSITION, StructField(IS_TRUNCATE, BooleanType())])
 
 
+# Characters Delta refuses in column names unless the table maps names to physical ones.
+_UNMAPPED_INVALID = frozenset(" ,;{}()\n\t=")
+# Column mapping by name: reader version 2, writer version 5 (Delta protocol).
+_COLUMN_MAPPING = {"delta.columnMapping.mode": "name", "delta.minReaderVersion": "2",
+                   "delta.minWriterVersion": "5"}
+
+
+def needs_column_mapping(struct: StructType) -> bool:
+    """A PostgreSQL column name (``"Mixed Case"``, ``"a=b"``) Delta only stores mapped."""
+    return any(_UNMAPPED_INVALID & set(f.name) for f in struct.fields)
+
+
 def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructType:
-    """Create the Delta table or add the columns it lacks; returns its schema afterwards."""
+    """Create the Delta table or add the columns it lacks; returns its schema afterwards.
+
+    Only a table that needs it gets column mapping: its Parquet files then hold
+    physical column names, which readers without Delta support cannot interpret.
+    """
+    mapped = needs_column_mapping(wanted)
     if not DeltaTable.isDeltaTable(spark, path):
-        DeltaTable.createIfNotExists(spark).location(path).addColumns(wanted).execute()
+        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(wanted)
+        for key, value in (_COLUMN_MAPPING.items() if mapped else ()):
+            builder = builder.property(key, value)
+        builder.execute()
         log_event(log, logging.INFO, "created delta table", path=path,
-                  columns=len(wanted.fields))
+                  columns=len(wanted.fields), column_mapping=mapped)
         return wanted
-    existing = DeltaTable.forPath(spark, path).toDF().schema
+    table = DeltaTable.forPath(spark, path)
+    if mapped and table.detail().first()["properties"].get(  # type: ignore[index]
+            "delta.columnMapping.mode", "none") == "none":
+        settings = ", ".join(f"'{k}' = '{v}'" for k, v in _COLUMN_MAPPING.items())
+        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({settings})")
+        log_event(log, logging.INFO, "column mapping enabled", path=path)
+    existing = table.toDF().schema
     have = {f.name: f.dataType for f in existing.fields}
     missing = [f for f in wanted.fields if f.name not in have]
     for field in wanted.fields:

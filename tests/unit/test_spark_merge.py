@@ -177,6 +177,15 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     assert len(history) == 6
     assert [(r["valid_from_lsn"], r["valid_to_lsn"]) for r in history if r["id"] == 1] == [
         (100, 200), (200, 300), (300, None)]
+    # Where the batch's time went, with Delta's own metrics of each MERGE.
+    status = h.processor.status.as_dict()
+    assert set(status["last_batch_phases"]) == {
+        "read, parse, survey", "public.t type", "public.t history", "public.t current"}
+    merges = status["last_batch_merges"]
+    assert set(merges) == {"public.t history", "public.t current"}
+    assert merges["public.t history"]["numTargetRowsInserted"] == 1
+    assert merges["public.t history"]["numTargetRowsUpdated"] == 1
+    assert merges["public.t current"]["executionTimeMs"] > 0
 
 
 def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
@@ -254,3 +263,76 @@ def test_new_column_evolves_tables(spark: SparkSession, tmp_path: Path) -> None:
     assert current[1]["extra"] is None
     assert current[2]["extra"] == 5
     assert "extra" in h.history()[0]
+
+
+def test_truncate_after_a_change_closes_the_stored_version_at_the_change(
+        spark: SparkSession, tmp_path: Path) -> None:
+    """Issue #15 item 1: key 1's open version comes from an earlier batch; one batch holds
+    its update and then a truncate. The old version ends at the update, the update at the
+    truncate, never both at the truncate."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run([*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)])
+    h.run([*t.change("u", row(1, "x"), 200, 1, 2), *t.change("t", None, 300, 1, 3)])
+    ends = {(r["id"], r["valid_from_lsn"]): r["valid_to_lsn"] for r in h.history()}
+    assert ends == {(1, 100): 200, (2, 100): 300, (1, 200): 300, (None, 300): 300}
+
+
+def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
+        spark: SparkSession, tmp_path: Path) -> None:
+    """A truncate and the changes around it on different partitions reach the job in
+    either order; the history must be the one a single batch gives."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    changes = [
+        t.change("c", row(1), 100, 1, 1), t.change("c", row(2), 100, 2, 1),
+        t.change("u", row(1, "a"), 200, 1, 2), t.change("t", None, 300, 1, 3),
+        t.change("c", row(1, "b"), 400, 1, 4), t.change("u", row(1, "c"), 500, 1, 5),
+        t.change("t", None, 500, 2, 5), t.change("c", row(3), 600, 1, 6),
+    ]
+    whole = Harness(spark, tmp_path / "whole", t)
+    whole.run([r for c in changes for r in c])
+    split = Harness(spark, tmp_path / "split", t)
+    # Truncates held back (a slow partition), then the rest in two batches, replayed.
+    for part in ([0, 1, 2, 4], [5, 7], [3, 6], [5, 7]):
+        split.run([r for i in part for r in changes[i]])
+
+    def ends(h: Harness) -> list[tuple[Any, ...]]:
+        return sorted(((r["id"] or 0), r["valid_from_lsn"], r["_cdc_total_order"],
+                       r["valid_to_lsn"] or 0) for r in h.history())
+    assert ends(split) == ends(whole) == [
+        (0, 300, 1, 300), (0, 500, 2, 500), (1, 100, 1, 200), (1, 200, 1, 300),
+        (1, 400, 1, 500), (1, 500, 1, 500), (2, 100, 2, 300), (3, 600, 1, 0)]
+    assert split.current() == whole.current()
+
+
+def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path) -> None:
+    """PostgreSQL's infinities become the extreme values of the Parquet types, BC values
+    their astronomical years (1 BC is year 0); nothing is quarantined."""
+    t = SynthTable("p", "public", "t", (*COLUMNS[:4], COLUMNS[5], COLUMNS[6], COLUMNS[7]))
+    h = Harness(spark, tmp_path, t)
+    edge = {"id": 0, "amount": "1.00", "big": 1, "name": "e"}
+    h.run([*t.change("c", {**edge, "id": 1, "at": "infinity", "local": "-infinity",
+                           "day": "infinity"}, 100, 1, 1),
+           *t.change("c", {**edge, "id": 2, "at": "-infinity", "local": "infinity",
+                           "day": "-infinity"}, 100, 2, 1),
+           *t.change("c", {**edge, "id": 3, "at": "0044-03-15T12:00:00.5Z BC",
+                           "local": "0001-01-01T00:00:00 BC", "day": "4714-11-24 BC"},
+                     100, 3, 1)])
+    assert not _delta_table_exists(spark, dead_letter_path(h.settings.warehouse))
+    path = table_paths(h.settings.warehouse, "public.t").current
+    rows = {r["id"]: (r["at"], r["local"], r["day"]) for r in spark.read.format("delta")
+            .load(path).selectExpr("id", "unix_micros(at) AS at",
+                                   "unix_micros(cast(local AS timestamp)) AS local",
+                                   "unix_date(day) AS day").collect()}
+    biggest, days = 2**63 - 1, 2**31 - 1
+    assert rows[1] == (biggest, -biggest, days)
+    assert rows[2] == (-biggest, biggest, -days)
+    texts = spark.read.format("delta").load(path).where("id = 3").selectExpr(
+        "cast(at AS string)", "cast(local AS string)", "cast(day AS string)").first()
+    assert tuple(texts) == ("-0043-03-15 12:00:00.5", "0000-01-01 00:00:00", "-4713-11-24")
+
+
+def _delta_table_exists(spark: SparkSession, path: str) -> bool:
+    from delta.tables import DeltaTable
+
+    return DeltaTable.isDeltaTable(spark, path)

@@ -98,7 +98,9 @@ def test_settings_topics() -> None:
                                 topic_prefix="pg-1", tables=["public.a"])
     assert settings.change_topics() == ["pg-1.public.a"]
     assert settings.schema_topic == "pg-1.schema"
-    assert settings.change_topic_pattern() == r"\Qpg-1\E\.[^.]+\.[^.]+"
+    assert settings.change_topic_pattern() == r"\Qpg-1.public.a\E"
+    every = settings.model_copy(update={"tables": None})
+    assert every.change_topic_pattern() == r"\Qpg-1\E\.[^.]+\.[^.]+"
     with pytest.raises(ValueError, match=r"schema\.table"):
         ConsumerSettings(kafka_bootstrap="k", warehouse="/w", checkpoint_dir="/c",
                          tables=["a"])
@@ -110,3 +112,21 @@ def test_lag_from_progress() -> None:
         "latestOffset": {"p.public.a": {"0": 12, "1": 5}, "p.public.b": {"0": 3}},
     }]}
     assert lag_from_progress(progress) == {"p.public.a": 2, "p.public.b": 3}
+
+
+@pytest.mark.parametrize("unknown", ["None", None, "null", ""])
+def test_lag_from_progress_without_offsets(unknown: str | None) -> None:
+    """A replayed batch and a pattern matching no topic yet report offsets Spark does
+    not know as the text "None" (PySpark) or null: no lag, no JSONDecodeError."""
+    progress = {"sources": [{"startOffset": unknown, "endOffset": unknown,
+                             "latestOffset": unknown}]}
+    assert lag_from_progress(progress) == {}
+    progress["sources"][0]["latestOffset"] = json.dumps({"p.public.a": {"0": 4}})
+    assert lag_from_progress(progress) == {"p.public.a": 4}
+
+
+def test_case_collisions() -> None:
+    table = SchemaRegistry()
+    table.add_records([_table(1, SynthColumn("x", "integer"), SynthColumn("X", "text"),
+                              SynthColumn("Mixed Case", "text")).schema_record()[2]])
+    assert table.merged("public.t").case_collisions() == [("x", "X")]
