@@ -24,6 +24,9 @@ Rows the stream inserted while their table was watched, and the chunk also saw, 
 not published again: the insert carried the whole row. A row the stream only updated is
 published again (an update leaves unchanged TOASTed values out).
 
+A table without a primary key under REPLICA IDENTITY FULL is keyed by its whole row, so
+of two equal rows, one changed while its chunk was read, both are dropped from the chunk.
+
 A table without a key (REPLICA IDENTITY NOTHING, or FULL without a primary key read
 whole) has no key to match. Its rows carry their inserting transaction (``xmin``): a row
 inserted by a transaction the stream already published is dropped. Rows of a
@@ -39,9 +42,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.bridge import messages as m
+
 TableName = tuple[str, str]  # (schema, table)
 Key = tuple[str | None, ...]  # key columns' text, as PostgreSQL's output functions print it
-Row = tuple[str | None, ...]
+Row = m.Tuple  # a row's values as text, in the relation's column order
 
 RECENT = 100_000  # commits remembered from before a table's snapshot was requested
 
@@ -149,8 +154,11 @@ class StreamWatch:
         if any(not snap.sees(xid) for xid in watch.truncated_by):
             return []  # every row read is gone since; the stream said so already
         stale = {k for k, xids in watch.keys.items() if any(not snap.sees(x) for x in xids)}
-        # A row the stream inserted and the chunk saw is whole in Kafka already: not twice.
-        stale.update(k for k, xid in watch.born.items() if snap.sees(xid))
+        if xmins is None:
+            # A row the stream inserted and the chunk saw is whole in Kafka already: not
+            # twice. (Heap-page chunks go by xmin instead: a table without a key may hold
+            # equal rows, which one key would stand for.)
+            stale.update(k for k, xid in watch.born.items() if snap.sees(xid))
         if not key_at:
             stale.clear()
         inserted = watch.inserted_by if xmins is not None else set()

@@ -499,7 +499,8 @@ class Bridge:
             if now >= next_stats:
                 self._slot_stats(sql)
                 missing = [p.name for p in published_tables(sql, s.publication_name)
-                           if publisher.is_missing(p.name) and p.name not in requested]
+                           if publisher.is_missing(p.name) and p.name not in requested] \
+                    if publisher.snapshot_added else []
                 if missing:
                     # Queued behind what was received so far: its place in the stream.
                     queue.put(SnapshotRequest(tuple(missing)))

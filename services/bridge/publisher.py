@@ -26,14 +26,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.chunks import StreamWatch, TableName
 from services.bridge.decoder import DecodeError
-from services.bridge.events import EventBuilder, RelationInfo
+from services.bridge.events import EventBuilder, Record, RelationInfo
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
     ConfirmTracker,
@@ -131,6 +131,7 @@ class Publisher(threading.Thread):
         ``snapshot_mode: never``, nor for a FOR ALL TABLES publication, whose new tables
         stream from their creation)."""
         super().__init__(name="publisher", daemon=True)
+        self.snapshot_added = snapshot_added
         self._settings = settings
         self._sink = sink
         self._origin = origin
@@ -143,7 +144,6 @@ class Publisher(threading.Thread):
         self._decode = decode
         self._metrics = metrics
         self._book = book
-        self._snapshot_added = snapshot_added
         self._watch = StreamWatch()
         self._published = published
         # Tables the stream described that the publication does not publish: the
@@ -224,7 +224,7 @@ class Publisher(threading.Thread):
 
     def is_missing(self, table: TableName) -> bool:
         """Published, not in Kafka, and no snapshot of it under way (any thread may ask)."""
-        return (self._snapshot_added and table not in self._builder.catalog.known
+        return (self.snapshot_added and table not in self._builder.catalog.known
                 and not self._book.covers(table))
 
     def _snapshot_if_missing(self, table: TableName) -> None:
@@ -294,20 +294,14 @@ class Publisher(threading.Thread):
             self._restore(stream_shape)
             self._book.again(chunk)
             return 0
-        count = 0
-        sink = self._sink
         oid = chunk.relation.oid
         changes: Iterator[tuple[int, m.Message]] = itertools.chain(
-            [(lsn, chunk.relation)],
-            ((lsn, m.Insert(None, oid, list(row))) for row in rows))
-        for topic, key, value in self._builder.transaction(0, txn.commit_lsn, txn.commit_ts,
-                                                           changes, snapshot="true"):
-            if topic == self._builder.transaction_topic:
-                continue  # a snapshot is not a source transaction
-            if topic not in sink.known_topics:
-                sink.ensure_topics({topic: topic == self._builder.schema_topic})
-            sink.produce(topic, key, value)
-            count += 1
+            [(lsn, chunk.relation)], ((lsn, m.Insert(None, oid, row)) for row in rows))
+        transaction_topic = self._builder.transaction_topic
+        count = self._produce(
+            record for record in self._builder.transaction(
+                0, txn.commit_lsn, txn.commit_ts, changes, snapshot="true")
+            if record[0] != transaction_topic)  # a snapshot is not a source transaction
         # The stream's own description stays in force for its changes: pgoutput does not
         # send it again.
         self._restore(stream_shape)
@@ -324,16 +318,20 @@ class Publisher(threading.Thread):
         if stream_shape is not None:
             self._builder.catalog.by_oid[stream_shape.oid] = stream_shape
 
-    def _publish(self, txn: Transaction) -> int:
+    def _produce(self, records: Iterable[Record]) -> int:
         sink = self._sink
         count = 0
+        for topic, key, value in records:
+            if topic not in sink.known_topics:
+                sink.ensure_topics({topic: topic == self._builder.schema_topic})
+            sink.produce(topic, key, value)
+            count += 1
+        return count
+
+    def _publish(self, txn: Transaction) -> int:
         try:
-            for topic, key, value in self._builder.transaction(
-                    txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn)):
-                if topic not in sink.known_topics:
-                    sink.ensure_topics({topic: topic == self._builder.schema_topic})
-                sink.produce(topic, key, value)
-                count += 1
+            count = self._produce(self._builder.transaction(
+                txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn)))
         finally:
             txn.spool.discard()
         if txn.gid is not None:

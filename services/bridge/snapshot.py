@@ -34,10 +34,11 @@ import time
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import RowMaker
 from psycopg.types.string import TextLoader
 
 from services.bridge import messages as m
@@ -102,7 +103,6 @@ class _Entry:
     estimate: int | None = None
     reading: str | None = None  # token of the chunk read and not yet met by the publisher
     claimed: bool = False  # a reader works on it
-    error: str | None = None
     started: float = field(default_factory=time.monotonic)
     rows_at_start: int = 0
 
@@ -168,7 +168,7 @@ class SnapshotBook:
         with self._cond:
             for _ in range(2):
                 for entry in self._entries.values():
-                    if entry.reading is None and entry.error is None and not entry.claimed:
+                    if entry.reading is None and not entry.claimed:
                         entry.claimed = True
                         return entry.state.model_copy()
                 if self._closed:
@@ -441,29 +441,34 @@ class ChunkReader(threading.Thread):
                     terms.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({stop},0)")))
             query = sql.SQL("SELECT xmin::text, {} FROM {}{}").format(
                 sql.SQL(", ").join(columns), ident, _where(terms))
-        rows: list[Row] = []
+        rows: list[list[str | None]] = []  # text or NULL: nothing here is TOASTed-unchanged
         size = 0
-        with conn.cursor(name=f"chunk_{token.replace(':', '_')}") as cur:
+        with conn.cursor(name=f"chunk_{token.replace(':', '_')}", row_factory=_list_row) as cur:
             cur.itersize = _FETCH
             cur.execute(query, params)
             while size < self._chunk_bytes:
                 batch = cur.fetchmany(_FETCH)
                 if not batch:
                     break
-                rows.extend(batch)  # type: ignore[arg-type]
-                size += sum(len(str(v)) for row in batch for v in row if v is not None)
+                rows.extend(batch)
+                size += sum(len(v) for row in batch for v in row if v is not None)
         xmins: list[int] | None = None
         if keyed:
             full = len(rows) >= self._chunk_rows or size >= self._chunk_bytes
             last = not full or not rows
-            cursor = list(rows[-1][i] for i in key_at) if rows else state.cursor or []
+            cursor = [rows[-1][i] for i in key_at] if rows else state.cursor or []
         else:
             xmins = [int(str(r[0])) for r in rows]
             rows = [r[1:] for r in rows]
             last = shape.partitioned or stop >= shape.pages
             cursor = [str(stop)]
-        return Chunk(token, (schema, table), shape.relation, rows, keyed, xmins,
+        return Chunk(token, (schema, table), shape.relation, cast("list[Row]", rows), keyed, xmins,
                      shape.snapshot, state.cursor, cursor, last, shape.estimate)
+
+
+def _list_row(_cursor: object) -> RowMaker[list[str | None]]:
+    """Rows as lists: what an Insert message holds, so publishing copies none."""
+    return list
 
 
 def _literal_percent(condition: str) -> str:

@@ -51,12 +51,17 @@ def _load(dsn: str) -> None:
         ANALYZE {SCHEMA}.orders, {SCHEMA}.lines, {SCHEMA}.events;""")
 
 
-class _Writer(threading.Thread):
-    """Inserts, updates (some changing the key) and deletes on all three tables."""
+Conn = psycopg.Connection[Any]
 
-    def __init__(self, dsn: str) -> None:
+
+class _Writer(threading.Thread):
+    """Runs ``step(conn, n)`` for n = 1, 2, ... until ``finish``, ``pause_s`` apart."""
+
+    def __init__(self, dsn: str, step: Callable[[Conn, int], object], pause_s: float) -> None:
         super().__init__(daemon=True)
         self.dsn = dsn
+        self.step = step
+        self.pause_s = pause_s
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
         self.done = 0
@@ -64,27 +69,10 @@ class _Writer(threading.Thread):
     def run(self) -> None:
         try:
             with psycopg.connect(self.dsn, autocommit=True) as conn:
-                n = 0
-                top = ROWS["orders"]
                 while not self.stop_flag.is_set():
-                    n += 1
-                    with conn.transaction():
-                        conn.execute(f"INSERT INTO {SCHEMA}.orders (id, v, note) "
-                                     "VALUES (%s, 1, 'new')", (10_000_000 + n,))
-                        conn.execute(f"UPDATE {SCHEMA}.orders SET v = v + 1 WHERE id = %s",
-                                     ((n * 7919) % top + 1,))
-                        conn.execute(f"DELETE FROM {SCHEMA}.orders WHERE id = %s",
-                                     ((n * 104729) % top + 1,))
-                        conn.execute(f"UPDATE {SCHEMA}.lines SET qty = qty + 1 "
-                                     "WHERE order_id = %s", ((n * 31) % (ROWS["lines"] // 7) + 1,))
-                        # A key change: the row moves to a line number no load used.
-                        conn.execute(f"UPDATE {SCHEMA}.lines SET line = line + 100 + %s "
-                                     "WHERE order_id = %s AND line = 3",
-                                     (n, (n * 613) % (ROWS["lines"] // 7) + 1))
-                        conn.execute(f"INSERT INTO {SCHEMA}.events VALUES (%s, 'w')",
-                                     (-n,))
+                    self.step(conn, self.done + 1)
                     self.done += 1
-                    time.sleep(0.002)
+                    time.sleep(self.pause_s)
         except BaseException as exc:
             self.error = exc
 
@@ -92,6 +80,23 @@ class _Writer(threading.Thread):
         self.stop_flag.set()
         self.join(30)
         assert self.error is None, self.error
+
+
+def _chunked_writes(conn: Conn, n: int) -> None:
+    """Inserts, updates (some changing the key) and deletes on all three tables."""
+    top, orders = ROWS["orders"], ROWS["lines"] // 7
+    with conn.transaction():
+        conn.execute(f"INSERT INTO {SCHEMA}.orders (id, v, note) VALUES (%s, 1, 'new')",
+                     (10_000_000 + n,))
+        conn.execute(f"UPDATE {SCHEMA}.orders SET v = v + 1 WHERE id = %s",
+                     ((n * 7919) % top + 1,))
+        conn.execute(f"DELETE FROM {SCHEMA}.orders WHERE id = %s", ((n * 104729) % top + 1,))
+        conn.execute(f"UPDATE {SCHEMA}.lines SET qty = qty + 1 WHERE order_id = %s",
+                     ((n * 31) % orders + 1,))
+        # A key change: the row moves to a line number no load used.
+        conn.execute(f"UPDATE {SCHEMA}.lines SET line = line + 100 + %s "
+                     "WHERE order_id = %s AND line = 3", (n, (n * 613) % orders + 1))
+        conn.execute(f"INSERT INTO {SCHEMA}.events VALUES (%s, 'w')", (-n,))
 
 
 def _progress(pipe: Pipeline) -> ProgressRecord | None:
@@ -160,7 +165,7 @@ def test_chunked_snapshot_resumes_under_writes_kill_and_ddl(stack: Stack,
     total = sum(ROWS.values())
     pipe = Pipeline(stack, [f"{SCHEMA}.{t}" for t in ROWS], tmp_path)
     pipe.extra["SLOTBRIDGE_KAFKA_TRANSACTION_TIMEOUT_MS"] = "10000"
-    writer = _Writer(dsn)
+    writer = _Writer(dsn, _chunked_writes, 0.002)
     try:
         pipe.start()
         pipe.wait_for_log("streaming", 60)
@@ -231,17 +236,8 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
     (port,) = free_ports(1)
     pipe.extra.update({"SLOTBRIDGE_HTTP_PORT": str(port), "SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS": "100",
                        "SLOTBRIDGE_SNAPSHOT_STALL_S": "8"})
-    stop = threading.Event()
-
-    def writes() -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                conn.execute("UPDATE ondemand.t SET v = v + 1 WHERE id = %s", (n % 9000 + 1,))
-                time.sleep(0.01)
-
-    writer = threading.Thread(target=writes, daemon=True)
+    writer = _Writer(dsn, lambda conn, n: conn.execute(
+        "UPDATE ondemand.t SET v = v + 1 WHERE id = %s", (n % 9000 + 1,)), 0.01)
     try:
         # 90 chunks, 0.5 s each: 45 s, then (after a SIGTERM) the rest.
         pipe.start(SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.5")
@@ -289,8 +285,7 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
         assert code == 0, out
         pipe.wait_for_log(f"snapshot cancelled table=ondemand.t request={request}", 60)
         wait_for(lambda: _healthz(port)[0] == 200, 60, "/healthz healthy again")
-        stop.set()
-        writer.join(30)
+        writer.finish()
         pipe.wait_caught_up(120)
         assert pipe.stop() == 0
         records = pipe.changes("ondemand.t")
@@ -306,7 +301,7 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
         assert sum(snapshots[k] >= n for k, n in expected.items()) > 0.95 * len(source)
         pipe.audit()
     finally:
-        stop.set()
+        writer.stop_flag.set()
         pipe.cleanup()
 
 
@@ -338,6 +333,14 @@ def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> 
         pipe.cleanup()
 
 
+def _added_writes(conn: Conn, n: int) -> None:
+    with conn.transaction():
+        conn.execute("INSERT INTO snapadd.base VALUES (%s, 'b')", (n,))
+        conn.execute("INSERT INTO snapadd.late VALUES (%s, 0, 'new')", (1_000_000 + n,))
+    conn.execute("UPDATE snapadd.late SET v = v + 1 WHERE id = %s", (n % 700 + 1,))
+    conn.execute("DELETE FROM snapadd.late WHERE id = %s", (40_000 - n,))
+
+
 def test_table_added_to_publication_is_snapshotted_while_streaming(
         stack: Stack, tmp_path: Path) -> None:
     """ALTER PUBLICATION ... ADD TABLE under writes, a kill in the middle of the added
@@ -350,21 +353,7 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
         INSERT INTO snapadd.late SELECT g, 0, md5(g::text) FROM generate_series(1, 40000) g;""")
     pipe = Pipeline(stack, ["snapadd.base"], tmp_path)
     pipe.extra["SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS"] = "2000"
-    stop = threading.Event()
-
-    def writes() -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                with conn.transaction():
-                    conn.execute("INSERT INTO snapadd.base VALUES (%s, 'b')", (n,))
-                    conn.execute("INSERT INTO snapadd.late VALUES (%s, 0, 'new')",
-                                 (1_000_000 + n,))
-                conn.execute("UPDATE snapadd.late SET v = v + 1 WHERE id = %s", (n % 700 + 1,))
-                conn.execute("DELETE FROM snapadd.late WHERE id = %s", (40_000 - n,))
-
-    writer = threading.Thread(target=writes, daemon=True)
+    writer = _Writer(dsn, _added_writes, 0.0)
     try:
         pipe.start(SLOTBRIDGE_FAILPOINTS="after_chunk=6*kill")
         pipe.wait_for_log("streaming", 60)
@@ -375,8 +364,7 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
         pipe.start()
         pipe.wait_for_log("snapshot of table published table=snapadd.late", 120)
         time.sleep(2)  # writes go on after the snapshot
-        stop.set()
-        writer.join(30)
+        writer.finish()
         pipe.wait_caught_up(120)
         assert pipe.stop() == 0
         for table in ("base", "late"):
@@ -388,5 +376,5 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
         assert "snapshot requested table=snapadd.late request=added" in pipe.output()
         pipe.audit()
     finally:
-        stop.set()
+        writer.stop_flag.set()
         pipe.cleanup()
