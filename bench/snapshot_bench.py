@@ -79,7 +79,8 @@ def ceiling(dsn: str, table: str) -> float:
         return count / (time.monotonic() - started)
 
 
-def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path) -> dict[str, Any]:
+def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
+           profile: Path | None) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
     env.update({
         "SLOTBRIDGE_SOURCE_DSN": dsn, "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
@@ -93,8 +94,11 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path) -> dict[s
     log_path = work / f"snapshot-{tag}.log"
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        code = subprocess.call([sys.executable, "-m", "services.cli", "run"], cwd=ROOT, env=env,
-                               stdout=log, stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", "services.cli", "run"]
+        if profile is not None:  # sampled, every thread, in the collapsed-stack format
+            command = [str(Path(sys.executable).with_name("py-spy")), "record", "--threads",
+                       "--format", "raw", "--rate", "200", "-o", str(profile), "--", *command]
+        code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     output = log_path.read_text(errors="replace")
     if code != 0:
@@ -141,6 +145,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument("--py-spy", type=Path, metavar="FILE",
+                        help="record the bridge with py-spy (pip install py-spy) into FILE")
     args = parser.parse_args()
     stack = Stack(args.stack_dir)
     stack.up()
@@ -155,7 +161,7 @@ def main() -> None:
         _say(f"loaded in {load_s:.1f}s; reading the ceiling")
         ceiling_rate = ceiling(stack.primary_dsn, table)
         _say("running the bridge (snapshot_mode initial_only)")
-        run = bridge(stack.primary_dsn, stack.kafka_bootstrap, table, tag, work)
+        run = bridge(stack.primary_dsn, stack.kafka_bootstrap, table, tag, work, args.py_spy)
         published = count_committed(stack.kafka_bootstrap, run["topic"])
         if published != args.rows or run["rows"] != args.rows:
             raise SystemExit(f"expected {args.rows} records, the snapshot logged {run['rows']}"

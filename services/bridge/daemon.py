@@ -83,7 +83,7 @@ from services.bridge.source import (
     warn_keyless_tables,
 )
 from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
-from services.bridge.stream import ReplicationConnection, StreamError
+from services.bridge.stream import ReplicationConnection, StreamError, drop_slot
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, one_line
@@ -341,7 +341,8 @@ class Bridge:
             confirmed = tracker.confirmable()
             repl.send_status(confirmed, confirmed)
             if s.snapshot_mode == "initial_only" and not book.tables():
-                repl.command(f"DROP_REPLICATION_SLOT {s.slot_name}")
+                repl.close()  # the stream holds the slot: a drop on it would be refused
+                drop_slot(server.dsn, s.slot_name)
                 log_event(log, logging.INFO, "initial_only: snapshot published, slot dropped",
                           slot=s.slot_name)
                 return
@@ -384,8 +385,7 @@ class Bridge:
             # The origin first: a crash between the two leaves an origin without a slot
             # (harmless), never a slot of ours without its mark.
             origin.ensure()
-            created = repl.create_slot(s.slot_name, two_phase=s.two_phase,
-                                       export_snapshot=False)
+            created = repl.create_slot(s.slot_name, two_phase=s.two_phase)
             log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
                       consistent_point=format_lsn(created.consistent_point), db=dbname)
             return

@@ -94,26 +94,12 @@ class ReplicationConnection:
         assert sysid is not None and timeline is not None and xlogpos is not None
         return SystemInfo(sysid, int(timeline), parse_lsn(xlogpos), dbname or "")
 
-    def create_slot(self, name: str, *, two_phase: bool, export_snapshot: bool) -> SlotCreated:
+    def create_slot(self, name: str, *, two_phase: bool) -> SlotCreated:
         """CREATE_REPLICATION_SLOT ... LOGICAL pgoutput with failover (PostgreSQL 17+)."""
-        snapshot = "export" if export_snapshot else "nothing"
         rows = self.command(
             f"CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput "
-            f"(FAILOVER true, TWO_PHASE {str(two_phase).lower()}, SNAPSHOT '{snapshot}')")
+            f"(FAILOVER true, TWO_PHASE {str(two_phase).lower()}, SNAPSHOT 'nothing')")
         return _created(rows)
-
-    def export_snapshot(self, name: str) -> SlotCreated:
-        """A temporary slot, for its exported snapshot and consistent point only.
-
-        The snapshot stays valid while this connection runs no other command; closing the
-        connection drops the slot. A temporary slot cannot be a failover slot.
-        """
-        return _created(self.command(
-            f"CREATE_REPLICATION_SLOT {name} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"))
-
-    def cancel(self) -> None:
-        """Ask the server to cancel the command running now (safe from another thread)."""
-        self.conn.get_cancel().cancel()
 
     def start(self, slot: str, lsn: int, options: dict[str, str]) -> None:
         opts = ", ".join(f"{k} '{v}'" for k, v in options.items())
@@ -183,6 +169,20 @@ class ReplicationConnection:
         if res is not None and res.error_message:
             return "replication stream ended: " + res.error_message.decode(errors="replace").strip()
         return "replication stream ended: " + self._error()
+
+
+def drop_slot(dsn: str, name: str) -> None:
+    """Drop slot ``name`` once no session holds it any more.
+
+    A walsender releases its slot only when its backend exits, a moment after the client
+    closes the stream, so the drop waits for that (DROP_REPLICATION_SLOT ... WAIT) rather
+    than fail with "slot is active".
+    """
+    repl = ReplicationConnection(dsn)
+    try:
+        repl.command(f"DROP_REPLICATION_SLOT {name} WAIT")
+    finally:
+        repl.close()
 
 
 def _created(rows: list[tuple[str | None, ...]]) -> SlotCreated:

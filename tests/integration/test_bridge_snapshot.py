@@ -378,3 +378,26 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
     finally:
         writer.stop_flag.set()
         pipe.cleanup()
+
+
+def test_initial_only_publishes_the_snapshot_then_drops_its_slot_and_exits(
+        stack: Stack, tmp_path: Path) -> None:
+    """snapshot_mode initial_only: a one-off copy, no slot left behind holding WAL."""
+    dsn = stack.primary_dsn
+    sql(dsn, """DROP SCHEMA IF EXISTS snaponce CASCADE; CREATE SCHEMA snaponce;
+        CREATE TABLE snaponce.t (id int PRIMARY KEY, v text);
+        INSERT INTO snaponce.t SELECT g, 'v' || g FROM generate_series(1, 5000) g;""")
+    pipe = Pipeline(stack, ["snaponce.t"], tmp_path)
+    try:
+        code, output = pipe.run_to_exit(120, SLOTBRIDGE_SNAPSHOT_MODE="initial_only",
+                                        SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS="1000")
+        assert code == 0, output
+        assert "initial_only: snapshot published, slot dropped" in output, output
+        assert " ERROR " not in output and " WARNING session ended" not in output, output
+        assert sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
+                   (pipe.name,)) == []
+        ids = Counter(r.value["after"]["id"] for r in pipe.changes("snaponce.t"))
+        assert ids == Counter(range(1, 5001))
+        pipe.audit()
+    finally:
+        pipe.cleanup()
