@@ -20,6 +20,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from services.bridge.assembler import Transaction
 from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import ColumnFacts, EventBuilder, RelationCatalog, TableFacts
 from services.bridge.publisher import Publisher
+from services.bridge.snapshot import SnapshotBook
 from services.bridge.spool import Spool, SpoolStats
 
 OID = 16_384
@@ -55,16 +57,16 @@ def _insert(i: int) -> bytes:
 
 class _CountingSink:
     def __init__(self) -> None:
-        self.known_topics: set[str] = set()
         self.records = 0
         self.bytes = 0
 
-    def ensure_topics(self, topics: dict[str, bool]) -> None:
-        self.known_topics |= set(topics)
-
-    def produce(self, topic: str, key: bytes | None, value: bytes | None) -> None:
-        self.records += 1
-        self.bytes += len(value) if value is not None else 0
+    def produce_all(self, records: Iterable[tuple[str, bytes | None, bytes | None]],
+                    compacted: object) -> int:
+        before = self.records
+        for _topic, _key, value in records:
+            self.records += 1
+            self.bytes += len(value) if value is not None else 0
+        return self.records - before
 
 
 class _Counter:
@@ -101,12 +103,13 @@ def _run(rows: int, txn_size: int, memory: int) -> tuple[float, _CountingSink]:
         settings=None, sink=sink, origin=None, builder=builder, tracker=None,  # type: ignore[arg-type]
         identity=None, high_water=0, last_commit_lsn=0, queue=None,  # type: ignore[arg-type]
         decode=lambda payload, streamed: decoder.decode(payload, streamed),
-        metrics=_Metrics())  # type: ignore[arg-type]
+        metrics=_Metrics(), book=SnapshotBook(), snapshot_added=False,  # type: ignore[arg-type]
+        published=set)
     with tempfile.TemporaryDirectory() as folder:
         txns = _transactions(rows, txn_size, memory, Path(folder))
         started = time.perf_counter()
         for txn in txns:
-            publisher._publish(txn, None)
+            publisher._publish(txn)
         seconds = time.perf_counter() - started
     return rows / seconds, sink
 

@@ -80,7 +80,7 @@ def ceiling(dsn: str, table: str) -> float:
 
 
 def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
-           profile: Path | None) -> dict[str, Any]:
+           profile: Path | None, settings: list[str]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
     env.update({
         "SLOTBRIDGE_SOURCE_DSN": dsn, "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
@@ -91,13 +91,17 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
         "SLOTBRIDGE_SNAPSHOT_MODE": "initial_only", "SLOTBRIDGE_HTTP_PORT": "0",
         "SLOTBRIDGE_LOG_FORMAT": "text", "SLOTBRIDGE_SPOOL_DIR": str(work / "spool"),
     })
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        env[f"SLOTBRIDGE_{name.upper()}"] = value
     log_path = work / f"snapshot-{tag}.log"
     started = time.monotonic()
     with open(log_path, "wb") as log:
         command = [sys.executable, "-m", "services.cli", "run"]
         if profile is not None:  # sampled, every thread, in the collapsed-stack format
             command = [str(Path(sys.executable).with_name("py-spy")), "record", "--threads",
-                       "--format", "raw", "--rate", "200", "-o", str(profile), "--", *command]
+                       "--format", "raw", "--rate", "200", "--idle", "-o", str(profile), "--",
+                       *command]
         code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     output = log_path.read_text(errors="replace")
@@ -147,6 +151,8 @@ def main() -> None:
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
     parser.add_argument("--py-spy", type=Path, metavar="FILE",
                         help="record the bridge with py-spy (pip install py-spy) into FILE")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a bridge setting for the run, e.g. snapshot_workers=4")
     args = parser.parse_args()
     stack = Stack(args.stack_dir)
     stack.up()
@@ -161,7 +167,8 @@ def main() -> None:
         _say(f"loaded in {load_s:.1f}s; reading the ceiling")
         ceiling_rate = ceiling(stack.primary_dsn, table)
         _say("running the bridge (snapshot_mode initial_only)")
-        run = bridge(stack.primary_dsn, stack.kafka_bootstrap, table, tag, work, args.py_spy)
+        run = bridge(stack.primary_dsn, stack.kafka_bootstrap, table, tag, work, args.py_spy,
+                     args.set)
         published = count_committed(stack.kafka_bootstrap, run["topic"])
         if published != args.rows or run["rows"] != args.rows:
             raise SystemExit(f"expected {args.rows} records, the snapshot logged {run['rows']}"

@@ -42,11 +42,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.bridge import messages as m
-
 TableName = tuple[str, str]  # (schema, table)
 Key = tuple[str | None, ...]  # key columns' text, as PostgreSQL's output functions print it
-Row = m.Tuple  # a row's values as text, in the relation's column order
+Row = list[str | None]  # a row's values as text (or NULL), in the relation's column order
 
 RECENT = 100_000  # commits remembered from before a table's snapshot was requested
 

@@ -423,8 +423,8 @@ class Bridge:
         never published anything, the initial snapshot of every published table."""
         s = self.settings
         if kafka_progress is not None:
-            return SnapshotBook(kafka_progress.snapshots)
-        book = SnapshotBook()
+            return SnapshotBook(kafka_progress.snapshots, held=s.snapshot_workers)
+        book = SnapshotBook(held=s.snapshot_workers)
         if s.snapshot_mode != "never" and mark == 0:
             for table in published_tables(sql, s.publication_name):
                 book.add(table.name, "initial")

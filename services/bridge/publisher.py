@@ -21,7 +21,6 @@ The progress record of every batch carries how far each snapshot got.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import threading
@@ -294,14 +293,8 @@ class Publisher(threading.Thread):
             self._restore(stream_shape)
             self._book.again(chunk)
             return 0
-        oid = chunk.relation.oid
-        changes: Iterator[tuple[int, m.Message]] = itertools.chain(
-            [(lsn, chunk.relation)], ((lsn, m.Insert(None, oid, row)) for row in rows))
-        transaction_topic = self._builder.transaction_topic
-        count = self._produce(
-            record for record in self._builder.transaction(
-                0, txn.commit_lsn, txn.commit_ts, changes, snapshot="true")
-            if record[0] != transaction_topic)  # a snapshot is not a source transaction
+        count = self._produce(self._builder.snapshot_rows(info, rows, txn.commit_lsn,
+                                                          txn.commit_ts, lsn))
         # The stream's own description stays in force for its changes: pgoutput does not
         # send it again.
         self._restore(stream_shape)
@@ -319,14 +312,7 @@ class Publisher(threading.Thread):
             self._builder.catalog.by_oid[stream_shape.oid] = stream_shape
 
     def _produce(self, records: Iterable[Record]) -> int:
-        sink = self._sink
-        count = 0
-        for topic, key, value in records:
-            if topic not in sink.known_topics:
-                sink.ensure_topics({topic: topic == self._builder.schema_topic})
-            sink.produce(topic, key, value)
-            count += 1
-        return count
+        return self._sink.produce_all(records, (self._builder.schema_topic,))
 
     def _publish(self, txn: Transaction) -> int:
         try:

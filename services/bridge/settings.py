@@ -49,7 +49,8 @@ class BridgeSettings(ServiceSettings):
     two_phase: bool = True
     snapshot_mode: Literal["initial", "never", "initial_only"] = "initial"
     snapshot_workers: int = Field(default=2, ge=1, le=16, description=(
-        "chunk readers, one connection each; each reads a different table"))
+        "chunk readers, one connection each; each reads a different table; chunks read and "
+        "waiting to be published are held up to this many, besides those being read"))
     snapshot_chunk_rows: int = Field(default=20_000, ge=1, description=(
         "rows per snapshot chunk (one watermark, one progress step)"))
     snapshot_stall_s: float = Field(default=600.0, gt=0, description=(

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -100,28 +100,46 @@ class Chunk:
 @dataclass(slots=True)
 class _Entry:
     state: TableSnapshot
+    # Where the next chunk is read from: the cursor of the last chunk read, which can be
+    # ahead of the published one (``state.cursor``) by the chunks in flight.
+    read_from: list[str | None] | None
+    # Chunks read and not yet published, oldest first: their watermarks are in this order
+    # in the WAL, since a table's chunks are read one after another.
+    in_flight: list[str] = field(default_factory=list)
+    read_all: bool = False  # its last chunk is in flight
     estimate: int | None = None
-    reading: str | None = None  # token of the chunk read and not yet met by the publisher
     claimed: bool = False  # a reader works on it
     started: float = field(default_factory=time.monotonic)
     rows_at_start: int = 0
+
+    @classmethod
+    def of(cls, state: TableSnapshot) -> _Entry:
+        return cls(state, read_from=state.cursor, rows_at_start=state.rows)
+
+
+# Chunks a table may have in flight: one published while the next is read keeps both the
+# publisher and the reader busy; more would only hold memory.
+_AHEAD = 2
 
 
 class SnapshotBook:
     """The table snapshots under way, shared by the chunk readers, the publisher and the
     HTTP server. The publisher alone moves an entry's cursor, so what the progress record
-    says is always what Kafka holds."""
+    says is always what Kafka holds.
 
-    def __init__(self, states: Collection[TableSnapshot] = ()) -> None:
+    ``held``: how many chunks may wait for their watermark at once, over all tables; with
+    the chunk a reader holds, memory stays under (``held`` + readers) chunks."""
+
+    def __init__(self, states: Collection[TableSnapshot] = (), held: int = 2) -> None:
         self._cond = threading.Condition(threading.RLock())
         self._entries: dict[TableName, _Entry] = {}
         self._chunks: dict[str, Chunk] = {}
+        self._held = held
         self._closed = False
         self._done: dict[str, dict[str, Any]] = {}
         self.last_progress = time.monotonic()
         for state in states:
-            self._entries[(state.schema_, state.table)] = _Entry(state,
-                                                                 rows_at_start=state.rows)
+            self._entries[(state.schema_, state.table)] = _Entry.of(state)
 
     # -- requests (publisher thread) -------------------------------------------------
 
@@ -132,7 +150,7 @@ class SnapshotBook:
             entry = self._entries.get(table)
             if entry is not None:
                 return entry.state.id
-            self._entries[table] = _Entry(TableSnapshot(
+            self._entries[table] = _Entry.of(TableSnapshot(
                 schema=table[0], table=table[1], id=request_id, where=where,
                 started_ms=int(time.time() * 1000)))
             self._cond.notify_all()
@@ -163,14 +181,16 @@ class SnapshotBook:
     # -- chunks ----------------------------------------------------------------------
 
     def claim(self, timeout: float) -> TableSnapshot | None:
-        """A table for a reader: one with no chunk in flight that no other reader holds,
-        until ``release``."""
+        """A table for a reader, with ``cursor`` where its next chunk starts: one no other
+        reader holds, until ``release`` (a table's chunks are read one after another)."""
         with self._cond:
             for _ in range(2):
-                for entry in self._entries.values():
-                    if entry.reading is None and not entry.claimed:
-                        entry.claimed = True
-                        return entry.state.model_copy()
+                if len(self._chunks) < self._held:
+                    for entry in self._entries.values():
+                        if not (entry.claimed or entry.read_all
+                                or len(entry.in_flight) >= _AHEAD):
+                            entry.claimed = True
+                            return entry.state.model_copy(update={"cursor": entry.read_from})
                 if self._closed:
                     return None
                 self._cond.wait(timeout)
@@ -185,12 +205,13 @@ class SnapshotBook:
 
     def offer(self, chunk: Chunk) -> bool:
         """A chunk read, before its watermark commits; False if its table's snapshot
-        ended (or restarted) meanwhile."""
+        ended, or went back to an earlier chunk, meanwhile."""
         with self._cond:
             entry = self._entries.get(chunk.table)
-            if entry is None or entry.state.cursor != chunk.start or self._closed:
+            if entry is None or entry.read_from != chunk.start or self._closed:
                 return False
-            entry.reading = chunk.token
+            entry.in_flight.append(chunk.token)
+            entry.read_from, entry.read_all = chunk.cursor, chunk.last
             self.last_progress = time.monotonic()
             entry.estimate = chunk.estimate
             self._chunks[chunk.token] = chunk
@@ -198,38 +219,32 @@ class SnapshotBook:
 
     def withdraw(self, chunk: Chunk) -> None:
         """Its watermark did not commit."""
-        with self._cond:
-            self._chunks.pop(chunk.token, None)
-            self.again(chunk)
-
-    def wait_met(self, chunk: Chunk, timeout: float) -> bool:
-        """Until the publisher is done with the chunk (or the book closed)."""
-        with self._cond:
-            if not self._met(chunk) and not self._closed:
-                self._cond.wait(timeout)
-            return self._met(chunk) or self._closed
-
-    def _met(self, chunk: Chunk) -> bool:
-        entry = self._entries.get(chunk.table)
-        return entry is None or entry.reading != chunk.token
+        self.again(chunk)
 
     def take(self, token: str) -> Chunk | None:
         """The chunk whose watermark the publisher met; None for a watermark of an earlier
-        session or of a snapshot that ended since. The table gets no other chunk read
-        until ``advance`` or ``again``."""
+        session, of a snapshot that ended since, or of a chunk read after one that must be
+        read again."""
         with self._cond:
             chunk = self._chunks.pop(token, None)
+            self._cond.notify_all()
             if chunk is None:
                 return None
             entry = self._entries.get(chunk.table)
-            return chunk if entry is not None and entry.reading == token else None
+            ok = entry is not None and entry.in_flight[:1] == [token]
+            return chunk if ok else None
 
     def again(self, chunk: Chunk) -> None:
-        """The chunk must be read again."""
+        """The chunk must be read again, and so must every chunk of its table read after
+        it: their rows are published after its own, or the stream's order breaks."""
         with self._cond:
             entry = self._entries.get(chunk.table)
-            if entry is not None and entry.reading == chunk.token:
-                entry.reading = None
+            if entry is not None and chunk.token in entry.in_flight:
+                for token in entry.in_flight:
+                    self._chunks.pop(token, None)
+                entry.in_flight.clear()
+                entry.read_from, entry.read_all = chunk.start, False
+            self._chunks.pop(chunk.token, None)
             self._cond.notify_all()
 
     def advance(self, chunk: Chunk, published: int) -> bool:
@@ -239,7 +254,7 @@ class SnapshotBook:
             state = entry.state
             state.cursor, state.chunks, state.rows = (chunk.cursor, state.chunks + 1,
                                                      state.rows + published)
-            entry.reading = None
+            entry.in_flight.remove(chunk.token)
             self.last_progress = time.monotonic()
             if chunk.last:
                 self._finish(chunk.table, "done")
@@ -382,9 +397,6 @@ class ChunkReader(threading.Thread):
         except BaseException:
             self._book.withdraw(chunk)
             raise
-        while not self._book.wait_met(chunk, 0.5):
-            if self._stop_event.is_set():
-                return
 
     def _read(self, conn: psycopg.Connection[tuple[object, ...]],
               state: TableSnapshot) -> Chunk | None:
@@ -462,7 +474,7 @@ class ChunkReader(threading.Thread):
             rows = [r[1:] for r in rows]
             last = shape.partitioned or stop >= shape.pages
             cursor = [str(stop)]
-        return Chunk(token, (schema, table), shape.relation, cast("list[Row]", rows), keyed, xmins,
+        return Chunk(token, (schema, table), shape.relation, rows, keyed, xmins,
                      shape.snapshot, state.cursor, cursor, last, shape.estimate)
 
 

@@ -16,13 +16,15 @@ A converter raises ``ValueError`` on text its type cannot print.
 from __future__ import annotations
 
 import base64
-import json
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TypeAlias
 
-JsonValue: TypeAlias = "bool | int | float | str | list[JsonValue] | dict[str, JsonValue] | None"
+import orjson
+
+JsonValue: TypeAlias = ("bool | int | float | str | orjson.Fragment | list[JsonValue] | "
+                         "dict[str, JsonValue] | None")
 Converter: TypeAlias = Callable[[str], JsonValue]
 
 
@@ -84,27 +86,8 @@ def _timestamptz(text: str) -> JsonValue:
 
 # json and jsonb values are published as the very text PostgreSQL printed: parsed and
 # re-encoded they would lose digits, duplicate keys, and turn 1e400 into Infinity, which
-# is not JSON. A converter cannot hand the encoder raw text, so it wraps the text in NUL
-# characters, which no PostgreSQL text value can hold; ``embed_raw_json`` swaps each
-# wrapped string in encoded output for the text itself.
-RAW_JSON_TYPES = frozenset((114, 199, 3802, 3807))  # json, json[], jsonb, jsonb[]
-
-
-def _raw_json(text: str) -> JsonValue:
-    return f"\0{text}\0"
-
-
-# A wrapped string as the encoder writes it: "\u0000, JSON string escapes other than a
-# NUL (there is none inside), \u0000".
-_WRAPPED = re.compile(r'"\\u0000((?:[^"\\]|\\[^u]|\\u(?!0000)[0-9a-fA-F]{4})*)\\u0000"')
-# json.loads re-checks its argument's type and options on every call; the bound method
-# of one decoder skips that.
-_decode = json.JSONDecoder().decode
-
-
-def embed_raw_json(encoded: str) -> str:
-    """Encoded JSON with every wrapped json/jsonb text put in as the JSON it is."""
-    return _WRAPPED.sub(lambda match: _decode(f'"{match.group(1)}"'), encoded)
+# is not JSON. An orjson Fragment is text the encoder writes out as it is.
+_raw_json = orjson.Fragment
 
 
 _MONEY = re.compile(r"-?[0-9]+(\.[0-9]+)?")
