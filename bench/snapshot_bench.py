@@ -95,6 +95,7 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
         name, _, value = setting.partition("=")
         env[f"SLOTBRIDGE_{name.upper()}"] = value
     log_path = work / f"snapshot-{tag}.log"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     with open(log_path, "wb") as log:
         command = [sys.executable, "-m", "services.cli", "run"]
@@ -104,6 +105,8 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
                        *command]
         code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     output = log_path.read_text(errors="replace")
     if code != 0:
         raise SystemExit(f"bridge exited with {code}; see {log_path}")
@@ -115,7 +118,7 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"DROP PUBLICATION snap_{tag}")
         conn.execute("SELECT pg_replication_origin_drop(%s)", (f"slotbridge_snap_{tag}",))
-    return {"rows": rows, "snapshot_rows_per_s": rate, "wall_s": wall,
+    return {"rows": rows, "snapshot_rows_per_s": rate, "wall_s": wall, "cpu_s": cpu,
             "topic": f"snapbench{tag}.public.{table}",
             # Children waited for so far: this run's daemon is the largest of them.
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
@@ -177,11 +180,13 @@ def main() -> None:
             conn.execute(f"DROP TABLE {table}")
         results.append({"ceiling": ceiling_rate, "snapshot": run["snapshot_rows_per_s"],
                         "process": args.rows / run["wall_s"], "rss": run["peak_rss_mb"],
+                        "cpu": run["cpu_s"] / run["wall_s"],
                         "load_s": load_s})
         r = results[-1]
         print(f"rows {args.rows:,}: read ceiling {r['ceiling']:,.0f} rows/s | snapshot "
               f"{r['snapshot']:,.0f} rows/s (ratio {r['snapshot'] / r['ceiling']:.2f}) | "
-              f"whole process {r['process']:,.0f} rows/s | peak RSS {r['rss']:.0f} MB | "
+              f"whole process {r['process']:,.0f} rows/s, {r['cpu']:.0%} of a core | "
+              f"peak RSS {r['rss']:.0f} MB | "
               f"verified {published:,} records", flush=True)
     if args.repeat > 1:
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}

@@ -224,9 +224,9 @@ class EventBuilder:
                 info = catalog.by_oid[msg.relation_oid]
                 total += 1
                 order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-                row = _row(info, msg.new, None)
                 # An insert has no unchanged-TOAST value: its key is already in the row,
                 # converted once.
+                row = _whole_row(info, msg.new)  # type: ignore[arg-type]
                 key = _dumps({n: row[n] for n in info.key_names}) if info.key_names else None
                 yield info.topic, key, self._value(
                     info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
@@ -324,12 +324,9 @@ class EventBuilder:
         head, tail = self._source(info, None, commit_lsn, ts_ms, b"true")
         rest = _VALUE_REST % (head, lsn, tail, commit_lsn, lsn, b"r", int(time.time() * 1000),
                               f"0:{commit_lsn}".encode())
-        topic, names, converters, key_names = info.topic, info.names, info.converters, \
-            info.key_names
-        limit = self.max_record_bytes
+        topic, key_names, limit = info.topic, info.key_names, self.max_record_bytes
         for n, values in enumerate(rows, 1):
-            row = {name: None if v is None else conv(v)
-                   for name, conv, v in zip(names, converters, values, strict=False)}
+            row = _whole_row(info, values)
             value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)
             if len(value) > limit:
                 raise self._too_large(info, lsn, len(value))
@@ -376,6 +373,12 @@ _VALUE_REST = (b',"source":%b,"lsn":%d%b,"sequence":"[\\"%d\\",\\"%d\\"]"},'
 _VALUE_END = b'%d,"data_collection_order":%d}}'
 _VALUE = b'{"before":%b,"after":%b' + _VALUE_REST + _VALUE_END
 _SNAPSHOT_VALUE = b'{"before":null,"after":%b%b' + _VALUE_END
+
+
+def _whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:
+    """A row with every value sent (no unchanged TOAST): an insert's, a snapshot's."""
+    return {name: None if v is None else conv(v)
+            for name, conv, v in zip(info.names, info.converters, values, strict=False)}
 
 
 def _row(info: RelationInfo, tup: m.Tuple, old: m.Tuple | None) -> dict[str, JsonValue]:
