@@ -59,7 +59,7 @@ _COMMIT = ord("C")
 _STREAM_COMMIT = ord("c")
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
@@ -71,6 +71,51 @@ def _rss_kb(pid: int, field: str = "VmHWM") -> int:
     except OSError:
         pass
     return 0
+
+
+def daemon_env(dsn: str, bootstrap: str, slot: str, publication: str, table: str,
+               prefix: str, spool_dir: Path) -> dict[str, str]:
+    """The environment of a daemon streaming ``public.<table>`` from its own slot, with
+    its own topic prefix and progress topic (``<prefix>.progress``), and no snapshot."""
+    return {**os.environ,
+            "SLOTBRIDGE_SOURCE_DSN": dsn,
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
+            "SLOTBRIDGE_SLOT_NAME": slot,
+            "SLOTBRIDGE_PUBLICATION_NAME": publication,
+            "SLOTBRIDGE_TABLES": json.dumps([f"public.{table}"]),
+            "SLOTBRIDGE_TOPIC_PREFIX": prefix,
+            "SLOTBRIDGE_PROGRESS_TOPIC": f"{prefix}.progress",
+            "SLOTBRIDGE_SNAPSHOT_MODE": "never",
+            "SLOTBRIDGE_SPOOL_DIR": str(spool_dir),
+            "SLOTBRIDGE_HTTP_PORT": "0",
+            "SLOTBRIDGE_LOG_FORMAT": "text"}
+
+
+def drop_pipeline(dsn: str, bootstrap: str, slots: list[str], daemon_slot: str,
+                  publication: str, table: str, prefix: str) -> None:
+    """Drop the slots (once their readers let go), the daemon's origin, the publication,
+    the table and every topic under ``prefix``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for slot in slots:
+            for _ in range(50):
+                try:
+                    conn.execute("SELECT pg_drop_replication_slot(%s) FROM"
+                                 " pg_replication_slots WHERE slot_name = %s", (slot, slot))
+                    break
+                except psycopg.errors.ObjectInUse:
+                    time.sleep(0.2)
+        conn.execute("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
+                     " WHERE roname = %s", (f"slotbridge_{daemon_slot}",))
+        conn.execute(f"DROP PUBLICATION IF EXISTS {publication}")
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix + ".")]
+    if topics:
+        for future in admin.delete_topics(topics, operation_timeout=30).values():
+            try:
+                future.result()
+            except Exception as exc:
+                say(f"could not delete a topic: {exc}")
 
 
 class Run:
@@ -86,7 +131,7 @@ class Run:
         self.ceiling_slot = f"ceil_{tag}"
         self.bridge_slot = f"bridge_{tag}"
         self.prefix = f"bench.{tag}"
-        self.progress_topic = f"bench.{tag}.progress"
+        self.progress_topic = f"{self.prefix}.progress"
         self.spool_dir = spool_dir
         self.verify = verify
         self.py_spy = py_spy
@@ -99,6 +144,10 @@ class Run:
             conn.execute(f"CREATE TABLE {self.table} (id bigint PRIMARY KEY, a int, b text,"
                          " c numeric, d timestamptz)")
             conn.execute(f"CREATE PUBLICATION {self.publication} FOR TABLE {self.table}")
+            # The mark the daemon leaves before creating a slot: without it, it refuses a
+            # slot it did not create.
+            conn.execute("SELECT pg_replication_origin_create(%s)",
+                         (f"slotbridge_{self.bridge_slot}",))
             for slot in (self.ceiling_slot, self.bridge_slot):
                 # failover + two_phase, as the daemon creates its own.
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false,"
@@ -169,18 +218,8 @@ class Run:
     # -- end to end --------------------------------------------------------------------
 
     def e2e(self, end_lsn: int, log_path: Path) -> dict[str, Any]:
-        env = {**os.environ,
-               "SLOTBRIDGE_SOURCE_DSN": self.dsn,
-               "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.bootstrap,
-               "SLOTBRIDGE_SLOT_NAME": self.bridge_slot,
-               "SLOTBRIDGE_PUBLICATION_NAME": self.publication,
-               "SLOTBRIDGE_TABLES": json.dumps([f"public.{self.table}"]),
-               "SLOTBRIDGE_TOPIC_PREFIX": self.prefix,
-               "SLOTBRIDGE_PROGRESS_TOPIC": self.progress_topic,
-               "SLOTBRIDGE_SNAPSHOT_MODE": "never",
-               "SLOTBRIDGE_SPOOL_DIR": str(self.spool_dir),
-               "SLOTBRIDGE_HTTP_PORT": "0",
-               "SLOTBRIDGE_LOG_FORMAT": "text"}
+        env = daemon_env(self.dsn, self.bootstrap, self.bridge_slot, self.publication,
+                         self.table, self.prefix, self.spool_dir)
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-{self.tag}",
                              "enable.auto.commit": False, "isolation.level": "read_committed",
                              "fetch.wait.max.ms": 10})
@@ -188,7 +227,8 @@ class Run:
         streaming_at: list[float] = []
         log_file = log_path.open("w")
         spawned = time.monotonic()
-        command = [str(ROOT / ".venv/bin/slotbridge"), "run"]
+        # This checkout's code: the venv's console script may belong to another worktree.
+        command = [sys.executable, "-m", "services.cli", "run"]
         if self.py_spy is not None:
             # The daemon as py-spy's child (ptrace needs it); RSS is read from that child.
             command = [str(ROOT / ".venv/bin/py-spy"), "record", "--nonblocking", "--threads",
@@ -286,28 +326,8 @@ class Run:
     # -- teardown ----------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            for slot in (self.ceiling_slot, self.bridge_slot):
-                for _ in range(50):
-                    try:
-                        conn.execute("SELECT pg_drop_replication_slot(%s) FROM"
-                                     " pg_replication_slots WHERE slot_name = %s", (slot, slot))
-                        break
-                    except psycopg.errors.ObjectInUse:
-                        time.sleep(0.2)
-            conn.execute("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
-                         " WHERE roname = %s", (f"slotbridge_{self.bridge_slot}",))
-            conn.execute(f"DROP PUBLICATION IF EXISTS {self.publication}")
-            conn.execute(f"DROP TABLE IF EXISTS {self.table}")
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        topics = [t for t in admin.list_topics(timeout=30).topics
-                  if t.startswith(self.prefix + ".")]
-        if topics:
-            for future in admin.delete_topics(topics, operation_timeout=30).values():
-                try:
-                    future.result()
-                except Exception as exc:
-                    _say(f"could not delete a topic: {exc}")
+        drop_pipeline(self.dsn, self.bootstrap, [self.ceiling_slot, self.bridge_slot],
+                      self.bridge_slot, self.publication, self.table, self.prefix)
 
 
 def _one(args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int,
@@ -315,15 +335,15 @@ def _one(args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int,
     tag = f"{'big' if txn_size >= args.rows else 'txn'}{int(time.time()) % 1_000_000}_{index}"
     run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify,
               args.py_spy)
-    _say(f"{tag}: {args.rows:,} rows in {run.txns:,} transaction(s) of {txn_size:,}")
+    say(f"{tag}: {args.rows:,} rows in {run.txns:,} transaction(s) of {txn_size:,}")
     try:
         run.setup()
         load_s = run.load()
-        _say(f"{tag}: loaded in {load_s:.1f}s; reading the ceiling slot")
+        say(f"{tag}: loaded in {load_s:.1f}s; reading the ceiling slot")
         ceiling = run.ceiling()
-        _say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
+        say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
         e2e = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
-        _say(f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
+        say(f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
              f"peak RSS {e2e['peak_rss_mb']:.0f} MB")
     finally:
         if not args.keep:

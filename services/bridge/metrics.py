@@ -11,6 +11,10 @@ from prometheus_client.registry import Collector
 
 from services.bridge.spool import SpoolStats
 
+# From a quiet stream's few milliseconds to a backlog's seconds.
+COMMIT_TO_VISIBLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                             1.0, 2.5, 5.0, 10.0)
+
 
 class BridgeMetrics:
     def __init__(self, slot: str, spool: SpoolStats) -> None:
@@ -27,6 +31,12 @@ class BridgeMetrics:
         self.kafka_commit = Histogram("slotbridge_kafka_transaction_seconds",
                                       "Time to flush and commit one Kafka transaction",
                                       ["slot"], registry=r).labels(slot)
+        self.commit_to_visible = Histogram(
+            "slotbridge_commit_to_visible_seconds",
+            "Per source transaction: end of the Kafka commit that published it minus its "
+            "commit time on the source server (includes the clock difference between the "
+            "server and the bridge; negative differences count as 0)",
+            ["slot"], registry=r, buckets=COMMIT_TO_VISIBLE_BUCKETS).labels(slot)
         self.lag_bytes = Gauge("slotbridge_lag_bytes",
                                "Source WAL end minus the last LSN published to Kafka", ["slot"],
                                registry=r).labels(slot)

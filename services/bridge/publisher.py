@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
@@ -44,6 +44,7 @@ from services.bridge.progress import (
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink
 from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
+from services.bridge.stream import now_pg_us
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 
@@ -114,6 +115,8 @@ class _Batch:
     started: float
     events: int = 0
     last: Transaction | None = None
+    # Source commit times (µs since 2000) of the transactions published in it.
+    commit_ts: list[int] = field(default_factory=list)
 
 
 Decode = Callable[[bytes, bool], m.Message]
@@ -169,9 +172,14 @@ class Publisher(threading.Thread):
 
     def _loop(self) -> None:
         max_s = self._settings.batch_max_ms / 1000
+        # A batch is committed as soon as nothing more is ready (once it is this old):
+        # under backlog the queue never runs dry, so batches grow to the budgets; on a
+        # quiet stream each transaction goes out at once; in between, what arrives while
+        # a Kafka commit runs makes the next batch.
+        linger_s = min(self._settings.batch_linger_ms / 1000, max_s)
         batch: _Batch | None = None
         while True:
-            wait = max_s if batch is None else max(0.0, batch.started + max_s - time.monotonic())
+            wait = max_s if batch is None else max(0.0, batch.started + linger_s - time.monotonic())
             item = self._queue.get(wait)
             if item is _STOP:
                 if batch is not None:
@@ -184,13 +192,16 @@ class Publisher(threading.Thread):
                 batch = batch or self._begin()
                 if not self._control(item, batch):
                     batch.events += self._publish(item)
+                    batch.commit_ts.append(item.commit_ts)
                     failpoint("after_produce")
                 batch.last = item
                 self._watch.committed(item.xid)
-            if batch is not None and (batch.events >= self._settings.batch_max_events
-                                      or time.monotonic() - batch.started >= max_s):
-                self._commit(batch)
-                batch = None
+            if batch is not None:
+                age = time.monotonic() - batch.started
+                if (batch.events >= self._settings.batch_max_events or age >= max_s
+                        or (age >= linger_s and self._queue.empty)):
+                    self._commit(batch)
+                    batch = None
             if batch is None and time.monotonic() - self._committed_at >= HEARTBEAT_S:
                 self._sink.prove_not_fenced()
                 self._committed_at = time.monotonic()
@@ -397,6 +408,7 @@ class Publisher(threading.Thread):
                                           self._book.states()))
         failpoint("before_kafka_commit")
         seconds = self._sink.commit()
+        visible = now_pg_us()
         self._committed_at = time.monotonic()
         failpoint("after_kafka_commit")
         self._origin.advance(end_lsn)
@@ -407,6 +419,10 @@ class Publisher(threading.Thread):
             self._tracker.finished(gid)
         self._gids.clear()
         self._metrics.kafka_commit.observe(seconds)
+        observe = self._metrics.commit_to_visible.observe
+        for commit_ts in batch.commit_ts:
+            # A bridge clock behind the server's would make it negative.
+            observe(max(0, visible - commit_ts) / 1_000_000)
         self._metrics.events.inc(batch.events)
         self._metrics.published_lsn.set(end_lsn)
         for table in self._watch.tables():

@@ -80,8 +80,15 @@ class BridgeSettings(ServiceSettings):
         default=8 * 1024 * 1024, ge=0,
         description="bytes of one transaction kept in memory before it spills to spool_dir",
     )
-    batch_max_events: int = Field(default=20_000, ge=1)
-    batch_max_ms: int = Field(default=200, ge=1)
+    batch_max_events: int = Field(default=20_000, ge=1, description=(
+        "a Kafka transaction is committed once it holds this many change records"))
+    batch_max_ms: int = Field(default=200, ge=1, description=(
+        "a Kafka transaction is committed once it has been open this long, also while source "
+        "transactions keep arriving (a backlog)"))
+    batch_linger_ms: int = Field(default=0, ge=0, description=(
+        "when no further source transaction is ready, a Kafka transaction is committed once "
+        "it has been open this long: 0 commits a quiet stream's transactions at once; "
+        "batch_max_ms or more batches by time alone"))
     status_interval_s: float = Field(default=10.0, gt=0)
     max_row_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024,

@@ -1,0 +1,213 @@
+"""Insert-to-visible latency of the bridge at a steady write rate, on the local stack.
+
+    python bench/latency_bench.py [--rate 5000] [--txn-rows 50] [--seconds 30]
+                                  [--modes new,old] [--stack-dir .stack/bench] [--json]
+
+For each mode, on a fresh table, publication, slot and topics: the real daemon
+(``python -m services.cli run`` of this checkout) streams the table; a writer commits
+``--txn-rows``-row transactions at ``--rate`` rows/s for ``--seconds``, every row holding
+``clock_timestamp()`` of its insert; a read_committed consumer of the change topic takes,
+per row, its receive time minus that timestamp (server and bench share the machine's
+clock). Printed: p50/p90/p99/max and the rows received, which must equal the rows written.
+
+Modes: ``new`` is the daemon as configured by default (a batch is committed as soon as no
+further transaction is ready); ``old`` sets ``batch_linger_ms`` to ``batch_max_ms``, the
+behaviour before it existed: every batch stays open for its full time budget.
+
+Figures, not assertions: the machine is shared, so run it a few times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psycopg
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from bench.bridge_bench import daemon_env, drop_pipeline, say
+from services.bridge.settings import BridgeSettings
+from services.stack.stack import Stack
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH_MAX_MS = BridgeSettings.model_fields["batch_max_ms"].default
+MODES = {"new": {}, "old": {"SLOTBRIDGE_BATCH_LINGER_MS": str(BATCH_MAX_MS)}}
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+class Receiver(threading.Thread):
+    """Reads the change topic (read_committed) and keeps each row's delay in seconds."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"lat-{topic}",
+                                  "enable.auto.commit": False,
+                                  "isolation.level": "read_committed",
+                                  "fetch.wait.max.ms": 5, "fetch.error.backoff.ms": 5})
+        self.consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        self.delays: list[float] = []
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop_flag.is_set():
+                msg = self.consumer.poll(0.05)
+                if msg is None or msg.value() is None:
+                    continue
+                received = time.time()
+                if msg.error() is not None:
+                    raise RuntimeError(f"consumer: {msg.error()}")
+                inserted = datetime.fromisoformat(json.loads(msg.value())["after"]["ts"])
+                self.delays.append(received - inserted.timestamp())
+        except BaseException as exc:  # reported by the caller
+            self.error = exc
+        finally:
+            self.consumer.close()
+
+
+def _wait_for_topic(bootstrap: str, topic: str, timeout: float) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while topic not in admin.list_topics(timeout=10).topics:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{topic} was not created within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def _write(dsn: str, table: str, rate: int, txn_rows: int, seconds: float) -> tuple[int, float]:
+    """Commit ``txn_rows``-row transactions on a fixed schedule; returns (rows, seconds)."""
+    interval = txn_rows / rate
+    count = int(seconds / interval)
+    insert = (f"INSERT INTO {table} (pad) SELECT 'row ' || g "
+              f"FROM generate_series(1, {txn_rows}) g")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        started = time.monotonic()
+        for i in range(count):
+            # Behind schedule (a slow commit), the next one goes at once: the rate holds.
+            delay = started + i * interval - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            conn.execute(insert)
+        return count * txn_rows, time.monotonic() - started
+
+
+def run_mode(mode: str, args: argparse.Namespace, dsn: str, bootstrap: str,
+             work: Path) -> dict[str, Any]:
+    tag = f"lat{mode}{int(time.time()) % 1_000_000}"
+    table, prefix = f"bench_{tag}", f"bench.{tag}"
+    topic = f"{prefix}.public.{table}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+                     "ts timestamptz NOT NULL DEFAULT clock_timestamp(), pad text)")
+        conn.execute(f"CREATE PUBLICATION {tag} FOR TABLE {table}")
+    log_path = work / f"{tag}.log"
+    env = {**daemon_env(dsn, bootstrap, tag, tag, table, prefix, work / "spool"),
+           **MODES[mode]}
+    receiver: Receiver | None = None
+    try:
+        with log_path.open("w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            # One row once the daemon streams: it creates the topic for it.
+            deadline = time.monotonic() + 60
+            while "streaming" not in log_path.read_text():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon is not streaming; see {log_path}")
+                time.sleep(0.05)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f"INSERT INTO {table} (pad) VALUES ('warm-up')")
+            _wait_for_topic(bootstrap, topic, 60)
+            receiver = Receiver(bootstrap, topic)
+            receiver.start()
+            deadline = time.monotonic() + 30
+            while not receiver.delays:
+                if proc.poll() is not None or receiver.error is not None:
+                    raise RuntimeError(f"no warm-up row ({receiver.error}); see {log_path}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no warm-up row within 30s; see {log_path}")
+                time.sleep(0.05)
+            receiver.delays.clear()
+            say(f"{mode}: writing {args.rate:,} rows/s in {args.txn_rows}-row transactions "
+                 f"for {args.seconds:.0f}s")
+            rows, write_s = _write(dsn, table, args.rate, args.txn_rows, args.seconds)
+            deadline = time.monotonic() + 60
+            while len(receiver.delays) < rows and time.monotonic() < deadline:
+                if proc.poll() is not None or receiver.error is not None:
+                    raise RuntimeError(f"stopped early ({receiver.error}); see {log_path}")
+                time.sleep(0.1)
+        finally:
+            if receiver is not None:
+                receiver.stop_flag.set()
+                receiver.join(10)
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        if not args.keep:
+            drop_pipeline(dsn, bootstrap, [tag], tag, tag, table, prefix)
+    delays = sorted(receiver.delays)
+    if len(delays) != rows:
+        raise RuntimeError(f"{mode}: received {len(delays)} rows, wrote {rows}")
+    return {"mode": mode, "rows": rows, "write_rows_per_s": rows / write_s,
+            "p50_ms": _percentile(delays, 0.50) * 1000, "p90_ms": _percentile(delays, 0.90) * 1000,
+            "p99_ms": _percentile(delays, 0.99) * 1000, "max_ms": delays[-1] * 1000,
+            "mean_ms": statistics.fmean(delays) * 1000}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=int, default=5000, help="rows per second")
+    parser.add_argument("--txn-rows", type=int, default=50, help="rows per transaction")
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--modes", default="new,old",
+                        help=f"comma-separated, of {', '.join(MODES)} (see the module doc)")
+    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
+
+    stack = Stack(args.stack_dir)
+    with contextlib.redirect_stdout(sys.stderr):  # keep --json output clean
+        stack.up()
+    work = args.stack_dir / "latency-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    results = [run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work)
+               for mode in modes]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"\ninsert -> read_committed consumer, {args.rate:,} rows/s in {args.txn_rows}-row "
+          f"transactions, {args.seconds:.0f}s")
+    print(f"{'mode':6} {'rows':>8} {'rows/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
+          f" {'max ms':>8}")
+    for r in results:
+        print(f"{r['mode']:6} {r['rows']:8,} {r['write_rows_per_s']:8,.0f} {r['p50_ms']:8.1f}"
+              f" {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
