@@ -35,6 +35,7 @@ from confluent_kafka import KafkaException
 
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
+from services.bridge.chunks import TableName
 from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import (
     EventBuilder,
@@ -88,7 +89,7 @@ from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
-from services.common.pg import SourceError, SourceRefused, with_password
+from services.common.pg import SourceError, SourceRefused, connect, with_password
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolErr
          SourceRefused)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
+_POLL_OPTIONS = "-c lock_timeout=1000"
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
 
 
@@ -323,7 +325,13 @@ class Bridge:
             log_event(log, logging.INFO, "streaming", slot=s.slot_name,
                       publication=s.publication_name)
             try:
-                self._loop(sql, repl, assembler, queue, publisher, tracker, book, server.dsn)
+                # The loop's catalog polling has a connection of its own, which gives up
+                # on a lock rather than wait: DDL holding a published table's ACCESS
+                # EXCLUSIVE lock would otherwise stop the socket loop (no status to the
+                # server, nothing received, /healthz down) until it commits.
+                with connect(server.dsn, options=_POLL_OPTIONS) as poll:
+                    self._loop(poll, repl, assembler, queue, publisher, tracker, book,
+                               server.dsn)
             except StreamError as exc:
                 if f'publication "{s.publication_name}" does not exist' in str(exc):
                     raise publication_dropped(s) from None
@@ -438,7 +446,7 @@ class Bridge:
                               read_topic(kafka_client_config(self.settings), schema_topic)
                               if value is not None)
 
-    def _loop(self, sql: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
+    def _loop(self, poll: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
               assembler: Assembler, queue: TxnQueue, publisher: Publisher,
               tracker: ConfirmTracker, book: SnapshotBook, dsn: str) -> None:
         s = self.settings
@@ -448,7 +456,7 @@ class Bridge:
         sent = 0
         last_status = 0.0
         next_stats = 0.0
-        requested: set[tuple[str, str]] = set()  # tables this session asked to snapshot
+        requested: set[TableName] = set()  # tables this session asked to snapshot
         while not self._stop.is_set():
             now = time.monotonic()
             self._health.last_loop = now
@@ -497,9 +505,8 @@ class Bridge:
                 _lag_seconds(publisher.last_commit_ts) if tracker.published_lsn < queued_end
                 else 0)
             if now >= next_stats:
-                self._slot_stats(sql)
-                missing = [p.name for p in published_tables(sql, s.publication_name)
-                           if publisher.is_missing(p.name) and p.name not in requested] \
+                self._slot_stats(poll)
+                missing = self._added_tables(poll, publisher, requested) \
                     if publisher.snapshot_added else []
                 if missing:
                     # Queued behind what was received so far: its place in the stream.
@@ -515,6 +522,19 @@ class Bridge:
                          for n in range(s.snapshot_workers)]
         for reader in self._readers:
             reader.start()
+
+    def _added_tables(self, poll: psycopg.Connection[tuple[object, ...]], publisher: Publisher,
+                      requested: set[TableName]) -> list[TableName]:
+        """Published tables missing from Kafka that this session has not asked to snapshot
+        yet; none this round if a table's lock is held (asked again next round)."""
+        try:
+            published = published_tables(poll, self.settings.publication_name)
+        except psycopg.errors.LockNotAvailable:
+            log_event(log, logging.INFO, "publication check skipped: a published table is "
+                      "locked (DDL running?); checking again shortly")
+            return []
+        return [p.name for p in published
+                if publisher.is_missing(p.name) and p.name not in requested]
 
     def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:
         names = ("spill_txns", "spill_count", "spill_bytes", "stream_txns", "stream_count",

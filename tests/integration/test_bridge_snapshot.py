@@ -401,3 +401,36 @@ def test_initial_only_publishes_the_snapshot_then_drops_its_slot_and_exits(
         pipe.audit()
     finally:
         pipe.cleanup()
+
+
+def test_a_locked_published_table_does_not_stall_the_stream(stack: Stack,
+                                                            tmp_path: Path) -> None:
+    """A long ALTER TABLE holds its table's ACCESS EXCLUSIVE lock; the bridge's check for
+    tables added to the publication must not wait for it, or the socket loop stops and
+    every other table's changes wait too."""
+    dsn = stack.primary_dsn
+    sql(dsn, """DROP SCHEMA IF EXISTS snaplock CASCADE; CREATE SCHEMA snaplock;
+        CREATE TABLE snaplock.busy (id int PRIMARY KEY);
+        CREATE TABLE snaplock.free (id int PRIMARY KEY);""")
+    pipe = Pipeline(stack, ["snaplock.busy", "snaplock.free"], tmp_path)
+    try:
+        pipe.start()
+        pipe.wait_caught_up()
+        with psycopg.connect(dsn) as locker:
+            locker.execute("LOCK TABLE snaplock.busy IN ACCESS EXCLUSIVE MODE")
+            # Long enough for two of the bridge's publication checks (every 10 s).
+            held_until = time.monotonic() + 25
+            written = 0
+            while time.monotonic() < held_until:
+                written += 1
+                sql(dsn, "INSERT INTO snaplock.free VALUES (%s)", (written,))
+                time.sleep(0.5)
+            wait_for(lambda: len(pipe.changes("snaplock.free")) == written, 15,
+                     f"all {written} rows of snaplock.free in Kafka while snaplock.busy is "
+                     "locked")
+            locker.rollback()
+        assert "publication check skipped: a published table is locked" in pipe.output()
+        assert pipe.stop() == 0
+        pipe.audit()
+    finally:
+        pipe.cleanup()
