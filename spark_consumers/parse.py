@@ -41,7 +41,6 @@ REASON = "_reason"
 TABLE = "_table"
 # A Kafka record's coordinates, and all a dead letter keeps of it.
 COORDINATES = ("topic", "partition", "offset")
-KAFKA_COLUMNS = (*COORDINATES, "key_text", "value_text")
 _NON_NUMBERS = ("NaN", "Infinity", "-Infinity")
 
 
@@ -56,7 +55,7 @@ def can_be_toasted(data_type: DataType) -> bool:
 
 
 def kafka_texts(raw: DataFrame) -> DataFrame:
-    """The non-tombstone records as ``KAFKA_COLUMNS``: key and value as text."""
+    """The non-tombstone records: their ``COORDINATES``, key and value as text."""
     return raw.where(F.col("value").isNotNull()).select(
         *COORDINATES,
         F.col("key").cast("string").alias("key_text"),

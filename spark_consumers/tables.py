@@ -22,7 +22,6 @@ from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql.types import (
     BooleanType,
-    DataType,
     IntegerType,
     LongType,
     StringType,
@@ -145,7 +144,3 @@ def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructTy
 def quote(name: str) -> str:
     """A SQL identifier in backticks (column names may hold anything PostgreSQL allows)."""
     return "`" + name.replace("`", "``") + "`"
-
-
-def field_types(struct: StructType) -> dict[str, DataType]:
-    return {f.name: f.dataType for f in struct.fields}

@@ -7,8 +7,6 @@ everywhere (comparisons and arithmetic are then free) and convert only at the ed
 
 from __future__ import annotations
 
-INVALID_LSN = 0
-
 
 def parse_lsn(text: str) -> int:
     """Parse ``'16/B374D848'`` into an int; raises ValueError with the bad text."""

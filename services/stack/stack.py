@@ -344,16 +344,6 @@ class Stack:
             raise StackError(f"standby: never reached streaming within {timeout:.0f}s; "
                              f"log: {standby.log_path}")
 
-    def rebuild_standby(self) -> None:
-        """Re-clone ``standby`` from ``primary`` (started if stopped), e.g. after a drill."""
-        self.node("primary").start()
-        standby = self.node("standby")
-        standby.shutdown()
-        standby.wipe()
-        self._clone_standby()
-        standby.start()
-        self._wait_streaming()
-
     # -- down -----------------------------------------------------------------------------
 
     def _leftovers(self) -> set[int]:
