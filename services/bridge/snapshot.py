@@ -451,31 +451,64 @@ class ChunkReader(threading.Thread):
                 terms.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)")))
                 if stop < shape.pages:
                     terms.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({stop},0)")))
-            query = sql.SQL("SELECT xmin::text, {} FROM {}{}").format(
+            query = sql.SQL("SELECT ctid::text, xmin::text, {} FROM {}{}").format(
                 sql.SQL(", ").join(columns), ident, _where(terms))
+            if not shape.partitioned:
+                # A cut by bytes resumes at the next page, so pages must come in order: a
+                # TID range scan returns them so, a (synchronised) seq scan may not.
+                conn.execute("SET LOCAL enable_seqscan = off")
+        # A keyless partitioned table has no position to resume from (a ctid names a row
+        # of one partition only): it is one chunk, however large.
+        bounded = keyed or not shape.partitioned
         rows: list[list[str | None]] = []  # text or NULL: nothing here is TOASTed-unchanged
         size = 0
         with conn.cursor(name=f"chunk_{token.replace(':', '_')}", row_factory=_list_row) as cur:
             cur.itersize = _FETCH
             cur.execute(query, params)
-            while size < self._chunk_bytes:
+            while not bounded or size < self._chunk_bytes:
                 batch = cur.fetchmany(_FETCH)
                 if not batch:
                     break
                 rows.extend(batch)
                 size += sum(len(v) for row in batch for v in row if v is not None)
+            cut = bounded and size >= self._chunk_bytes
+            if cut and not keyed:
+                stop = _finish_page(cur, rows) + 1
         xmins: list[int] | None = None
         if keyed:
-            full = len(rows) >= self._chunk_rows or size >= self._chunk_bytes
+            full = len(rows) >= self._chunk_rows or cut
             last = not full or not rows
             cursor = [rows[-1][i] for i in key_at] if rows else state.cursor or []
         else:
-            xmins = [int(str(r[0])) for r in rows]
-            rows = [r[1:] for r in rows]
-            last = shape.partitioned or stop >= shape.pages
+            xmins = [int(str(r[1])) for r in rows]
+            rows = [r[2:] for r in rows]
+            last = not cut and (shape.partitioned or stop >= shape.pages)
             cursor = [str(stop)]
         return Chunk(token, (schema, table), shape.relation, rows, keyed, xmins,
                      shape.snapshot, state.cursor, cursor, last, shape.estimate)
+
+
+def _finish_page(cur: psycopg.ServerCursor[list[str | None]],
+                 rows: list[list[str | None]]) -> int:
+    """Reads on to the end of the heap page of the last row read, so the next chunk can
+    start at the next page; returns the page. Rows are ``[ctid, xmin, ...]``."""
+    page = _page(rows[-1][0])
+    while batch := cur.fetchmany(_FETCH):
+        for at, row in enumerate(batch):
+            row_page = _page(row[0])
+            if row_page < page:
+                raise RuntimeError(f"heap pages read out of order ({row_page} after {page}):"
+                                   " a snapshot chunk would skip rows")
+            if row_page > page:
+                rows.extend(batch[:at])
+                return page
+        rows.extend(batch)
+    return page
+
+
+def _page(ctid: str | None) -> int:
+    """The heap page of a ``ctid`` in its text form ``(page,item)``."""
+    return int(str(ctid)[1:].partition(",")[0])
 
 
 def _list_row(_cursor: object) -> RowMaker[list[str | None]]:
