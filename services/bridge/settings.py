@@ -70,6 +70,10 @@ class BridgeSettings(ServiceSettings):
     topic_partitions: int = Field(default=1, ge=1)
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")
     kafka_transaction_timeout_ms: int = Field(default=300_000, ge=1_000)
+    kafka_transactional_id: str | None = Field(default=None, min_length=1, description=(
+        "the slot's Kafka transactional.id (default slotbridge-<slot_name>); bridges of "
+        "different databases on one Kafka cluster need different ones, or each start of one "
+        "fences the other. The Helm chart sets slotbridge.<namespace>.<release>.<slot>"))
 
     spool_dir: Path = Field(
         default_factory=lambda: _user_cache() / "slotbridge" / "spool",
@@ -132,4 +136,9 @@ class BridgeSettings(ServiceSettings):
     @property
     def transactional_id(self) -> str:
         """One id per slot: a second bridge on the same slot fences the first."""
-        return f"slotbridge-{self.slot_name}"
+        return self.kafka_transactional_id or f"slotbridge-{self.slot_name}"
+
+    @property
+    def fence_group(self) -> str:
+        """The consumer group an idle bridge commits to, to learn whether it was fenced."""
+        return f"{self.transactional_id}-fence"

@@ -388,13 +388,13 @@ class KafkaSink:
 
         The coordinator checks the producer's epoch on every transactional request, and a
         bridge with nothing to publish sends none: this is how an idle one learns it was
-        fenced. The offset (group ``slotbridge-fence-<slot>``, on the progress topic) lands
+        fenced. The offset (group ``<transactional id>-fence``, on the progress topic) lands
         in Kafka's internal offsets topic, in no topic anybody reads.
         """
         if self._fence_group is None:
             self._fence_group = Consumer({
                 **kafka_client_config(self._settings),
-                "group.id": f"slotbridge-fence-{self._settings.slot_name}"})
+                "group.id": self._settings.fence_group})
         group = self._fence_group.consumer_group_metadata()
         timeout_s = self._settings.kafka_transaction_timeout_ms / 1000
         self.begin()

@@ -42,7 +42,7 @@ ALL_VALUES = REPO / "helm" / "ci" / "all-values.yaml"
 KUBE_VERSION = "1.37.0"  # explicit, so any helm build renders the same (check.sh uses it too)
 
 Manifest = dict[str, Any]
-WORKLOADS = {"Deployment", "StatefulSet", "Job"}
+WORKLOADS = {"Deployment", "StatefulSet", "Job", "CronJob"}
 
 
 @pytest.fixture(scope="session")
@@ -93,10 +93,15 @@ def all_manifests(helm: str) -> list[Manifest]:
     return render(helm, "-f", str(ALL_VALUES))
 
 
+def pod_template(doc: Manifest) -> Manifest:
+    spec = doc["spec"]["jobTemplate"]["spec"] if doc["kind"] == "CronJob" else doc["spec"]
+    return dict(spec["template"])
+
+
 def pod_specs(docs: list[Manifest]) -> Iterator[tuple[str, Manifest]]:
     for doc in docs:
         if doc["kind"] in WORKLOADS:
-            yield f"{doc['kind']}/{doc['metadata']['name']}", doc["spec"]["template"]["spec"]
+            yield f"{doc['kind']}/{doc['metadata']['name']}", pod_template(doc)["spec"]
 
 
 def containers(docs: list[Manifest]) -> Iterator[tuple[str, Manifest, Manifest]]:
@@ -146,7 +151,7 @@ def test_health_probes_hit_the_served_endpoints(manifests: list[Manifest]) -> No
     for doc in manifests:
         if doc["kind"] not in WORKLOADS or component(doc) not in ("bridge", "failover-watch"):
             continue
-        c = doc["spec"]["template"]["spec"]["containers"][0]
+        c = pod_template(doc)["spec"]["containers"][0]
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         config = files[Path(c["args"][c["args"].index("--config") + 1]).name]
@@ -167,8 +172,8 @@ def test_services_target_named_ports(manifests: list[Manifest]) -> None:
 
 def _pod_labels(docs: list[Manifest], spec: Manifest) -> dict[str, str]:
     for doc in docs:
-        if doc["kind"] in WORKLOADS and doc["spec"]["template"]["spec"] is spec:
-            return dict(doc["spec"]["template"]["metadata"]["labels"])
+        if doc["kind"] in WORKLOADS and pod_template(doc)["spec"] is spec:
+            return dict(pod_template(doc)["metadata"]["labels"])
     return {}
 
 
@@ -181,14 +186,17 @@ def test_one_single_replica_bridge_per_slot(manifests: list[Manifest]) -> None:
     slots = [s for s in (f.get("slot_name") for f in files.values()) if s]
     assert sorted(slots) == sorted(set(slots))
     assert len(bridges) == len(slots)
-    for doc in bridges:
-        if doc["kind"] == "StatefulSet":
-            assert doc["spec"]["replicas"] == 1
-        else:
-            assert doc["kind"] == "Deployment", doc["kind"]
-            assert doc["spec"]["replicas"] == 1
-            assert doc["spec"]["strategy"]["type"] == "Recreate"
     assert not [d for d in manifests if d["kind"] == "HorizontalPodAutoscaler"]
+
+
+def test_long_running_pods_are_single_writers(manifests: list[Manifest]) -> None:
+    """Bridge, watcher and local consumer each own something (a slot, the repointing of
+    subscribers, a checkpoint): StatefulSets of one replica, which - unlike a Deployment
+    on a lost node or a force delete - start no second pod while the first may run."""
+    assert not [d["metadata"]["name"] for d in manifests if d["kind"] == "Deployment"]
+    for doc in (d for d in manifests if d["kind"] == "StatefulSet"):
+        assert doc["spec"]["replicas"] == 1, doc["metadata"]["name"]
+        assert doc["spec"]["updateStrategy"]["type"] == "RollingUpdate"
 
 
 def test_bridge_replicas_cannot_be_raised(helm: str) -> None:
@@ -206,6 +214,27 @@ def test_slots_get_distinct_pods_and_configs(all_manifests: list[Manifest]) -> N
     assert set(bridges) == {"slotbridge-orders", "slotbridge-billing-events"}
     args = {n: d["spec"]["template"]["spec"]["containers"][0]["args"] for n, d in bridges.items()}
     assert args["slotbridge-billing-events"][-1] == "/etc/slotbridge/billing_events.yaml"
+
+
+@pytest.mark.parametrize("slot", ["failover_watch", "consumer", "spark", "promote"])
+def test_slot_named_like_another_resource_is_refused(helm: str, slot: str) -> None:
+    assert "name of another of the chart's resources" in refused(
+        helm, "--set", f"bridge.slots[0].name={slot}")
+
+
+def test_transactional_ids_are_scoped_to_the_release(helm: str) -> None:
+    """Two releases on one Kafka cluster, same slot name, other databases: their
+    producers must not fence each other."""
+    def ids(release: str, namespace: str) -> set[str]:
+        proc = subprocess.run(
+            [helm, "template", release, str(CHART), "--namespace", namespace,
+             "--kube-version", KUBE_VERSION], capture_output=True, text=True, timeout=120,
+            check=True)
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        return {f["kafka_transactional_id"] for f in config_files(docs).values()
+                if "slot_name" in f}
+    a, b, c = ids("app", "team-a"), ids("billing", "team-a"), ids("app", "team-b")
+    assert len(a) == len(b) == len(c) == 1 and len(a | b | c) == 3, (a, b, c)
 
 
 # -- secrets -----------------------------------------------------------------------------
@@ -254,6 +283,11 @@ def test_passwords_come_from_secret_refs(all_manifests: list[Manifest]) -> None:
     "failover.config.primary.password=hunter2",
     "consumer.config.kafka_options.sasl\\.jaas\\.config=hunter2",
     "bridge.env[0].name=SLOTBRIDGE_SOURCE_PASSWORD,bridge.env[0].value=hunter2",
+    "bridge.config.source_dsn=host=pg user=app password=hunter2",
+    "bridge.slots[0].config.source_dsn=host=pg PASSWORD = hunter2",
+    "bridge.config.source_dsn=postgresql://app:hunter2@pg/app",
+    "failover.config.primary.dsn=host=pg password=hunter2",
+    "failover.config.standbys.standby1.dsn=host=pg2 password=hunter2",
 ])
 def test_inline_secrets_are_refused(helm: str, bad: str) -> None:
     err = refused(helm, "--set", bad)
@@ -330,7 +364,8 @@ def test_schema_names_every_settings_field() -> None:
     props = schema["properties"]
     owned: dict[type[ServiceSettings], tuple[set[str], dict[str, Any]]] = {
         BridgeSettings: ({"slot_name", "http_host", "http_port", "spool_dir", "source_password",
-                          "kafka_sasl_password"}, props["bridge"]["properties"]["config"]),
+                          "kafka_sasl_password", "kafka_transactional_id"},
+                         props["bridge"]["properties"]["config"]),
         FailoverSettings: ({"http_host", "http_port"}, props["failover"]["properties"]["config"]),
         ConsumerSettings: ({"jars_dir", "spark_master", "status_path"},
                            props["consumer"]["properties"]["config"]),
@@ -343,18 +378,32 @@ def test_schema_names_every_settings_field() -> None:
 
 
 def _promote_args(docs: list[Manifest]) -> list[str]:
-    (job,) = [d for d in docs if d["kind"] == "Job"]
-    return list(job["spec"]["template"]["spec"]["containers"][0]["args"])
+    (cron,) = [d for d in docs if d["kind"] == "CronJob"]
+    return list(pod_template(cron)["spec"]["containers"][0]["args"])
 
 
 def test_runbook_is_off_by_default_and_dry_run_unless_told(helm: str) -> None:
-    assert not [d for d in render(helm) if d["kind"] == "Job"]
+    assert not [d for d in render(helm) if d["kind"] in ("Job", "CronJob")]
     on = ("--set", "failover.runbook.enabled=true", "--set", "failover.runbook.standby=standby1")
     args = _promote_args(render(helm, *on))
     assert args[:2] == ["failover", "promote"] and "--dry-run" in args
     assert args[args.index("--standby") + 1] == "standby1"
     real = _promote_args(render(helm, *on, "--set", "failover.runbook.dryRun=false"))
     assert "--dry-run" not in real
+
+
+def test_runbook_runs_only_when_asked(helm: str) -> None:
+    """No Job is rendered, so install, upgrade and rollback run nothing; the promotion is a
+    suspended CronJob with one stable name, started by `kubectl create job --from`."""
+    on = ("--set", "failover.runbook.enabled=true", "--set", "failover.runbook.standby=standby1")
+    docs = render(helm, *on)
+    assert not [d for d in docs if d["kind"] == "Job"]
+    (cron,) = [d for d in docs if d["kind"] == "CronJob"]
+    assert cron["metadata"]["name"] == "slotbridge-promote"
+    assert cron["spec"]["suspend"] is True
+    assert cron["spec"]["jobTemplate"]["spec"]["backoffLimit"] == 0
+    template = (CHART / "templates" / "failover-runbook-cronjob.yaml").read_text()
+    assert "Release.Revision" not in template
 
 
 def test_runbook_needs_a_known_standby(helm: str) -> None:
@@ -431,7 +480,7 @@ def test_consumer_settings_in_both_modes(
     helm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     local = render(helm, "--set", "consumer.enabled=true")
-    (dep,) = [d for d in local if d["kind"] == "Deployment" and component(d) == "consumer"]
+    (dep,) = [d for d in local if d["kind"] == "StatefulSet" and component(d) == "consumer"]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     settings = _load(c, local, tmp_path, monkeypatch)
     assert isinstance(settings, ConsumerSettings)
@@ -486,10 +535,106 @@ def test_alerts_and_dashboard_use_exported_metrics(all_manifests: list[Manifest]
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"SlotbridgeBridgeNotStreaming", "SlotbridgeLagBytesHigh",
-            "SlotbridgeSlotNotFailoverReady"} <= alerts
+            "SlotbridgeSlotNotFailoverReady", "SlotbridgeBridgeAbsent",
+            "SlotbridgeFailoverWatchAbsent"} <= alerts
+    # A bridge that never ran exports nothing for the other rules to judge.
+    (absent,) = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]
+                 if r["alert"] == "SlotbridgeBridgeAbsent"]
+    assert re.findall(r'absent\(slotbridge_streaming\{[^}]*slot="(\w+)"', absent) == [
+        "orders", "billing_events"], absent
     (board,) = [d for d in all_manifests if d["kind"] == "ConfigMap"
                 and component(d) == "dashboard"]
     dashboard = json.loads(board["data"]["slotbridge.json"])
     exprs += [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bslotbridge_[a-z_]+", e)}
     assert used and used <= exported, used - exported
+
+
+# -- extension points ------------------------------------------------------------------
+
+
+def test_the_chart_can_be_a_subchart(helm: str) -> None:
+    """A parent chart passes `global` to every subchart: the strict schema must take it."""
+    render(helm, "--set", "global.imageRegistry=registry.example.com")
+
+
+def test_extra_volumes_mounts_and_env_from_reach_every_pod(helm: str) -> None:
+    sets: list[str] = []
+    for at in ("bridge", "failover.watch", "failover.runbook", "consumer"):
+        sets += ["--set", f"{at}.extraVolumes[0].name=ca",
+                 "--set", f"{at}.extraVolumes[0].secret.secretName=pg-ca",
+                 "--set", f"{at}.extraVolumeMounts[0].name=ca",
+                 "--set", f"{at}.extraVolumeMounts[0].mountPath=/etc/ssl/pg",
+                 "--set", f"{at}.envFrom[0].secretRef.name=kafka-tls"]
+    on = ["--set", "failover.runbook.enabled=true", "--set", "failover.runbook.standby=standby1",
+          "--set", "consumer.enabled=true"]
+    docs = render(helm, *on, *sets)
+    pods = dict(pod_specs(docs))
+    assert len(pods) == 4, list(pods)  # bridge, watcher, runbook, consumer
+    for where, spec in pods.items():
+        assert {"name": "ca", "secret": {"secretName": "pg-ca"}} in spec["volumes"], where
+        c = spec["containers"][0]
+        assert {"name": "ca", "mountPath": "/etc/ssl/pg"} in c["volumeMounts"], where
+        assert c["envFrom"] == [{"secretRef": {"name": "kafka-tls"}}], where
+    operator = render(helm, "-f", str(ALL_VALUES), *sets)
+    (app,) = [d for d in operator if d["kind"] == "SparkApplication"]
+    assert {"name": "ca", "secret": {"secretName": "pg-ca"}} in app["spec"]["volumes"]
+    for role in ("driver", "executor"):
+        assert {"name": "ca", "mountPath": "/etc/ssl/pg"} in app["spec"][role]["volumeMounts"]
+        assert app["spec"][role]["envFrom"] == [{"secretRef": {"name": "kafka-tls"}}]
+
+
+# -- Spark operator ----------------------------------------------------------------------
+
+
+def test_spark_pods_get_the_consumers_account_and_scheduling(helm: str) -> None:
+    docs = render(helm, "-f", str(ALL_VALUES),
+                  "--set", "serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:x",
+                  "--set", "consumer.nodeSelector.pool=spark",
+                  "--set", "consumer.tolerations[0].key=spark",
+                  "--set", "consumer.tolerations[0].operator=Exists",
+                  "--set", "consumer.podLabels.cost=lake")
+    (app,) = [d for d in docs if d["kind"] == "SparkApplication"]
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"
+                  and d["metadata"]["name"] == "slotbridge-spark"]
+    assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:x"}
+    for role in ("driver", "executor"):
+        spec = app["spec"][role]
+        assert spec["serviceAccount"] == "slotbridge-spark", role
+        assert spec["nodeSelector"] == {"pool": "spark"}, role
+        assert spec["tolerations"] == [{"key": "spark", "operator": "Exists"}], role
+        assert spec["labels"]["cost"] == "lake", role
+
+
+def test_spark_operator_refuses_a_local_warehouse_without_a_shared_claim(helm: str) -> None:
+    local = ("-f", str(ALL_VALUES), "--set", "consumer.config.warehouse=/var/lib/slotbridge/w")
+    assert "consumer.config.warehouse" in refused(helm, *local)
+    docs = render(helm, *local, "--set", "consumer.config.checkpoint_dir=/var/lib/slotbridge/c",
+                  "--set", "consumer.dataClaim=lake-rwx")
+    (app,) = [d for d in docs if d["kind"] == "SparkApplication"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "lake-rwx"}} in \
+        app["spec"]["volumes"]
+    for role in ("driver", "executor"):
+        assert {"name": "data", "mountPath": "/var/lib/slotbridge"} in \
+            app["spec"][role]["volumeMounts"]
+
+
+# -- resources ---------------------------------------------------------------------------
+
+
+def test_bridge_resources_cover_the_kafka_queue_and_the_spool(manifests: list[Manifest]) -> None:
+    for doc in (d for d in manifests if d["kind"] == "StatefulSet" and component(d) == "bridge"):
+        resources = doc["spec"]["template"]["spec"]["containers"][0]["resources"]
+        assert _quantity(resources["limits"]["memory"]) >= 1024**3  # 256 MiB queue + rest
+        spool = next(v for v in doc["spec"]["template"]["spec"]["volumes"]
+                     if v["name"] == "spool")
+        assert (_quantity(resources["requests"]["ephemeral-storage"])
+                >= _quantity(spool["emptyDir"]["sizeLimit"]))
+
+
+def _quantity(text: str) -> int:
+    units = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)

@@ -8,7 +8,9 @@ Items covered, by their number in issue #12:
    nothing past what Kafka holds is confirmed;
 10. two bridges started at once on one slot: exactly one streams, the other exits with
     one line (under CPU load, several rounds); a newer bridge takes over from a streaming
-    one; a slot held by a live non-slotbridge consumer is waited for, then refused;
+    one; a slot held by a live non-slotbridge consumer is waited for, then refused; a
+    bridge of another database under the same slot name, with its own transactional id,
+    is refused without disturbing the first (issue #16 item 8);
 13. ``tables: []`` is refused, and so is an existing publication that does not publish
     a configured table;
 14. a least-privilege REPLICATION role: a missing GRANT on a replication origin function
@@ -276,6 +278,40 @@ def test_newer_bridge_takes_over_from_a_streaming_one(stack: Stack, pipe: Pipeli
         newer.audit()
     finally:
         newer.kill()
+
+
+def test_bridges_of_two_databases_with_one_slot_name_do_not_fence_each_other(
+        stack: Stack, pipe: Pipeline, tmp_path: Path) -> None:
+    """Two releases of the chart, other databases, same slot name, same Kafka and progress
+    topic: each has its own transactional id (the chart scopes it), so the misconfigured
+    one is refused with one line and the other never notices (with one shared id the
+    newcomer's producer would fence it, test_newer_bridge_takes_over_from_a_streaming_one)."""
+    pipe.extra["SLOTBRIDGE_KAFKA_TRANSACTIONAL_ID"] = f"slotbridge.a.{pipe.name}"
+    pipe.start()
+    pipe.wait_caught_up(60)
+    sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (1, 'before')")
+    pipe.wait_caught_up(60)
+    other = Pipeline(stack, pipe.tables, tmp_path / "other", name=pipe.name, extra={
+        "SLOTBRIDGE_SOURCE_DSN": stack.subscriber_dsn,
+        "SLOTBRIDGE_KAFKA_TRANSACTIONAL_ID": f"slotbridge.b.{pipe.name}"})
+    other.workdir.mkdir()
+    try:
+        code, output = other.run_to_exit(60)
+        assert code != 0
+        line = _fenced_verdict(output)
+        assert "published progress came from PostgreSQL system" in line, line
+        # Past an idle heartbeat, when a fenced bridge would have learnt it and stopped.
+        time.sleep(HEARTBEAT_S + 1)
+        sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (2, 'after')")
+        pipe.wait_caught_up(60)
+        assert pipe.proc is not None and pipe.proc.poll() is None, pipe.output()[-2000:]
+        assert [r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.t")] == [1, 2]
+        assert pipe.stop() == 0
+        pipe.audit()
+    finally:
+        other.kill()
+        sql(stack.subscriber_dsn, "SELECT pg_drop_replication_slot(slot_name) FROM "
+            "pg_replication_slots WHERE slot_name = %s", (pipe.name,))
 
 
 def test_slot_held_by_another_consumer_is_waited_for_then_refused(stack: Stack, pipe: Pipeline

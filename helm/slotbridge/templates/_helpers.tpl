@@ -57,6 +57,9 @@ Resource name of the bridge of one slot: <fullname>-<slot with _ as ->. Refuses 
 longer than a DNS label instead of truncating them, so two slots can never collide.
 */}}
 {{- define "slotbridge.bridgeName" -}}
+{{- if has .slot (list "bridge" "consumer" "failover" "failover_watch" "promote" "spark") }}
+{{- fail (printf "bridge.slots: slot name %q would give the bridge the name of another of the chart's resources; choose another slot name" .slot) }}
+{{- end }}
 {{- $name := printf "%s-%s" (include "slotbridge.fullname" .ctx) (.slot | replace "_" "-") }}
 {{- if gt (len $name) 52 }}
 {{- fail (printf "bridge name %q is longer than 52 characters (the StatefulSet pod name must stay a DNS label): use a shorter release name, fullnameOverride or slot name" $name) }}
@@ -127,6 +130,9 @@ the keys the chart owns. Call with (dict "ctx" $ "slot" $slot).
 {{- define "slotbridge.bridgeConfig" -}}
 {{- $config := mergeOverwrite (deepCopy .ctx.Values.bridge.config) (deepCopy (.slot.config | default dict)) }}
 {{- $_ := set $config "slot_name" .slot.name }}
+{{- /* Scoped to the release: bridges of other releases on the same Kafka cluster (another
+database, the same slot name) must not fence this one. */}}
+{{- $_ = set $config "kafka_transactional_id" (printf "slotbridge.%s.%s.%s" .ctx.Release.Namespace (include "slotbridge.fullname" .ctx) .slot.name) }}
 {{- $_ = set $config "http_host" "0.0.0.0" }}
 {{- $_ = set $config "http_port" (int .ctx.Values.bridge.port) }}
 {{- $_ = set $config "spool_dir" "/var/spool/slotbridge" }}
@@ -193,4 +199,63 @@ httpGet:
   path: {{ .path }}
   port: http
 {{- toYaml .probe | nindent 0 }}
+{{- end }}
+
+{{/*
+What the Spark operator's driver and executor pods share: the Spark ServiceAccount (the
+executors' too, so an IAM role annotated on it reaches the code that writes the
+warehouse), the consumer's scheduling, labels, environment and volumes. Call with
+(dict "ctx" $ "labels" $labels "config" true); config: mount the settings (driver only).
+*/}}
+{{- define "slotbridge.sparkPod" -}}
+{{- $c := .ctx.Values.consumer -}}
+serviceAccount: {{ include "slotbridge.fullname" .ctx }}-spark
+labels:
+  {{- .labels | nindent 2 }}
+  {{- with $c.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $c.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .ctx.Values.containerSecurityContext | nindent 2 }}
+podSecurityContext:
+  {{- toYaml .ctx.Values.podSecurityContext | nindent 2 }}
+{{- with $c.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.env }}
+env:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+volumeMounts:
+  {{- if .config }}
+  - name: config
+    mountPath: /etc/slotbridge
+    readOnly: true
+  {{- end }}
+  - name: tmp
+    mountPath: /tmp
+  {{- if $c.dataClaim }}
+  - name: data
+    mountPath: /var/lib/slotbridge
+  {{- end }}
+  {{- with $c.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end }}
