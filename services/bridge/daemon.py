@@ -148,6 +148,10 @@ class _Health:
     streaming: bool = False
     last_loop: float = 0.0
     error: str = ""
+    # A wait the source imposes and a restart would only repeat (slot creation waits for
+    # the transactions open at that moment): live while it lasts, however long.
+    waiting: str = ""
+    waiting_since: float = 0.0
 
 
 class Bridge:
@@ -240,6 +244,8 @@ class Bridge:
 
     def _live(self) -> tuple[bool, str]:
         now = time.monotonic()
+        if self._health.waiting:
+            return True, f"{self._health.waiting} ({now - self._health.waiting_since:.0f}s so far)"
         stale = now - self._health.last_loop
         # A session being set up (slot creation waits for open transactions) may take
         # long; a wedged socket loop must still be noticed.
@@ -393,13 +399,24 @@ class Bridge:
             # The origin first: a crash between the two leaves an origin without a slot
             # (harmless), never a slot of ours without its mark.
             origin.ensure()
-            created = repl.create_slot(s.slot_name, two_phase=s.two_phase)
+            with self._known_wait(f"creating slot {s.slot_name}: waits until the source's "
+                                  "transactions open now have ended"):
+                created = repl.create_slot(s.slot_name, two_phase=s.two_phase)
             log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
                       consistent_point=format_lsn(created.consistent_point), db=dbname)
             return
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
+
+    @contextmanager
+    def _known_wait(self, what: str) -> Iterator[None]:
+        log_event(log, logging.INFO, what)
+        self._health.waiting, self._health.waiting_since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self._health.waiting = ""
 
     @contextmanager
     def _racing_for_slot(self, sql: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:

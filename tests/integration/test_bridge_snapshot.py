@@ -475,3 +475,38 @@ def test_keyless_chunks_cut_by_size_lose_no_row(stack: Stack, tmp_path: Path) ->
         pipe.audit()
     finally:
         pipe.cleanup()
+
+
+def test_healthz_stays_live_while_slot_creation_waits_for_an_open_transaction(
+        stack: Stack, tmp_path: Path) -> None:
+    """Creating a slot waits for every transaction open at that moment (hours, for a
+    forgotten session); a liveness probe that killed the bridge then would only start the
+    wait again. /healthz says live and why; /readyz says not streaming."""
+    dsn = stack.primary_dsn
+    sql(dsn, """DROP SCHEMA IF EXISTS slotwait CASCADE; CREATE SCHEMA slotwait;
+        CREATE TABLE slotwait.t (id int PRIMARY KEY); CREATE TABLE slotwait.other (id int);""")
+    pipe = Pipeline(stack, ["slotwait.t"], tmp_path)
+    (port,) = free_ports(1)
+    pipe.extra["SLOTBRIDGE_HTTP_PORT"] = str(port)
+    try:
+        with psycopg.connect(dsn) as holder:
+            holder.execute("INSERT INTO slotwait.other VALUES (1)")  # open, with an xid
+            pipe.start()
+            pipe.wait_for_log("creating slot", 60)
+            time.sleep(2)
+            code, body = _healthz(port)
+            assert code == 200 and "transactions open now have ended" in body, (code, body)
+            assert "created failover slot" not in pipe.output()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
+                raise AssertionError("/readyz ready before the slot exists")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503
+        pipe.wait_for_log("created failover slot", 60)
+        sql(dsn, "INSERT INTO slotwait.t VALUES (1)")
+        pipe.wait_caught_up(60)
+        assert [r.value["after"]["id"] for r in pipe.changes("slotwait.t")] == [1]
+        assert pipe.stop() == 0
+        pipe.audit()
+    finally:
+        pipe.cleanup()
