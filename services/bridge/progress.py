@@ -1,9 +1,10 @@
 """Where the bridge stands: what Kafka holds, what the origin says, what may be confirmed.
 
-The rule (ARCHITECTURE.md, "Exactly once"): ``high_water = max(origin progress, last
-committed Kafka progress record)``; every transaction ending at or below it was published
-already and is skipped. The origin is WAL-logged, so a promoted standby carries it; the
-Kafka record closes the window between a Kafka commit and the origin update.
+The rule (the README's first section; the team's shared ARCHITECTURE.md, "Exactly once"):
+``high_water = max(origin progress, last committed Kafka progress record)``; every
+transaction ending at or below it was published already and is skipped. The origin is
+WAL-logged, so a promoted standby carries it; the Kafka record closes the window between a
+Kafka commit and the origin update.
 
 What may be confirmed to the slot is a separate, lower bound (``ConfirmTracker``): never
 past what Kafka holds, and never past a prepared transaction not yet published - once the

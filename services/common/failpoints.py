@@ -4,11 +4,12 @@ Crash tests must hit each window of the publish -> commit -> advance -> confirm 
 on purpose, not by luck. The variable holds ``name=action`` pairs separated by commas:
 
     SLOTBRIDGE_FAILPOINTS="after_kafka_commit=kill"      # SIGKILL ourselves right there
-    SLOTBRIDGE_FAILPOINTS="before_origin_advance=3*kill"  # on the third time through
+    SLOTBRIDGE_FAILPOINTS="after_origin_advance=3*kill"   # on the third time through
     SLOTBRIDGE_FAILPOINTS="before_kafka_commit=error"     # raise FailpointError
     SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.1"     # every time through: a slow part
 
-Without the variable ``failpoint()`` costs one dict lookup.
+Without the variable ``failpoint()`` costs one dict lookup. A name not in ``NAMES`` is
+refused when the variable is read, so a test cannot arm a point that no code passes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+# Every failpoint() call site, by name (tests/unit/test_failpoints.py keeps this true).
+NAMES = frozenset({
+    "after_chunk", "after_kafka_commit", "after_origin_advance", "after_produce",
+    "after_slot_confirm", "before_kafka_commit", "before_watermark",
+    "consume_after_history", "promote_after_disable",
+})
 
 
 class FailpointError(RuntimeError):
@@ -26,6 +34,9 @@ def _parse(spec: str) -> dict[str, tuple[int, str]]:
     points: dict[str, tuple[int, str]] = {}
     for item in filter(None, (p.strip() for p in spec.split(","))):
         name, _, action = item.partition("=")
+        if name not in NAMES:
+            raise ValueError(f"SLOTBRIDGE_FAILPOINTS: no failpoint named {name!r} "
+                             f"(known: {', '.join(sorted(NAMES))})")
         count, star, what = action.partition("*")
         if star:
             points[name] = (int(count), what)
