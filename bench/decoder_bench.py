@@ -64,7 +64,7 @@ WORKLOADS: dict[str, tuple[tuple[int, ...], Callable[[int], bytes]]] = {
 }
 
 
-def _typed(converters: Sequence[Converter], tup: m.Tuple) -> list[JsonValue]:
+def _typed(converters: Sequence[Converter], tup: m.TupleData) -> list[JsonValue]:
     # The event builder's per-row loop in miniature (it also resolves TOAST markers).
     return [conv(v) if isinstance(v, str) else None
             for conv, v in zip(converters, tup, strict=True)]

@@ -28,7 +28,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from services.bridge.records import UNCHANGED_TOAST
+from services.bridge.records import TOAST_PLACEHOLDER
 from spark_consumers import schema as s
 
 ENVELOPE = (
@@ -185,7 +185,7 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
             converted[typed(i)] = F.transform(F.col(items(i)), _element(element))
         else:
             converted[typed(i)] = _scalar(raw, column.spark_type)
-        converted[toast_flag(i)] = (F.coalesce(raw == F.lit(UNCHANGED_TOAST), F.lit(False))
+        converted[toast_flag(i)] = (F.coalesce(raw == F.lit(TOAST_PLACEHOLDER), F.lit(False))
                                     if can_be_toasted(column.spark_type) else F.lit(False))
     steps = steps.withColumns(converted)
     values: list[Column] = []

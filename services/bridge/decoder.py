@@ -12,8 +12,9 @@ Two things of the session change how bytes read, and neither is in the bytes the
 So a decoder is created per session with the protocol options it asked for, and follows
 the streamed-block state from the Stream Start / Stop messages it decodes. A caller that
 replays a spooled data message later knows whether it came from a streamed block and
-says so with ``streamed=``; that call neither reads nor changes the followed state, so one
-decoder can be shared by the thread reading the stream and the thread replaying spools.
+says so with ``streamed=``; that call neither reads nor changes the followed state. The
+daemon still gives the thread reading the stream and the thread replaying spools a decoder
+each, so no decoder is used by two threads at once.
 """
 
 from __future__ import annotations
@@ -76,13 +77,13 @@ def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
     return buf[pos:end].decode(), end + 1
 
 
-def _tuple(buf: bytes, pos: int) -> tuple[m.Tuple, int]:
+def _tuple(buf: bytes, pos: int) -> tuple[m.TupleData, int]:
     """TupleData at ``pos`` -> the column values and the offset after them."""
     ncols = _u16(buf, pos)[0]
     pos += 2
     # Preallocated with None, so a NULL column costs nothing but its offset, and index
     # assignment beats list.append by a few percent per row.
-    values: m.Tuple = [None] * ncols
+    values: m.TupleData = [None] * ncols
     u32 = _u32
     for i in range(ncols):
         kind = buf[pos]
@@ -186,7 +187,7 @@ def _update(buf: bytes, streamed: bool) -> m.Message:
     relid = _u32(buf, pos)[0]
     pos += 4
     kind = buf[pos]
-    old: m.Tuple | None = None
+    old: m.TupleData | None = None
     if kind == 75 or kind == 79:  # 'K' old key, 'O' old full row
         old, pos = _tuple(buf, pos + 1)
     if buf[pos] != 78:  # 'N'

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from services.bridge import messages as m
-from services.bridge.records import CONNECTOR, UNCHANGED_TOAST
+from services.bridge.records import CONNECTOR, TOAST_PLACEHOLDER
 from services.bridge.topics import table_topic
 from services.bridge.values import TYPE_NAMES, JsonValue, converter_for
 from services.common.lsn import format_lsn
@@ -193,15 +193,15 @@ Record = tuple[str, bytes | None, bytes | None]
 class EventBuilder:
     """Turns decoded messages of one sealed transaction into Kafka records."""
 
-    def __init__(self, catalog: RelationCatalog, source_name: str, db: str,
+    def __init__(self, catalog: RelationCatalog, topic_prefix: str, db: str,
                  max_record_bytes: int) -> None:
         self.catalog = catalog
-        self.source_name = source_name
+        self.topic_prefix = topic_prefix
         self.db = db
         self.max_record_bytes = max_record_bytes
-        self.schema_topic = f"{source_name}.schema"
-        self.transaction_topic = f"{source_name}.transaction"
-        self.message_topic = f"{source_name}.message"
+        self.schema_topic = f"{topic_prefix}.schema"
+        self.transaction_topic = f"{topic_prefix}.transaction"
+        self.message_topic = f"{topic_prefix}.message"
 
     def transaction(self, xid: int, commit_lsn: int, commit_ts: int,
                     changes: Iterator[tuple[int, m.Message]],
@@ -336,7 +336,7 @@ class EventBuilder:
                 snapshot: bytes) -> tuple[bytes, bytes]:
         """The ``source`` block before and after its ``lsn``: the same for every change of
         a relation in one transaction."""
-        head = _dumps({"connector": CONNECTOR, "version": VERSION, "name": self.source_name,
+        head = _dumps({"connector": CONNECTOR, "version": VERSION, "name": self.topic_prefix,
                        "db": self.db, "schema": info.schema, "table": info.table,
                        "txId": xid})[:-1]
         tail = b',"commit_lsn":%d,"ts_ms":%d,"snapshot":"%b","schema_version":%d' % (
@@ -381,7 +381,7 @@ def _whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, Js
             for name, conv, v in zip(info.names, info.converters, values, strict=False)}
 
 
-def _row(info: RelationInfo, tup: m.Tuple, old: m.Tuple | None) -> dict[str, JsonValue]:
+def _row(info: RelationInfo, tup: m.TupleData, old: m.TupleData | None) -> dict[str, JsonValue]:
     row: dict[str, JsonValue] = {}
     for i, (name, conv, value) in enumerate(zip(info.names, info.converters, tup, strict=False)):
         if value is None:
@@ -391,11 +391,11 @@ def _row(info: RelationInfo, tup: m.Tuple, old: m.Tuple | None) -> dict[str, Jso
         else:
             # Unchanged TOAST: the old full tuple (REPLICA IDENTITY FULL) has the value.
             prior = old[i] if old is not None else None
-            row[name] = conv(prior) if prior.__class__ is str else UNCHANGED_TOAST
+            row[name] = conv(prior) if prior.__class__ is str else TOAST_PLACEHOLDER
     return row
 
 
-def _key_row(info: RelationInfo, tup: m.Tuple) -> dict[str, JsonValue]:
+def _key_row(info: RelationInfo, tup: m.TupleData) -> dict[str, JsonValue]:
     return {info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx}
 
 
@@ -403,7 +403,7 @@ def _typed(info: RelationInfo, i: int, value: m.TupleValue) -> JsonValue:
     return info.converters[i](value) if isinstance(value, str) else None
 
 
-def _key(info: RelationInfo, tup: m.Tuple) -> bytes | None:
+def _key(info: RelationInfo, tup: m.TupleData) -> bytes | None:
     if not info.key_idx:
         return None
     return _dumps({info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx})

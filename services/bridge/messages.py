@@ -30,7 +30,8 @@ UNCHANGED_TOAST: Final = _UnchangedToast()
 PG_EPOCH_UNIX_US: Final = 946_684_800_000_000
 
 TupleValue = str | None | _UnchangedToast
-Tuple = list[TupleValue]
+# A row's values in column order: pgoutput's TupleData, held in a list.
+TupleData = list[TupleValue]
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,23 +87,23 @@ class TypeMsg:
 class Insert:
     xid: int | None
     relation_oid: int
-    new: Tuple
+    new: TupleData
 
 
 @dataclass(slots=True)
 class Update:
     xid: int | None
     relation_oid: int
-    old: Tuple | None  # present with REPLICA IDENTITY FULL ('O') or a changed key ('K')
+    old: TupleData | None  # present with REPLICA IDENTITY FULL ('O') or a changed key ('K')
     old_is_key_only: bool
-    new: Tuple
+    new: TupleData
 
 
 @dataclass(slots=True)
 class Delete:
     xid: int | None
     relation_oid: int
-    old: Tuple
+    old: TupleData
     old_is_key_only: bool
 
 

@@ -10,7 +10,7 @@ integers as numbers, numeric and money as exact decimal strings, timestamps as I
 strings, json/jsonb as the very JSON text PostgreSQL printed (embedded, not re-encoded:
 duplicate keys, number precision and whitespace kept), bytea as base64, arrays as JSON
 arrays, anything unknown as text. A TOASTed value the server did not send because it did
-not change is the string ``UNCHANGED_TOAST`` below (Debezium's placeholder, so existing
+not change is the string ``TOAST_PLACEHOLDER`` below (Debezium's placeholder, so existing
 Debezium consumers already recognise it).
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-UNCHANGED_TOAST = "__debezium_unavailable_value"
+TOAST_PLACEHOLDER = "__debezium_unavailable_value"
 CONNECTOR = "slotbridge"
 
 Row = dict[str, Any]
@@ -182,7 +182,7 @@ def json_schema(model: type[BaseModel]) -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     if model is ChangeValue:
         schema["description"] = (schema.get("description", "") + "\n\nUnchanged TOAST marker: "
-                                 f"a column value equal to \"{UNCHANGED_TOAST}\".").strip()
+                                 f"a column value equal to \"{TOAST_PLACEHOLDER}\".").strip()
     return schema
 
 

@@ -21,8 +21,8 @@ COLUMNS = (
     m.Column("name", 1043, 104, False),
     m.Column("body", 25, -1, False),
 )
-ROW: m.Tuple = ["42", "h\u00e9llo, w\u00f6rld", None]
-KEY: m.Tuple = ["42", None, None]
+ROW: m.TupleData = ["42", "h\u00e9llo, w\u00f6rld", None]
+KEY: m.TupleData = ["42", None, None]
 
 # Messages the same whether or not they sit inside a streamed block.
 CONTROL: list[m.Message] = [

@@ -29,7 +29,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from services.bridge.records import UNCHANGED_TOAST
+from services.bridge.records import TOAST_PLACEHOLDER
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
@@ -207,9 +207,9 @@ def test_unchanged_toast_keeps_stored_value(spark: SparkSession, tmp_path: Path)
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
     h.run(t.change("c", row(1, "long text"), 100, 1, 1))
-    h.run([*t.change("u", row(1, UNCHANGED_TOAST, amount="1.00"), 200, 1, 2),
+    h.run([*t.change("u", row(1, TOAST_PLACEHOLDER, amount="1.00"), 200, 1, 2),
            *t.change("c", row(2, "two"), 200, 2, 2),
-           *t.change("u", row(2, UNCHANGED_TOAST, amount="2.00"), 300, 1, 3)])
+           *t.change("u", row(2, TOAST_PLACEHOLDER, amount="2.00"), 300, 1, 3)])
     current = h.current()
     assert (current[1]["name"], current[1]["amount"]) == ("long text", Decimal("1.00"))
     assert (current[2]["name"], current[2]["amount"]) == ("two", Decimal("2.00"))
