@@ -68,6 +68,18 @@ MAVEN_SETS = {
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
     ],
 }
+# The cloud file systems of the Spark image (s3a://, abfs(s)://, wasb(s)://): not resolved
+# by the local bootstrap (the AWS SDK bundle alone is over 500 MB), only by
+# helm/Dockerfile.spark into the image's jars/spark folder. hadoop-aws and hadoop-azure must
+# be the Hadoop version pyspark ships (pyspark/jars/hadoop-client-api-<version>.jar; the
+# image build checks it); their runtime scope leaves out hadoop-common (provided), and
+# spark_consumers.job.extra_jars drops what pyspark already has.
+HADOOP_VERSION = "3.4.1"
+SPARK_CLOUD_SET = "spark-cloud"
+SPARK_CLOUD_JARS = [
+    f"org.apache.hadoop:hadoop-aws:{HADOOP_VERSION}",
+    f"org.apache.hadoop:hadoop-azure:{HADOOP_VERSION}",
+]
 # Jars the Spark distribution (pyspark) already ships; a second copy on the classpath
 # only invites version clashes. (Spark's own modules are "provided" scope, so runtime
 # scope already leaves them out while keeping spark-sql-kafka and its token provider.)
@@ -114,7 +126,7 @@ def ensure_venv() -> None:
     py = str(VENV / "bin" / "python")
     pip = [py, "-m", "pip", "install", "--progress-bar", "on"]
     _run([*pip, "-q", "--upgrade", "pip"], "pip upgrade")
-    _run([*pip, "-e", f"{ROOT}[dev]"], "python packages")
+    _run([*pip, "-e", f"{ROOT}[dev,spark]"], "python packages")
     stamp.write_text(key)
 
 

@@ -347,6 +347,8 @@ def test_bridge_spools_to_an_empty_dir(all_manifests: list[Manifest]) -> None:
     ("bridge.config.tables[0]=orders", "bridge/config/tables/0"),
     ("bridge.port=70000", "bridge/port"),
     ("image.pullPolicy=Sometimes", "image/pullPolicy"),
+    ("sparkImage.pullPolicy=Sometimes", "sparkImage/pullPolicy"),
+    ("sparkImage.digest=latest", "sparkImage/digest"),
     ("failover.runbook.dryRun=no", "failover/runbook/dryRun"),
     ("failover.config.standbys=null", "failover/config"),
     ("consumer.config.spark_master=yarn", "spark_master"),
@@ -548,6 +550,32 @@ def test_alerts_and_dashboard_use_exported_metrics(all_manifests: list[Manifest]
     exprs += [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bslotbridge_[a-z_]+", e)}
     assert used and used <= exported, used - exported
+
+
+# -- images ----------------------------------------------------------------------------
+
+
+def test_only_the_consumer_runs_the_spark_image(helm: str, all_manifests: list[Manifest]) -> None:
+    """Bridge and failover pods run `image` (no Java, no Spark); the consumer `sparkImage`."""
+    spark = "example/slotbridge-spark@sha256:" + "0123456789abcdef" * 4
+    (app,) = [d for d in all_manifests if d["kind"] == "SparkApplication"]
+    assert app["spec"]["image"] == spark
+    local = render(helm, "-f", str(REPO / "helm" / "ci" / "local-consumer-values.yaml"),
+                   "--set", "image.tag=1.2.3", "--set", "sparkImage.tag=4.5.6",
+                   "--set", "sparkImage.pullPolicy=Always")
+    seen = set()
+    for docs, bridge_image, spark_image in ((all_manifests, "example/slotbridge:0.1.0", spark),
+                                            (local, "slotbridge:1.2.3", "slotbridge-spark:4.5.6")):
+        for doc in docs:
+            if doc["kind"] not in WORKLOADS:
+                continue
+            for c in pod_template(doc)["spec"]["containers"]:
+                want = spark_image if component(doc) == "consumer" else bridge_image
+                assert c["image"] == want, (doc["metadata"]["name"], c["image"])
+                seen.add(component(doc))
+                if docs is local and component(doc) == "consumer":
+                    assert c["imagePullPolicy"] == "Always"
+    assert "consumer" in seen and "bridge" in seen, seen
 
 
 # -- extension points ------------------------------------------------------------------

@@ -75,12 +75,25 @@ longer than a DNS label instead of truncating them, so two slots can never colli
 {{- end }}
 {{- end }}
 
-{{- define "slotbridge.image" -}}
-{{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{/*
+Image references: "slotbridge.image" (bridge, failover watcher and runbook; values.image)
+and "slotbridge.sparkImage" (the consumer; values.sparkImage). A digest wins over the tag.
+*/}}
+{{- define "slotbridge.imageRef" -}}
+{{- $image := index .ctx.Values .key }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" $image.repository (default .ctx.Chart.AppVersion $image.tag) }}
 {{- end }}
+{{- end }}
+
+{{- define "slotbridge.image" -}}
+{{- include "slotbridge.imageRef" (dict "ctx" . "key" "image") }}
+{{- end }}
+
+{{- define "slotbridge.sparkImage" -}}
+{{- include "slotbridge.imageRef" (dict "ctx" . "key" "sparkImage") }}
 {{- end }}
 
 {{/*
