@@ -47,6 +47,16 @@ check "$BRIDGE_IMAGE: failover promote --help" "Usage: slotbridge failover promo
     "$BRIDGE_IMAGE" failover promote --help
 check "$BRIDGE_IMAGE: failover check --help" "Usage: slotbridge failover check" \
     "$BRIDGE_IMAGE" failover check --help
+# The watcher as the chart starts it (its settings file, http on 0.0.0.0:9188), with no
+# database to reach: /healthz must answer while its checks fail (readiness says why).
+check "$BRIDGE_IMAGE: failover watch serves /healthz" '^200 ' --entrypoint /bin/sh "$BRIDGE_IMAGE" -c '
+printf "primary: {dsn: \"host=127.0.0.1 port=1 connect_timeout=1\"}\nstandbys: {s1: {dsn: \"host=127.0.0.1 port=2 connect_timeout=1\"}}\nhttp_host: 0.0.0.0\nhttp_port: 9188\n" > /tmp/failover.yaml
+/opt/slotbridge/entrypoint.sh failover watch --config /tmp/failover.yaml >/tmp/watch.log 2>&1 &
+for _ in $(seq 1 30); do
+  python -c "import urllib.request as u; r = u.urlopen(\"http://127.0.0.1:9188/healthz\", timeout=2); print(r.status, r.read().decode())" 2>/dev/null && exit 0
+  sleep 1
+done
+cat /tmp/watch.log; exit 1'
 check "$BRIDGE_IMAGE: no Java, no pyspark" "^clean$" --entrypoint /bin/sh "$BRIDGE_IMAGE" -c \
     '! command -v java >/dev/null && ! python -c "import pyspark" 2>/dev/null && echo clean'
 
