@@ -4,7 +4,8 @@ helm/ci/build-images.sh builds the bridge and Spark images with podman from a de
 base (cached in the project cache: a rebuild of unchanged layers takes seconds);
 helm/ci/check-images.sh runs their entrypoints as the chart does (``--help``, the CLI's
 subcommands, the watcher's /healthz, the Spark driver's main file, the cloud file systems
-in the JVM) and checks what each image must not hold. Skips, saying so, where podman is
+in the JVM) and checks what each image must not hold; helm/ci/check-s3.sh writes a Delta
+table to s3a:// on a local S3 server from the Spark image. Skips, saying so, where podman is
 not installed (a fresh machine: the build script installs it, ~5 minutes with the base).
 """
 
@@ -38,3 +39,12 @@ def test_images_run_as_the_chart_starts_them(built: str) -> None:
         proc.stdout[-4000:] + proc.stderr[-2000:]
     assert sum(x.startswith("PASS") for x in lines) >= 20, proc.stdout
     print("\n".join(x for x in lines if not x.startswith("PASS")))
+
+
+def test_spark_image_writes_delta_to_s3(built: str) -> None:
+    """s3a:// works from the image (hadoop-aws matched to pyspark's Hadoop): a Delta table
+    written to a local S3-compatible server (moto) and read back."""
+    proc = subprocess.run(["bash", str(REPO / "helm" / "ci" / "check-s3.sh")], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rows 110 max 109 versions [1, 0]" in proc.stdout, proc.stdout
