@@ -247,8 +247,8 @@ class Bridge:
         if self._health.waiting:
             return True, f"{self._health.waiting} ({now - self._health.waiting_since:.0f}s so far)"
         stale = now - self._health.last_loop
-        # A session being set up (slot creation waits for open transactions) may take
-        # long; a wedged socket loop must still be noticed.
+        # Outside a known wait (above), a session set up or a socket loop that stops
+        # for this long is wedged.
         if stale >= 120:
             return False, f"main loop last ran {stale:.0f}s ago"
         stalled = now - self._book.last_progress

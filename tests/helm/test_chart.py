@@ -63,16 +63,18 @@ def test_lint_template_and_validate(helm: str) -> None:
     assert "FAIL" not in proc.stdout
 
 
-def _template(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _template(helm: str, *args: str, release: str = "slotbridge",
+              namespace: str = "slotbridge") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [helm, "template", "slotbridge", str(CHART), "--namespace", "slotbridge",
+        [helm, "template", release, str(CHART), "--namespace", namespace,
          "--kube-version", KUBE_VERSION, *args],
         capture_output=True, text=True, timeout=120, check=False,
     )
 
 
-def render(helm: str, *args: str) -> list[Manifest]:
-    proc = _template(helm, *args)
+def render(helm: str, *args: str, release: str = "slotbridge",
+           namespace: str = "slotbridge") -> list[Manifest]:
+    proc = _template(helm, *args, release=release, namespace=namespace)
     assert proc.returncode == 0, proc.stderr
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
@@ -226,11 +228,7 @@ def test_transactional_ids_are_scoped_to_the_release(helm: str) -> None:
     """Two releases on one Kafka cluster, same slot name, other databases: their
     producers must not fence each other."""
     def ids(release: str, namespace: str) -> set[str]:
-        proc = subprocess.run(
-            [helm, "template", release, str(CHART), "--namespace", namespace,
-             "--kube-version", KUBE_VERSION], capture_output=True, text=True, timeout=120,
-            check=True)
-        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        docs = render(helm, release=release, namespace=namespace)
         return {f["kafka_transactional_id"] for f in config_files(docs).values()
                 if "slot_name" in f}
     a, b, c = ids("app", "team-a"), ids("billing", "team-a"), ids("app", "team-b")
