@@ -24,6 +24,7 @@ from services.common.logs import log_event
 from spark_consumers import schema as s
 from spark_consumers.deadletter import STOPPED, quarantine, stopped_tables
 from spark_consumers.errors import error_line
+from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.kafka import refresh_registry
 from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
 from spark_consumers.parse import (
@@ -63,6 +64,9 @@ class BatchProcessor:
         self.status = status
         self.registry = registry if registry is not None else s.SchemaRegistry()
         self.writers: dict[str, TableWriter] = {}
+        self.housekeeper = Housekeeper(settings.housekeeping_interval_s,
+                                       settings.vacuum_retention_hours,
+                                       settings.tombstone_retention_hours)
         # Tables stopped by an error of their own -> why; read from the dead-letter
         # table at the first batch, so a stopped table stays stopped across restarts.
         self.stopped: dict[str, str] | None = None
@@ -76,6 +80,10 @@ class BatchProcessor:
         finally:
             envs.unpersist()
         self.status.record_batch(batch_id, counts, time.monotonic() - started, timings)
+        if self.housekeeper.due(time.monotonic()):
+            tables = {t: table_paths(self.settings.warehouse, t) for t in self.registry.versions}
+            self.status.housekeeping = self.housekeeper.run(self.spark, self.settings.warehouse,
+                                                            tables)
         self.status.write(self.settings.status_path)
 
     def _process(self, raw: DataFrame, envs: DataFrame, batch_id: int,

@@ -76,6 +76,10 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # to disk only; kept in memory, spilling when it must, the copy is cheaper to write
         # and to read back in the MERGE's two passes.
         "spark.databricks.delta.merge.materializeSource.rddStorageLevel": "MEMORY_AND_DISK",
+        # File listings (VACUUM's among them) run as one task per this many paths;
+        # Spark's 10,000 made a VACUUM of a small table take a minute on two cores.
+        "spark.sql.sources.parallelPartitionDiscovery.parallelism":
+            str(settings.shuffle_partitions),
         "spark.sql.streaming.stopGracefullyOnShutdown": "false",
         # Spark's default INT96 holds only 1677-2262 for readers that map it to
         # nanoseconds (delta-rs, pandas): one timestamptz of 0001-01-01 or 9999-12-31 made

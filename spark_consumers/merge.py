@@ -18,6 +18,8 @@ else from the current-state row, so history and current state both hold real val
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from delta.tables import DeltaTable
@@ -361,28 +363,29 @@ class TableWriter:
         if floor is not None:
             latest = latest.where(_newer_than(floor))
         if self._tombstones and stones is not None:
+            # Tombstones are appended, so a key deleted several times has several: its
+            # newest delete is the one a change must come after.
             deleted = (stones.toDF().where(~F.col(IS_TRUNCATE))
-                       .select(*[F.col(quote(k)) for k in keys],
-                               F.col(s.COMMIT_LSN).alias("_d_lsn"),
-                               F.col(s.TOTAL_ORDER).alias("_d_order")))
+                       .groupBy(*[F.col(quote(k)) for k in keys])
+                       .agg(F.max(F.struct(*_position_order())).alias("_d")))
             latest = (latest.join(deleted, keys, "left")
-                      .where(f"_d_lsn IS NULL OR {quote(s.COMMIT_LSN)} > _d_lsn OR "
-                             f"({quote(s.COMMIT_LSN)} = _d_lsn AND "
-                             f"{quote(s.TOTAL_ORDER)} > _d_order)")
-                      .drop("_d_lsn", "_d_order"))
+                      .where(F.col("_d").isNull()
+                             | (F.struct(*_position_order()) > F.col("_d")))
+                      .drop("_d"))
         latest = latest.persist()
         try:
-            (current.alias("t").merge(_align(latest, target, (s.OP,)).alias("s"),
-                                      _key_match(table.key_columns))
-             .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
-             .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
-             .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
-                                   values=_assign(target))
-             .execute())
+            with _source_as_is(self.spark):
+                (current.alias("t").merge(_align(latest, target, (s.OP,)).alias("s"),
+                                          _key_match(table.key_columns))
+                 .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
+                 .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
+                 .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
+                                       values=_assign(target))
+                 .execute())
             timings.merged(f"{table.name} current", current)
-            if facts.has_deletes and stones is not None and tombstones is not None:
-                _merge_tombstones(stones, _align(latest, tombstones, (s.OP,)), table)
-                timings.merged(f"{table.name} tombstones", stones)
+            if facts.has_deletes and tombstones is not None:
+                with timings.phase(f"{table.name} tombstones"):
+                    _append_tombstones(latest, tombstones, self.paths.tombstones)
                 self._tombstones = True
         finally:
             latest.unpersist()
@@ -392,17 +395,38 @@ class TableWriter:
             _store_truncate(self.spark, stones, self._floor)
 
 
-def _merge_tombstones(stones: DeltaTable, source: DataFrame, table: s.TableSchema) -> None:
-    """Remember deleted keys; forget a key's tombstone once a newer change re-creates it."""
-    names = (*table.key_columns, s.COMMIT_LSN, s.TOTAL_ORDER)
-    columns: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in names}
-    (stones.alias("t").merge(source.alias("s"),
-                             f"{_key_match(table.key_columns)} AND NOT t.{IS_TRUNCATE}")
-     .whenMatchedUpdate(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}", set=columns)
-     .whenMatchedDelete(condition=newer("s", "t"))
-     .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} = 'd'",
-                           values={**columns, IS_TRUNCATE: "false"})
-     .execute())
+_MATERIALIZE = "spark.databricks.delta.merge.materializeSource"
+
+
+@contextmanager
+def _source_as_is(spark: SparkSession) -> Iterator[None]:
+    """A MERGE whose source is already persisted reads it as it is.
+
+    Delta copies a MERGE's source first (its two passes must see the same rows), which for
+    a cached source is a second copy of the same rows. Ours is recomputed only if a cached
+    block is lost, and then from the same Kafka offsets and the same table versions (no
+    write happens during the MERGE), so it comes out the same.
+    """
+    previous = spark.conf.get(_MATERIALIZE, None)
+    spark.conf.set(_MATERIALIZE, "none")
+    try:
+        yield
+    finally:
+        if previous is None:
+            spark.conf.unset(_MATERIALIZE)
+        else:
+            spark.conf.set(_MATERIALIZE, previous)
+
+
+def _append_tombstones(latest: DataFrame, target: StructType, path: str) -> None:
+    """Remember the keys whose newest change in the batch is a delete.
+
+    An append, not a MERGE: a key's older tombstones and those of keys created again
+    later only cost space (a change is compared with the key's newest delete), and
+    housekeeping trims them. A replayed batch appends its tombstones again, harmlessly.
+    """
+    deletes = latest.where(F.col(s.OP) == "d").withColumn(IS_TRUNCATE, F.lit(False))
+    _align(deletes, target).write.format("delta").mode("append").save(path)
 
 
 def _store_truncate(spark: SparkSession, stones: DeltaTable, position: Position) -> None:

@@ -67,6 +67,19 @@ class ConsumerSettings(ServiceSettings):
         "finish; then it is abandoned (and replayed on the next start). The Helm chart "
         "gives the pod this plus 30 s to stop the JVM",
     )
+    housekeeping_interval_s: float = Field(
+        default=3600.0, ge=0, description="how often the job compacts (OPTIMIZE) and "
+        "vacuums its Delta tables and trims tombstones, between batches; 0 = never",
+    )
+    vacuum_retention_hours: float = Field(
+        default=168.0, ge=0, description="VACUUM keeps the files of the versions this many "
+        "hours back (time travel and slow readers need them)",
+    )
+    tombstone_retention_hours: float = Field(
+        default=168.0, ge=0, description="a deleted key's tombstone is dropped once the "
+        "table's newest change is this much later: no record older than the delete may "
+        "arrive after that (Kafka's delete.retention.ms has the same meaning)",
+    )
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

@@ -10,11 +10,12 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.common.logs import log_event
+from spark_consumers.housekeeping import Upkeep
 from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
@@ -39,6 +40,7 @@ class Status:
     last_batch_timings: BatchTimings = field(default_factory=BatchTimings)
     tables: dict[str, TableCounts] = field(default_factory=dict)
     lag: dict[str, int] = field(default_factory=dict)
+    housekeeping: Upkeep | None = None
     updated_at: float = field(default_factory=time.time)
 
     def record_batch(self, batch_id: int, counts: dict[str, TableCounts],
@@ -85,6 +87,7 @@ class Status:
             "quarantined": self.quarantined,
             "lag": dict(sorted(self.lag.items())),
             "total_lag": sum(self.lag.values()),
+            "housekeeping": None if self.housekeeping is None else asdict(self.housekeeping),
             "updated_at": self.updated_at,
         }
 

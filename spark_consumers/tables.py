@@ -5,7 +5,8 @@ Per source table ``schema.table`` under the warehouse:
     current/schema.table      one row per live key: the source columns + position
     history/schema.table      every change, SCD type 2 validity, op and source metadata
     _tombstones/schema.table  internal: position of each deleted key and of the last
-                              truncate, so a late older record cannot resurrect a row
+                              truncate, so a late older record cannot resurrect a row;
+                              appended (a key may have several), trimmed by housekeeping
     _dead_letter              records that could not be applied, with the reason
 
 Tables are created on first use and only ever gain columns (``ALTER TABLE ADD COLUMNS``):
@@ -87,7 +88,9 @@ def history_struct(table: s.TableSchema) -> StructType:
 
 def tombstone_struct(table: s.TableSchema) -> StructType:
     keys = [f for f in table.struct().fields if f.name in table.key_columns]
-    return StructType([*keys, *_POSITION, StructField(IS_TRUNCATE, BooleanType())])
+    # The commit time says when a tombstone may be trimmed (housekeeping.py).
+    return StructType([*keys, *_POSITION, StructField(s.COMMIT_TS, TimestampType()),
+                       StructField(IS_TRUNCATE, BooleanType())])
 
 
 # Characters Delta refuses in column names unless the table maps names to physical ones.

@@ -10,11 +10,13 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import (
     ArrayType,
@@ -31,6 +33,7 @@ from pyspark.sql.types import (
 
 from services.bridge.records import TOAST_PLACEHOLDER
 from spark_consumers.batch import BatchProcessor
+from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
@@ -336,3 +339,59 @@ def _delta_table_exists(spark: SparkSession, path: str) -> bool:
     from delta.tables import DeltaTable
 
     return DeltaTable.isDeltaTable(spark, path)
+
+
+def _data_files(path: str) -> set[str]:
+    """The Parquet files in the table's folder, referenced by its log or not."""
+    return {p.name for p in Path(path).glob("*.parquet")}
+
+
+def _live_files(spark: SparkSession, path: str) -> int:
+    """The files the table's latest version is made of."""
+    detail = DeltaTable.forPath(spark, path).detail().first()
+    assert detail is not None
+    return int(detail["numFiles"])
+
+
+def test_housekeeping_compacts_vacuums_and_trims_tombstones(
+        spark: SparkSession, tmp_path: Path) -> None:
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    hour = 3_600_000
+    h.run([r for k in range(1, 7) for r in t.change("c", row(k), 100, k, 1)])
+    h.run(t.change("d", {"id": 1}, 200, 1, 2))
+    h.run(t.change("d", {"id": 2}, 300, 1, 3, ts_ms=1_700_000_000_000 + 10 * hour))
+    for lsn in range(400, 700, 100):
+        # New keys only add files to both tables (a MERGE rewrites only files it matched).
+        h.run(t.change("c", row(lsn), lsn, 1, lsn, ts_ms=1_700_000_000_000 + 11 * hour))
+    paths = table_paths(h.settings.warehouse, "public.t")
+    current, history = h.current(), h.history()
+    files_before = {p: _data_files(p) for p in (paths.current, paths.history)}
+    assert all(len(files) > 1 for files in files_before.values())
+    live_before = {p: _live_files(spark, p) for p in files_before}
+    assert all(n > 1 for n in live_before.values()), live_before
+
+    # Due after one interval; retention 0 h for files and 1 h for tombstones: the delete
+    # of key 1 is 11 hours older than the newest change, the one of key 2 just 1 hour.
+    keeper = Housekeeper(interval_s=0.001, vacuum_retention_hours=0,
+                         tombstone_retention_hours=5)
+    assert not keeper.due(time.monotonic())
+    time.sleep(0.01)
+    assert keeper.due(time.monotonic())
+    upkeep = keeper.run(spark, h.settings.warehouse, {"public.t": paths})
+
+    assert upkeep.tombstones_trimmed == 1
+    stones = spark.read.format("delta").load(paths.tombstones).collect()
+    assert [(r["id"], r["_cdc_commit_lsn"]) for r in stones] == [(2, 300)]
+    assert upkeep.files_compacted >= sum(live_before.values())
+    assert upkeep.files_vacuumed >= sum(len(f) for f in files_before.values())
+    for path, before in files_before.items():
+        # One compacted file is left on disk, and none of the files before it.
+        assert _live_files(spark, path) == 1, path
+        assert len(_data_files(path)) == 1 and not _data_files(path) & before, path
+    # The tables hold the same rows, and later batches apply as before.
+    assert h.current() == current and h.history() == history
+    h.run(t.change("c", row(2, "zombie"), 250, 1, 2))  # late, older than key 2's delete
+    h.run(t.change("u", row(3, "last"), 900, 1, 9))
+    assert sorted(h.current()) == [3, 4, 5, 6, 400, 500, 600]
+    assert h.current()[3]["name"] == "last"

@@ -1,0 +1,129 @@
+"""Scheduled upkeep of the Delta tables: compaction, VACUUM, tombstone trimming.
+
+Every micro-batch adds a few small files to each table it touches (a MERGE rewrites the
+files it matched and adds new ones), so without upkeep reads slow down with the number of
+batches and old files pile up on storage. Once per ``housekeeping_interval_s`` the job
+therefore compacts every table (``OPTIMIZE``), removes files no version within
+``vacuum_retention_hours`` still needs (``VACUUM``) and trims tombstones no record can be
+older than any more.
+
+It runs inside the foreachBatch call, after the batch's own writes: the batch writers are
+the only other writers of these tables, so upkeep never races a MERGE (a concurrent
+OPTIMIZE would make one of them fail on a conflict).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from delta.tables import DeltaTable
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from services.common.logs import log_event
+from spark_consumers import schema as s
+from spark_consumers.tables import IS_TRUNCATE, TablePaths, dead_letter_path, quote
+
+log = logging.getLogger("slotbridge.consume")
+# Delta refuses a VACUUM retention under 168 hours unless this check is off; the
+# retention is the operator's explicit setting, so it is honoured as given.
+_RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
+
+
+@dataclass
+class Upkeep:
+    """What one housekeeping run did, for the log and the status file."""
+
+    finished_at: float = 0.0
+    seconds: float = 0.0
+    files_compacted: int = 0
+    files_vacuumed: int = 0
+    tombstones_trimmed: int = 0
+    tables: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Housekeeper:
+    """Decides when upkeep is due and runs it over the tables the job has written."""
+
+    interval_s: float
+    vacuum_retention_hours: float
+    tombstone_retention_hours: float
+    last: Upkeep | None = None
+    _next_due: float = 0.0
+
+    def due(self, now: float) -> bool:
+        """``interval_s`` 0 turns upkeep off; the first run comes one interval after start."""
+        if self.interval_s <= 0:
+            return False
+        if self._next_due == 0.0:
+            self._next_due = now + self.interval_s
+        return now >= self._next_due
+
+    def run(self, spark: SparkSession, warehouse: str, tables: dict[str, TablePaths]) -> Upkeep:
+        started = time.monotonic()
+        upkeep = Upkeep(tables=sorted(tables))
+        for name in sorted(tables):
+            paths = tables[name]
+            upkeep.tombstones_trimmed += self._trim_tombstones(spark, paths)
+            for path in (paths.current, paths.history, paths.tombstones):
+                self._compact_and_vacuum(spark, path, upkeep)
+        self._compact_and_vacuum(spark, dead_letter_path(warehouse), upkeep)
+        upkeep.seconds = round(time.monotonic() - started, 3)
+        upkeep.finished_at = time.time()
+        self.last = upkeep
+        self._next_due = time.monotonic() + self.interval_s
+        log_event(log, logging.INFO, "housekeeping done", seconds=upkeep.seconds,
+                  tables=len(tables), files_compacted=upkeep.files_compacted,
+                  files_vacuumed=upkeep.files_vacuumed,
+                  tombstones_trimmed=upkeep.tombstones_trimmed)
+        return upkeep
+
+    def _compact_and_vacuum(self, spark: SparkSession, path: str, upkeep: Upkeep) -> None:
+        if not DeltaTable.isDeltaTable(spark, path):
+            return
+        table = DeltaTable.forPath(spark, path)
+        metrics = table.optimize().executeCompaction().first()
+        if metrics is not None:
+            upkeep.files_compacted += int(metrics["metrics"]["numFilesRemoved"])
+        previous = spark.conf.get(_RETENTION_CHECK, None)
+        spark.conf.set(_RETENTION_CHECK, "false")
+        try:
+            # The dry run lists what VACUUM deletes: VACUUM itself reports no count.
+            doomed = spark.sql(f"VACUUM delta.{quote(path)} RETAIN "
+                               f"{self.vacuum_retention_hours} HOURS DRY RUN").count()
+            if doomed:
+                table.vacuum(self.vacuum_retention_hours)
+            upkeep.files_vacuumed += doomed
+        finally:
+            if previous is None:
+                spark.conf.unset(_RETENTION_CHECK)
+            else:
+                spark.conf.set(_RETENTION_CHECK, previous)
+
+    def _trim_tombstones(self, spark: SparkSession, paths: TablePaths) -> int:
+        """Delete the tombstones of deletes committed more than ``tombstone_retention_hours``
+        before the newest change the table's history holds.
+
+        A tombstone only stops a record older than the delete that arrives after it (Kafka
+        partitions reordered, a replay from old offsets); like Kafka's own
+        ``delete.retention.ms``, this bounds how late such a record may come. The last
+        truncate's row is kept: it is one row, and it guards every key.
+        """
+        if not (DeltaTable.isDeltaTable(spark, paths.tombstones)
+                and DeltaTable.isDeltaTable(spark, paths.history)):
+            return 0
+        newest = (DeltaTable.forPath(spark, paths.history).toDF()
+                  .agg(F.max(s.COMMIT_TS)).first())
+        if newest is None or newest[0] is None:
+            return 0
+        horizon = F.lit(newest[0]) - F.expr(
+            f"make_interval(0, 0, 0, 0, 0, 0, {self.tombstone_retention_hours * 3600})")
+        stones = DeltaTable.forPath(spark, paths.tombstones)
+        stale = ~F.col(IS_TRUNCATE) & (F.col(s.COMMIT_TS) < horizon)
+        count = stones.toDF().where(stale).count()
+        if count:
+            stones.delete(stale)
+        return count
