@@ -307,6 +307,9 @@ class EventBuilder:
                             "d", before, None, txid, total, order), old_headers
                         yield info.topic, old_key, None, old_headers
                         op = self.key_change_op
+                        if op == "c":  # Debezium counts the delete and the create apart
+                            total += 1
+                            order = per_table[info.topic] = order + 1
                         yield info.topic, key, self._value(
                             info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
                             op, before if op == "u" else None, after, txid, total,
