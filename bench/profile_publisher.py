@@ -28,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.bridge.assembler import Transaction
 from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import ColumnFacts, EventBuilder, RelationCatalog, TableFacts
+from services.bridge.events import (
+    ColumnFacts,
+    EventBuilder,
+    Record,
+    RelationCatalog,
+    TableFacts,
+)
 from services.bridge.publisher import Publisher
 from services.bridge.snapshot import SnapshotBook
 from services.bridge.spool import Spool, SpoolStats
@@ -60,10 +66,9 @@ class _CountingSink:
         self.records = 0
         self.bytes = 0
 
-    def produce_all(self, records: Iterable[tuple[str, bytes | None, bytes | None]],
-                    compacted: object) -> int:
+    def produce_all(self, records: Iterable[Record], compacted: object) -> int:
         before = self.records
-        for _topic, _key, value in records:
+        for _topic, _key, value, _headers in records:
             self.records += 1
             self.bytes += len(value) if value is not None else 0
         return self.records - before

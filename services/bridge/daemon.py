@@ -36,6 +36,7 @@ from confluent_kafka import KafkaException
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
 from services.bridge.chunks import TableName
+from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import (
     EventBuilder,
@@ -282,12 +283,17 @@ class Bridge:
             preflight(sql, s)
             origin = OriginStore(sql, s.origin_name)
 
-            builder = EventBuilder(
-                RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
-                                self._known_versions(f"{s.topic_prefix}.schema")),
-                s.topic_prefix, system.dbname, s.max_row_bytes)
-            sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             mark = high_water(origin.progress(), kafka_progress)
+            catalog = RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
+                                      self._known_versions(f"{s.topic_prefix}.schema"))
+            if s.value_format == "debezium":
+                # Before anything was published there is no previous commit to name.
+                builder: EventBuilder = DebeziumEventBuilder(
+                    catalog, s.topic_prefix, system.dbname, s.max_row_bytes,
+                    mark or None)
+            else:
+                builder = EventBuilder(catalog, s.topic_prefix, system.dbname, s.max_row_bytes)
+            sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
             last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
             with self._racing_for_slot(sql):
                 self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress)

@@ -52,6 +52,9 @@ class ColumnFacts:
 
     type_name: str
     nullable: bool
+    # The labels of an enum type (of the element type for an array of enums), in order.
+    enum_labels: tuple[str, ...] | None = None
+    enum_array: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ class TableFacts:
 
 
 CatalogLookup = Callable[[int], TableFacts | None]
+# A record format other than the default sets a new relation version's converters,
+# placeholders and ``encoded`` pieces.
+RelationEncoder = Callable[["RelationInfo", m.Relation, TableFacts | None], None]
 
 
 @dataclass(slots=True)
@@ -78,7 +84,11 @@ class RelationInfo:
     key_names: tuple[str, ...]
     replica_identity: str
     schema_record: dict[str, Any]
+    # What an unchanged TOAST value becomes, per column.
+    placeholders: tuple[JsonValue, ...]
     published: bool = False
+    # The record format's own per-version pieces (the Debezium format's Connect schemas).
+    encoded: Any = None
 
 
 @dataclass(slots=True)
@@ -100,6 +110,7 @@ class RelationCatalog:
     lookup: CatalogLookup
     known: dict[tuple[str, str], KnownVersion] = field(default_factory=dict)
     by_oid: dict[int, RelationInfo] = field(default_factory=dict)
+    encoder: RelationEncoder | None = None
 
     def apply(self, rel: m.Relation) -> RelationInfo:
         fingerprint = _fingerprint(rel.replica_identity, (
@@ -148,13 +159,17 @@ class RelationCatalog:
             "columns": columns, "key_columns": [names[i] for i in key_idx],
             "ts_ms": int(time.time() * 1000),
         }
-        return RelationInfo(
+        info = RelationInfo(
             oid=rel.oid, schema=rel.namespace, table=rel.name,
             topic=table_topic(self.topic_prefix, rel.namespace, rel.name), version=version,
             names=names, converters=tuple(converter_for(c.type_oid) for c in rel.columns),
             key_idx=key_idx, key_names=tuple(names[i] for i in key_idx),
             replica_identity=rel.replica_identity, schema_record=record,
+            placeholders=(TOAST_PLACEHOLDER,) * len(names),
         )
+        if self.encoder is not None:
+            self.encoder(info, rel, facts)
+        return info
 
 
 def _fingerprint(identity: str,
@@ -186,8 +201,11 @@ def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, 
 _TOO_LARGE_REMEDY = ("raise max_row_bytes (below the brokers' socket.request.max.bytes) or "
                      "stop publishing that column")
 
-# One output record: topic, key bytes (or None), value bytes (or None for a tombstone).
-Record = tuple[str, bytes | None, bytes | None]
+# Kafka record headers, as confluent-kafka takes them.
+Headers = list[tuple[str, str | bytes | None]]
+# One output record: topic, key bytes (or None), value bytes (or None for a tombstone),
+# headers (None: none, the default format's case).
+Record = tuple[str, bytes | None, bytes | None, Headers | None]
 
 
 class EventBuilder:
@@ -203,15 +221,22 @@ class EventBuilder:
         self.transaction_topic = f"{topic_prefix}.transaction"
         self.message_topic = f"{topic_prefix}.message"
 
+    # The record headers of change records and tombstones: none in the default format.
+    headers: Headers | None = None
+    # The op of the new key's record after a key change: an update here, a create (with no
+    # ``before``) in Debezium's records.
+    key_change_op = "u"
+
     def transaction(self, xid: int, commit_lsn: int, commit_ts: int,
                     changes: Iterator[tuple[int, m.Message]],
-                    snapshot: str = "false") -> Iterator[Record]:
-        """Records for one transaction: BEGIN, schema versions as needed, changes, END."""
+                    snapshot: str = "false", end_lsn: int | None = None) -> Iterator[Record]:
+        """Records for one transaction: BEGIN, schema versions as needed, changes, END.
+
+        ``end_lsn`` (the end of its commit record) is what the Debezium format's next
+        transaction names as the previous commit in ``source.sequence``."""
         ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
         txid = f"{xid}:{commit_lsn}"
-        yield self.transaction_topic, _dumps({"id": txid}), _dumps(
-            {"status": "BEGIN", "id": txid, "event_count": None, "data_collections": None,
-             "ts_ms": ts_ms})
+        yield self._transaction_record("BEGIN", txid, ts_ms, None, None)
         total = 0
         per_table: dict[str, int] = {}
         # Per relation: the serialised pieces of the value constant for this transaction.
@@ -219,6 +244,8 @@ class EventBuilder:
         now_ms = int(time.time() * 1000)
         catalog = self.catalog
         insert = m.Insert
+        key_of = self._key_of
+        headers = self.headers
         for lsn, msg in changes:
             if msg.__class__ is insert:  # the common case first, ahead of the isinstance chain
                 info = catalog.by_oid[msg.relation_oid]
@@ -227,10 +254,10 @@ class EventBuilder:
                 # An insert has no unchanged-TOAST value: its key is already in the row,
                 # converted once.
                 row = _whole_row(info, msg.new)  # type: ignore[arg-type]
-                key = _dumps({n: row[n] for n in info.key_names}) if info.key_names else None
-                yield info.topic, key, self._value(
+                yield info.topic, key_of(info, row), self._value(
                     info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
-                    "r" if snapshot != "false" else "c", None, row, txid, total, order)
+                    "r" if snapshot != "false" else "c", None, row, txid, total,
+                    order), headers
                 continue
             if isinstance(msg, m.Relation):
                 info = catalog.apply(msg)
@@ -247,14 +274,14 @@ class EventBuilder:
                     order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
                     value = self._value(info, templates, xid, commit_lsn, ts_ms, snapshot,
                                         now_ms, lsn, "t", None, None, txid, total, order)
-                    yield info.topic, None, value
+                    yield info.topic, None, value, headers
                 continue
             if isinstance(msg, m.LogicalMessage):
                 total += 1
                 yield self.message_topic, _dumps({"prefix": msg.prefix}), _dumps({
                     "prefix": msg.prefix, "content": base64.b64encode(msg.content).decode(),
                     "transactional": msg.transactional, "lsn": lsn, "txId": xid,
-                    "commit_lsn": commit_lsn, "ts_ms": ts_ms})
+                    "commit_lsn": commit_lsn, "ts_ms": ts_ms}), None
                 continue
             info = catalog.by_oid[msg.relation_oid]  # type: ignore[union-attr]
             total += 1
@@ -263,35 +290,58 @@ class EventBuilder:
                 before = None
                 if msg.old is not None:
                     before = (_key_row(info, msg.old) if msg.old_is_key_only
-                              else _row(info, msg.old, None))
-                after = _row(info, msg.new, msg.old if not msg.old_is_key_only else None)
-                key = _key(info, msg.new)
+                              else _row(info, msg.old, None, info.placeholders))
+                after = _row(info, msg.new, msg.old if not msg.old_is_key_only else None,
+                             info.placeholders)
+                key = key_of(info, _key_row(info, msg.new))
                 if msg.old is not None and msg.old_is_key_only:
-                    old_key = _key(info, msg.old)
+                    old_key = key_of(info, _key_row(info, msg.old))
                     if old_key != key:
                         # The key changed: consumers of a compacted topic must forget the
                         # old key, so publish a delete + tombstone for it first (Debezium
                         # does the same).
+                        old_headers, new_headers = self._key_change_headers(info, msg.old,
+                                                                            msg.new)
                         yield info.topic, old_key, self._value(
                             info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
-                            "d", before, None, txid, total, order)
-                        yield info.topic, old_key, None
+                            "d", before, None, txid, total, order), old_headers
+                        yield info.topic, old_key, None, old_headers
+                        op = self.key_change_op
+                        if op == "c":  # Debezium counts the delete and the create apart
+                            total += 1
+                            order = per_table[info.topic] = order + 1
+                        yield info.topic, key, self._value(
+                            info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
+                            op, before if op == "u" else None, after, txid, total,
+                            order), new_headers
+                        continue
                 yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
                                                    snapshot, now_ms, lsn, "u", before, after,
-                                                   txid, total, order)
+                                                   txid, total, order), headers
             elif isinstance(msg, m.Delete):
                 before = (_key_row(info, msg.old) if msg.old_is_key_only
-                          else _row(info, msg.old, None))
-                key = _key(info, msg.old)
+                          else _row(info, msg.old, None, info.placeholders))
+                key = key_of(info, _key_row(info, msg.old))
                 yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
                                                    snapshot, now_ms, lsn, "d", before, None,
-                                                   txid, total, order)
-                yield info.topic, key, None
-        yield self.transaction_topic, _dumps({"id": txid}), _dumps({
-            "status": "END", "id": txid, "event_count": total,
-            "data_collections": [{"data_collection": topic.split(".", 1)[1], "event_count": n}
-                                 for topic, n in per_table.items()],
-            "ts_ms": ts_ms})
+                                                   txid, total, order), headers
+                yield info.topic, key, None, headers
+        yield self._transaction_record("END", txid, ts_ms, total, per_table)
+
+    def _transaction_record(self, status: str, txid: str, ts_ms: int, total: int | None,
+                            per_table: dict[str, int] | None) -> Record:
+        """A BEGIN (``total`` None) or END record of the transaction topic."""
+        return (self.transaction_topic, _dumps({"id": txid}),
+                _transaction_value(status, txid, ts_ms, total, per_table), None)
+
+    def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
+        """The record key of a row holding (at least) the key columns."""
+        return _dumps({n: row[n] for n in info.key_names}) if info.key_names else None
+
+    def _key_change_headers(self, info: RelationInfo, old: m.TupleData, new: m.TupleData,
+                            ) -> tuple[Headers | None, Headers | None]:
+        """Headers of the delete + tombstone of the old key, and of the new key's record."""
+        return self.headers, self.headers
 
     def refuse_oversized(self, lsn: int, relation_oid: int, size: int) -> None:
         """A row change whose pgoutput message alone proves its record too large (see
@@ -306,7 +356,7 @@ class EventBuilder:
     def _schema_record(self, info: RelationInfo) -> Record:
         info.published = True
         key = _dumps({"schema": info.schema, "table": info.table, "version": info.version})
-        return self.schema_topic, key, _dumps(info.schema_record)
+        return self.schema_topic, key, _dumps(info.schema_record), None
 
     def snapshot_rows(self, info: RelationInfo, rows: Iterable[Sequence[str | None]],
                       commit_lsn: int, commit_ts: int, lsn: int) -> Iterator[Record]:
@@ -330,7 +380,8 @@ class EventBuilder:
             value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)
             if len(value) > limit:
                 raise self._too_large(info, lsn, len(value))
-            yield topic, _dumps({k: row[k] for k in key_names}) if key_names else None, value
+            yield (topic, _dumps({k: row[k] for k in key_names}) if key_names else None, value,
+                   None)
 
     def _source(self, info: RelationInfo, xid: int | None, commit_lsn: int, ts_ms: int,
                 snapshot: bytes) -> tuple[bytes, bytes]:
@@ -375,13 +426,23 @@ _VALUE = b'{"before":%b,"after":%b' + _VALUE_REST + _VALUE_END
 _SNAPSHOT_VALUE = b'{"before":null,"after":%b%b' + _VALUE_END
 
 
+def _transaction_value(status: str, txid: str, ts_ms: int, total: int | None,
+                       per_table: dict[str, int] | None) -> bytes:
+    collections = None if per_table is None else [
+        {"data_collection": topic.split(".", 1)[1], "event_count": n}
+        for topic, n in per_table.items()]
+    return _dumps({"status": status, "id": txid, "event_count": total,
+                   "data_collections": collections, "ts_ms": ts_ms})
+
+
 def _whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:
     """A row with every value sent (no unchanged TOAST): an insert's, a snapshot's."""
     return {name: None if v is None else conv(v)
             for name, conv, v in zip(info.names, info.converters, values, strict=False)}
 
 
-def _row(info: RelationInfo, tup: m.TupleData, old: m.TupleData | None) -> dict[str, JsonValue]:
+def _row(info: RelationInfo, tup: m.TupleData, old: m.TupleData | None,
+         placeholders: tuple[JsonValue, ...]) -> dict[str, JsonValue]:
     row: dict[str, JsonValue] = {}
     for i, (name, conv, value) in enumerate(zip(info.names, info.converters, tup, strict=False)):
         if value is None:
@@ -391,7 +452,7 @@ def _row(info: RelationInfo, tup: m.TupleData, old: m.TupleData | None) -> dict[
         else:
             # Unchanged TOAST: the old full tuple (REPLICA IDENTITY FULL) has the value.
             prior = old[i] if old is not None else None
-            row[name] = conv(prior) if prior.__class__ is str else TOAST_PLACEHOLDER
+            row[name] = conv(prior) if prior.__class__ is str else placeholders[i]
     return row
 
 
@@ -403,7 +464,4 @@ def _typed(info: RelationInfo, i: int, value: m.TupleValue) -> JsonValue:
     return info.converters[i](value) if isinstance(value, str) else None
 
 
-def _key(info: RelationInfo, tup: m.TupleData) -> bytes | None:
-    if not info.key_idx:
-        return None
-    return _dumps({info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx})
+

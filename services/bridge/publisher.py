@@ -328,7 +328,8 @@ class Publisher(threading.Thread):
     def _publish(self, txn: Transaction) -> int:
         try:
             count = self._produce(self._builder.transaction(
-                txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn)))
+                txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn),
+                end_lsn=txn.end_lsn))
         finally:
             txn.spool.discard()
         if txn.gid is not None:

@@ -66,6 +66,10 @@ class BridgeSettings(ServiceSettings):
     )
     kafka_sasl_password: SecretStr | None = None
     topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
+    value_format: Literal["slotbridge", "debezium"] = Field(default="slotbridge", description=(
+        "slotbridge: typed JSON values; debezium: the keys, values and headers Debezium's "
+        "PostgreSQL connector writes with its defaults through Kafka Connect's JsonConverter "
+        "(schemas.enable=true), for consumers built for Debezium"))
     progress_topic: str = "__slotbridge_progress"
     topic_partitions: int = Field(default=1, ge=1)
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")

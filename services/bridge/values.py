@@ -28,14 +28,14 @@ JsonValue: TypeAlias = ("bool | int | float | str | orjson.Fragment | list[JsonV
 Converter: TypeAlias = Callable[[str], JsonValue]
 
 
-def _float(text: str) -> JsonValue:
+def float_or_text(text: str) -> JsonValue:
     value = float(text)
     # JSON has no NaN/Infinity; the server prints exactly "NaN", "Infinity", "-Infinity",
     # which is what the contract wants. ``v - v`` is 0.0 only for finite values.
     return value if value - value == 0.0 else text
 
 
-def _bool(text: str) -> JsonValue:
+def bool_from_text(text: str) -> JsonValue:
     if text == "t":
         return True
     if text == "f":
@@ -46,7 +46,7 @@ def _bool(text: str) -> JsonValue:
 _BYTEA_ESCAPE = re.compile(rb"\\(\\|[0-3][0-7]{2})")
 
 
-def _bytea(text: str) -> JsonValue:
+def bytea_base64(text: str) -> JsonValue:
     if text.startswith("\\x"):
         raw = bytes.fromhex(text[2:])
     else:
@@ -93,7 +93,7 @@ _raw_json = orjson.Fragment
 _MONEY = re.compile(r"-?[0-9]+(\.[0-9]+)?")
 
 
-def _money(text: str) -> JsonValue:
+def money_decimal(text: str) -> JsonValue:
     # The session runs with lc_monetary=C: '-$1,234.56'. Published as an exact decimal
     # string, like numeric, whatever the database's locale.
     value = text.replace("$", "", 1).replace(",", "")
@@ -103,8 +103,8 @@ def _money(text: str) -> JsonValue:
 
 # oid, array oid, format_type() name, converter
 _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
-    (16, 1000, "boolean", _bool),
-    (17, 1001, "bytea", _bytea),
+    (16, 1000, "boolean", bool_from_text),
+    (17, 1001, "bytea", bytea_base64),
     (18, 1002, '"char"', str),
     (19, 1003, "name", str),
     (20, 1016, "bigint", int),
@@ -113,9 +113,9 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (25, 1009, "text", str),
     (26, 1028, "oid", int),
     (114, 199, "json", _raw_json),
-    (700, 1021, "real", _float),
-    (701, 1022, "double precision", _float),
-    (790, 791, "money", _money),
+    (700, 1021, "real", float_or_text),
+    (701, 1022, "double precision", float_or_text),
+    (790, 791, "money", money_decimal),
     (1042, 1014, "character", str),
     (1043, 1015, "character varying", str),
     (1082, 1182, "date", str),

@@ -45,6 +45,12 @@ KAFKA_TOOLS_VERSION = "4.3.1"
 KAFKA_SET = "kafka"
 KAFKA_OLDEST_SET = f"kafka-{KAFKA_OLDEST_VERSION}"
 KAFKA_TOOLS_SET = "kafka-tools"
+# Debezium's PostgreSQL connector in Kafka Connect, the reference the Debezium record format
+# is tested against (tests/integration/test_debezium_format.py). Connect 4.4.0 is not on
+# Maven Central; 4.3.1 is the newest there (the same as kafka-tools). 3.7.1.Final's parent
+# pom is missing from Maven Central, so 3.7.0.Final.
+DEBEZIUM_VERSION = "3.7.0.Final"
+DEBEZIUM_SET = "debezium"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
 # Kafka logs through SLF4J 1.7 (every version above): without a binding its log stays empty.
@@ -63,6 +69,10 @@ MAVEN_SETS = {
     KAFKA_OLDEST_SET: _kafka_broker(KAFKA_OLDEST_VERSION),
     KAFKA_TOOLS_SET: [f"org.apache.kafka:kafka-tools:{KAFKA_TOOLS_VERSION}",
                       _KAFKA_SLF4J_BINDING],
+    DEBEZIUM_SET: [f"io.debezium:debezium-connector-postgres:{DEBEZIUM_VERSION}",
+                   *(f"org.apache.kafka:{name}:{KAFKA_TOOLS_VERSION}"
+                     for name in ("connect-runtime", "connect-json", "connect-file")),
+                   _KAFKA_SLF4J_BINDING],
     "spark": [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
@@ -178,6 +188,11 @@ def _pom(artifacts: list[str]) -> str:
     )
 
 
+_MAVEN_SETTINGS = (
+    "<settings><mirrors><mirror><id>central-only</id><mirrorOf>*</mirrorOf>"
+    "<url>https://repo.maven.apache.org/maven2</url></mirror></mirrors></settings>\n")
+
+
 def ensure_jars(cache: Path) -> None:
     if shutil.which("mvn") is None:
         sys.exit("bootstrap: mvn is missing; install Maven (it resolves the Kafka and Spark jars)")
@@ -191,9 +206,12 @@ def ensure_jars(cache: Path) -> None:
         work = cache / "jars" / f"{name}.pom"
         work.mkdir(parents=True, exist_ok=True)
         (work / "pom.xml").write_text(_pom(artifacts))
+        # Debezium's poms name repositories other than Maven Central, which do not resolve
+        # here: route every repository to Central.
+        (work / "settings.xml").write_text(_MAVEN_SETTINGS)
         if target.exists():
             shutil.rmtree(target)
-        cmd = ["mvn", "-B", "-f", str(work / "pom.xml"),
+        cmd = ["mvn", "-B", "-s", str(work / "settings.xml"), "-f", str(work / "pom.xml"),
                "dependency:copy-dependencies", f"-DoutputDirectory={target}",
                "-DincludeScope=runtime"]
         if name == "spark":

@@ -294,6 +294,8 @@ def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
     for topic, value in committed:
         if value is None:
             continue  # a tombstone
+        if "payload" in value and "schema" in value:
+            value = value["payload"]  # the Debezium format's Connect JSON
         if topic == transaction_topic:
             if value["status"] == "END":
                 ends[value["id"]] += 1

@@ -1,0 +1,288 @@
+"""The Debezium record format (``value_format: debezium``): change records as Debezium's
+PostgreSQL connector writes them with its defaults through Kafka Connect's JsonConverter.
+
+Keys and values are ``{"schema": <Connect schema>, "payload": <value>}``; every change
+record and tombstone carries the ``__debezium.context.*`` headers (``extended.headers.
+enabled`` defaults to true), a key change's records ``__debezium.newkey``/``oldkey``. The
+column values come from ``connect_values.py``. Topics, keys' columns, transactions, the
+exactly-once machinery and the schema topic are those of the default format; the
+transaction topic's records get Debezium's Connect schemas too.
+
+Where this deliberately differs from Debezium 3.7 with defaults (all seen on the real
+connector, see ``tests/integration/test_debezium_format.py``):
+
+- ``transaction`` is filled as with ``provide.transaction.metadata=true`` (the bridge always
+  writes the transaction topic), and its ``id`` is ``<xid>:<commit LSN>`` for every record
+  of a transaction (Debezium puts the current event's LSN there, so BEGIN, END and the
+  events of one transaction carry different ids);
+- truncates are published (``op: "t"``, as with ``skipped.operations=none``);
+- types the connector leaves out are published as strings (see ``connect_values.py``), and
+  a ``name`` column holds its text (the connector writes null);
+- ``source.version`` is the bridge's version; ``xmin``, ``origin`` and ``origin_lsn`` are
+  null (Debezium's defaults leave them null too, but for replicated origins);
+- snapshot records (``op: "r"``) carry ``snapshot: "true"``, never ``first``/``last``: the
+  chunked snapshot does not know which row is the last one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from services.bridge import messages as m
+from services.bridge.connect_values import ColumnType, Schema, column_encoding, placeholder
+from services.bridge.events import (
+    VERSION,
+    EventBuilder,
+    Headers,
+    Record,
+    RelationCatalog,
+    RelationInfo,
+    TableFacts,
+    _key_row,
+    _transaction_value,
+    _whole_row,
+)
+from services.bridge.values import JsonValue
+
+_dumps = orjson.dumps
+CONNECTOR = "postgresql"
+
+_SOURCE_SCHEMA: Schema = {
+    "type": "struct", "fields": [
+        {"type": "string", "optional": False, "field": "version"},
+        {"type": "string", "optional": False, "field": "connector"},
+        {"type": "string", "optional": False, "field": "name"},
+        {"type": "int64", "optional": False, "field": "ts_ms"},
+        {"type": "string", "optional": True, "name": "io.debezium.data.Enum", "version": 1,
+         "parameters": {"allowed": "true,first,first_in_data_collection,"
+                                   "last_in_data_collection,last,false,incremental"},
+         "default": "false", "field": "snapshot"},
+        {"type": "string", "optional": False, "field": "db"},
+        {"type": "string", "optional": True, "field": "sequence"},
+        {"type": "int64", "optional": True, "field": "ts_us"},
+        {"type": "int64", "optional": True, "field": "ts_ns"},
+        {"type": "string", "optional": False, "field": "schema"},
+        {"type": "string", "optional": False, "field": "table"},
+        {"type": "int64", "optional": True, "field": "txId"},
+        {"type": "int64", "optional": True, "field": "lsn"},
+        {"type": "int64", "optional": True, "field": "xmin"},
+        {"type": "string", "optional": True, "field": "origin"},
+        {"type": "int64", "optional": True, "field": "origin_lsn"}],
+    "optional": False, "name": "io.debezium.connector.postgresql.Source", "version": 1,
+    "field": "source"}
+_TRANSACTION_SCHEMA: Schema = {
+    "type": "struct", "fields": [
+        {"type": "string", "optional": False, "field": "id"},
+        {"type": "int64", "optional": False, "field": "total_order"},
+        {"type": "int64", "optional": False, "field": "data_collection_order"}],
+    "optional": True, "name": "event.block", "version": 1, "field": "transaction"}
+_TXN_KEY_SCHEMA = _dumps({
+    "type": "struct", "fields": [{"type": "string", "optional": False, "field": "id"}],
+    "optional": False, "name": "io.debezium.connector.common.TransactionMetadataKey",
+    "version": 1})
+_TXN_VALUE_SCHEMA = _dumps({
+    "type": "struct", "fields": [
+        {"type": "string", "optional": False, "field": "status"},
+        {"type": "string", "optional": False, "field": "id"},
+        {"type": "int64", "optional": True, "field": "event_count"},
+        {"type": "array", "items": {
+            "type": "struct", "fields": [
+                {"type": "string", "optional": False, "field": "data_collection"},
+                {"type": "int64", "optional": False, "field": "event_count"}],
+            "optional": True, "name": "event.collection", "version": 1},
+         "optional": True, "field": "data_collections"},
+        {"type": "int64", "optional": False, "field": "ts_ms"}],
+    "optional": False, "name": "io.debezium.connector.common.TransactionMetadataValue",
+    "version": 1})
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectShape:
+    """One relation version's serialised Connect schemas."""
+
+    key_head: bytes    # b'{"schema":<key schema>,"payload":'
+    value_head: bytes  # b'{"schema":<envelope schema>,"payload":{"before":'
+
+
+def connect_schemas(name: str, columns: Sequence[tuple[str, Schema, bool]],
+                    key: Sequence[str]) -> tuple[Schema, Schema]:
+    """The key schema and the envelope schema of a table, named after its topic ``name``;
+    ``columns`` are (name, schema, nullable)."""
+    fields = {n: {**schema, "optional": nullable, "field": n}
+              for n, schema, nullable in columns}
+    # Connect prints a field's keys in its own order: type, fields/items, optional, name...
+    ordered = {n: _connect_order(f) for n, f in fields.items()}
+    key_schema = {"type": "struct", "fields": [ordered[n] for n in key], "optional": False,
+                  "name": f"{name}.Key"}
+    row = {"type": "struct", "fields": list(ordered.values()), "optional": True,
+           "name": f"{name}.Value"}
+    envelope = {"type": "struct", "fields": [
+        {**row, "field": "before"}, {**row, "field": "after"}, _SOURCE_SCHEMA,
+        _TRANSACTION_SCHEMA,
+        {"type": "string", "optional": False, "field": "op"},
+        {"type": "int64", "optional": True, "field": "ts_ms"},
+        {"type": "int64", "optional": True, "field": "ts_us"},
+        {"type": "int64", "optional": True, "field": "ts_ns"}],
+        "optional": False, "name": f"{name}.Envelope", "version": 2}
+    return key_schema, envelope
+
+
+_ORDER = ("type", "fields", "items", "optional", "name", "version", "doc", "parameters",
+          "default", "field")
+
+
+def _connect_order(schema: Schema) -> Schema:
+    return {k: schema[k] for k in _ORDER if k in schema}
+
+
+def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | None) -> None:
+    """``RelationCatalog.encoder`` of this format: Connect converters, TOAST placeholders and
+    schemas for a new relation version."""
+    converters = []
+    placeholders = []
+    columns = []
+    for c in rel.columns:
+        fact = facts.columns.get(c.name) if facts is not None else None
+        kind = ColumnType(c.type_oid, c.type_modifier,
+                          fact.enum_labels if fact is not None else None,
+                          fact.enum_array if fact is not None else False)
+        schema, convert = column_encoding(kind)
+        converters.append(convert)
+        placeholders.append(placeholder(kind))
+        columns.append((c.name, schema, fact.nullable if fact is not None else True))
+    key_schema, envelope = connect_schemas(info.topic, columns, info.key_names)
+    info.converters = tuple(converters)
+    info.placeholders = tuple(placeholders)
+    info.encoded = ConnectShape(b'{"schema":%b,"payload":' % _dumps(key_schema),
+                                b'{"schema":%b,"payload":{"before":' % _dumps(envelope))
+
+
+def run_id(now_ms: int, random: bytes) -> str:
+    """A UUID version 7 (what the connector's runId header holds), from a time and 10
+    random bytes."""
+    value = (now_ms << 80) | (0x7 << 76) | (int.from_bytes(random[:2], "big") & 0xFFF) << 64 \
+        | 0b10 << 62 | (int.from_bytes(random[2:10], "big") & ((1 << 62) - 1))
+    hexed = f"{value:032x}"
+    return f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:]}"
+
+
+def context_headers(topic_prefix: str, run: str) -> Headers:
+    """The ``__debezium.context.*`` headers of every change record (SimpleHeaderConverter:
+    the strings' UTF-8 bytes)."""
+    return [("__debezium.context.connectorLogicalName", topic_prefix.encode()),
+            ("__debezium.context.taskId", b"0"),
+            ("__debezium.context.connectorName", CONNECTOR.encode()),
+            ("__debezium.context.runId", run.encode())]
+
+
+class DebeziumEventBuilder(EventBuilder):
+    """``EventBuilder`` writing Debezium's records; one per bridge run (the run id)."""
+
+    key_change_op = "c"
+
+    def __init__(self, catalog: RelationCatalog, topic_prefix: str, db: str,
+                 max_record_bytes: int, last_end_lsn: int | None) -> None:
+        catalog.encoder = encode_relation
+        super().__init__(catalog, topic_prefix, db, max_record_bytes)
+        self.headers = context_headers(topic_prefix,
+                                       run_id(int(time.time() * 1000), os.urandom(10)))
+        # The end of the last published transaction: source.sequence's first element (null
+        # before the first one, as for a connector without an offset).
+        self.last_end_lsn = last_end_lsn
+        self._commit_ts = 0
+
+    def transaction(self, xid: int, commit_lsn: int, commit_ts: int,
+                    changes: Iterator[tuple[int, m.Message]],
+                    snapshot: str = "false", end_lsn: int | None = None) -> Iterator[Record]:
+        # source.ts_us needs the commit time in microseconds; _value gets milliseconds.
+        self._commit_ts = commit_ts
+        yield from super().transaction(xid, commit_lsn, commit_ts, changes, snapshot, end_lsn)
+        self.last_end_lsn = end_lsn
+
+    def _transaction_record(self, status: str, txid: str, ts_ms: int, total: int | None,
+                            per_table: dict[str, int] | None) -> Record:
+        # Debezium writes no context headers on its transaction topic.
+        value = _transaction_value(status, txid, ts_ms, total, per_table)
+        return (self.transaction_topic,
+                b'{"schema":%b,"payload":{"id":%b}}' % (_TXN_KEY_SCHEMA, _dumps(txid)),
+                b'{"schema":%b,"payload":%b}' % (_TXN_VALUE_SCHEMA, value), None)
+
+    def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
+        if not info.key_names:
+            return None
+        shape: ConnectShape = info.encoded
+        return shape.key_head + _dumps({n: row[n] for n in info.key_names}) + b"}"
+
+    def _key_change_headers(self, info: RelationInfo, old: m.TupleData, new: m.TupleData,
+                            ) -> tuple[Headers | None, Headers | None]:
+        # The other key's payload, as SimpleHeaderConverter prints a Struct.
+        headers = self.headers or []
+        return ([("__debezium.newkey", _dumps(_key_row(info, new))), *headers],
+                [("__debezium.oldkey", _dumps(_key_row(info, old))), *headers])
+
+    def _source_pieces(self, info: RelationInfo, xid: int | None, commit_ts: int,
+                       snapshot: str) -> tuple[bytes, bytes]:
+        """The ``source`` block around its sequence's LSN and its ``lsn``, constant for a
+        relation in one transaction."""
+        us = commit_ts + m.PG_EPOCH_UNIX_US
+        prev = "null" if self.last_end_lsn is None else f'\\"{self.last_end_lsn}\\"'
+        head = (f',"source":{{"version":"{VERSION}","connector":"{CONNECTOR}","name":'
+                f'{_dumps(self.topic_prefix).decode()},"ts_ms":{us // 1000},'
+                f'"snapshot":"{snapshot}","db":{_dumps(self.db).decode()},'
+                f'"sequence":"[{prev},\\"').encode()
+        middle = (f'\\"]","ts_us":{us},"ts_ns":{us * 1000},"schema":'
+                  f'{_dumps(info.schema).decode()},"table":{_dumps(info.table).decode()},'
+                  f'"txId":{"null" if xid is None else xid},"lsn":').encode()
+        return head, middle
+
+    def _value(self, info: RelationInfo, templates: dict[int, tuple[bytes, bytes]], xid: int,
+               commit_lsn: int, ts_ms: int, snapshot: str, now_ms: int, lsn: int, op: str,
+               before: dict[str, JsonValue] | None, after: dict[str, JsonValue] | None,
+               txid: str, total: int, order: int) -> bytes:
+        head, middle = templates.get(info.oid) or templates.setdefault(
+            info.oid, self._source_pieces(info, xid if snapshot == "false" else None,
+                                          self._commit_ts, snapshot))
+        return self._envelope(info, head, middle, lsn, op, before, after,
+                              b'{"id":"%b","total_order":%d,"data_collection_order":%d}' % (
+                                  txid.encode(), total, order))
+
+    def _envelope(self, info: RelationInfo, head: bytes, middle: bytes, lsn: int, op: str,
+                  before: dict[str, JsonValue] | None, after: dict[str, JsonValue] | None,
+                  transaction: bytes) -> bytes:
+        now = time.time_ns()
+        out = b"".join((
+            info.encoded.value_head, self._full(info, before), b',"after":',
+            self._full(info, after), head, b"%d" % lsn, middle,
+            b'%d,"xmin":null,"origin":null,"origin_lsn":null},"transaction":%b,"op":"%b",'
+            b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}}' % (
+                lsn, transaction, op.encode(), now // 1_000_000, now // 1000, now)))
+        if len(out) > self.max_record_bytes:
+            raise self._too_large(info, lsn, len(out))
+        return out
+
+    @staticmethod
+    def _full(info: RelationInfo, row: dict[str, JsonValue] | None) -> bytes:
+        """A row with every column (Connect writes a struct's every field): a key-only old
+        row gets nulls for the others."""
+        if row is None:
+            return b"null"
+        if len(row) != len(info.names):
+            row = {n: row.get(n) for n in info.names}
+        return _dumps(row)
+
+    def snapshot_rows(self, info: RelationInfo, rows: Iterable[Sequence[str | None]],
+                      commit_lsn: int, commit_ts: int, lsn: int) -> Iterator[Record]:
+        if not info.published:
+            yield self._schema_record(info)
+        head, middle = self._source_pieces(info, None, commit_ts, "true")
+        topic, headers, key_of = info.topic, self.headers, self._key_of
+        for values in rows:
+            row = _whole_row(info, values)
+            yield topic, key_of(info, row), self._envelope(
+                info, head, middle, lsn, "r", None, row, b"null"), headers
+
