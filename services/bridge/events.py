@@ -462,6 +462,3 @@ def _key_row(info: RelationInfo, tup: m.TupleData) -> dict[str, JsonValue]:
 
 def _typed(info: RelationInfo, i: int, value: m.TupleValue) -> JsonValue:
     return info.converters[i](value) if isinstance(value, str) else None
-
-
-
