@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from services.common.httpserver import HttpServerError
 from services.common.kafka import KafkaUnreachable
 from services.common.logs import setup_logging
 from services.common.settings import SettingsError, load_settings
@@ -55,4 +56,8 @@ def consume(config: Path | None, once: bool, fail_on_quarantine: bool, print_sub
     # Spark is imported only now: --status and settings errors need no JVM.
     from spark_consumers.job import run
 
-    sys.exit(run(settings, once=once, fail_on_quarantine=fail_on_quarantine))
+    try:
+        code = run(settings, once=once, fail_on_quarantine=fail_on_quarantine)
+    except HttpServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)

@@ -21,10 +21,12 @@ from types import FrameType
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
+from services.common.httpserver import HealthServer
 from services.common.logs import log_event
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.errors import error_line
 from spark_consumers.kafka import change_stream
+from spark_consumers.metrics import liveness, readiness, registry_for
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
 
@@ -195,6 +197,12 @@ def run(settings: ConsumerSettings, once: bool = False,
     signal.signal(signal.SIGTERM, ask_stop)
     signal.signal(signal.SIGINT, ask_stop)
     status = Status()
+    server = None
+    if settings.http_port:
+        server = HealthServer(settings.http_host, settings.http_port,
+                              lambda: liveness(status), lambda: readiness(status),
+                              registry_for(status)).start()
+        log_event(log, logging.INFO, "serving /healthz /readyz /metrics", port=server.port)
     spark = build_session(settings)
     try:
         code = _follow(spark, settings, status, once, stop)
@@ -214,6 +222,8 @@ def run(settings: ConsumerSettings, once: bool = False,
         return 1
     finally:
         spark.stop()
+        if server is not None:
+            server.stop()
 
 
 def _follow(spark: SparkSession, settings: ConsumerSettings, status: Status, once: bool,

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from services.bridge.topics import MAX_PREFIX, table_topic
 from services.common.settings import (
+    HTTP_HOST,
     ServiceSettings,
     kafka_topic_name,
     qualified_tables,
@@ -80,6 +81,9 @@ class ConsumerSettings(ServiceSettings):
         "table's newest change is this much later: no record older than the delete may "
         "arrive after that (Kafka's delete.retention.ms has the same meaning)",
     )
+    http_host: str = HTTP_HOST
+    http_port: int = Field(default=9189, ge=0, le=65535,
+                           description="/healthz /readyz /metrics; 0 disables the server")
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

@@ -67,11 +67,13 @@ class Status:
         return sum(c.quarantined for c in self.tables.values())
 
     def record_lag(self, progress: dict[str, Any] | None) -> None:
-        """Offsets not yet consumed, per topic, from the query's last progress report."""
-        if not progress:
-            return
-        self.lag = lag_from_progress(progress)
+        """Offsets not yet consumed, per topic, from the query's last progress report.
+
+        Called by the driver's poll loop every few seconds, so ``updated_at`` also says
+        the loop is alive (the liveness probe reads it)."""
         self.updated_at = time.time()
+        if progress:
+            self.lag = lag_from_progress(progress)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -367,7 +367,7 @@ def test_schema_names_every_settings_field() -> None:
                           "kafka_sasl_password", "kafka_transactional_id"},
                          props["bridge"]["properties"]["config"]),
         FailoverSettings: ({"http_host", "http_port"}, props["failover"]["properties"]["config"]),
-        ConsumerSettings: ({"jars_dir", "spark_master", "status_path"},
+        ConsumerSettings: ({"jars_dir", "spark_master", "status_path", "http_host", "http_port"},
                            props["consumer"]["properties"]["config"]),
     }
     for model, (chart_owned, config) in owned.items():

@@ -17,6 +17,8 @@ import signal
 import struct
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from decimal import Decimal
 from pathlib import Path
@@ -32,6 +34,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import FloatType, StringType, TimestampType
 
+from services.stack.cluster import free_ports, wait_until
 from services.stack.stack import Stack
 from spark_consumers.job import start_query
 from spark_consumers.schema import spark_type
@@ -49,6 +52,7 @@ TS_FORMAT = "yyyy-MM-dd HH:mm:ss.SSSSSS"
 
 
 def consumer_settings(stack: Stack, prefix: str, root: Path, **extra: Any) -> ConsumerSettings:
+    extra.setdefault("http_port", 0)
     return ConsumerSettings(kafka_bootstrap=stack.kafka_bootstrap, topic_prefix=prefix,
                             warehouse=str(root / "warehouse"),
                             checkpoint_dir=str(root / "checkpoint"),
@@ -221,7 +225,7 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
         "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
         "SLOTBRIDGE_TRIGGER_INTERVAL_S": "0", "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "40",
         "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_SHUFFLE_PARTITIONS": "1",
-        "SLOTBRIDGE_LOG_FORMAT": "text",
+        "SLOTBRIDGE_LOG_FORMAT": "text", "SLOTBRIDGE_HTTP_PORT": "0",
     })
     # The driver SIGKILLs itself in the third batch, after the history MERGE committed
     # and before the current-state MERGE: the restart must replay that batch.
@@ -286,6 +290,61 @@ def test_once_on_a_prefix_without_topics(stack: Stack, tmp_path: Path) -> None:
     assert (final["state"], final["error"], final["batches"]) == ("stopped", None, 0), final
 
 
+def test_health_and_metrics_of_a_running_job(stack: Stack, tmp_path: Path) -> None:
+    """The daemon's /readyz, /healthz and /metrics (what the chart's probes and the
+    ServiceMonitor read): applied and quarantined records per table, then a SIGTERM ends
+    the job cleanly."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    table = SynthTable(prefix, "public", "items", (SynthColumn("id", "integer", 23, key=True),
+                                                  SynthColumn("name", "text", 25)))
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
+    writer.send([table.schema_record()])
+    writer.send([r for k in range(1, 6)
+                 for r in table.change("c", {"id": k, "name": f"n{k}"}, 100 + k, 1, k)])
+    writer.send([(table.topic, b'{"id": 9}', b'{"op": "c", "after": "oops"}')])
+    port = free_ports(1)[0]
+    settings = consumer_settings(stack, prefix, tmp_path, http_port=port)
+    env = {**_consumer_env(settings), "SLOTBRIDGE_TRIGGER_INTERVAL_S": "1"}
+    log = (tmp_path / "consume.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "consume"], cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    applied = 'slotbridge_consumer_records_applied_total{table="public.items"} 5.0'
+    quarantined = 'slotbridge_consumer_records_quarantined_total{table="public.items"} 1.0'
+    try:
+        assert wait_until(lambda: _get(f"{base}/readyz")[0] == 200, 180), \
+            (tmp_path / "consume.log").read_text()[-3000:]
+        assert wait_until(lambda: applied in _get(f"{base}/metrics")[1], 180), \
+            _get(f"{base}/metrics")[1]
+        code, metrics = _get(f"{base}/metrics")
+        assert quarantined in metrics, metrics
+        assert "slotbridge_consumer_last_batch_seconds" in metrics, metrics
+        code, body = _get(f"{base}/healthz")
+        assert code == 200 and json.loads(body)["reason"] == "running", body
+        # To the driver alone, as Kubernetes signals a container's first process.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, (tmp_path / "consume.log").read_text()[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+    assert settings.status_path is not None
+    assert json.loads(settings.status_path.read_text())["state"] == "stopped"
+
+
+def _get(url: str) -> tuple[int, str]:
+    """Status and body of a GET; (0, reason) while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
 def _consumer_env(settings: ConsumerSettings) -> dict[str, str]:
     """The environment of a ``slotbridge consume`` child with ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
@@ -294,7 +353,8 @@ def _consumer_env(settings: ConsumerSettings) -> dict[str, str]:
                 "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
                 "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
                 "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
-                "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_LOG_FORMAT": "text"})
+                "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_LOG_FORMAT": "text",
+                "SLOTBRIDGE_HTTP_PORT": str(settings.http_port)})
     return env
 
 
@@ -308,7 +368,8 @@ def test_printed_spark_submit_line_runs_the_job(stack: Stack, tmp_path: Path) ->
                                   "warehouse": settings.warehouse,
                                   "checkpoint_dir": settings.checkpoint_dir,
                                   "status_path": str(settings.status_path),
-                                  "spark_master": "local[1]", "log_format": "text"}))
+                                  "spark_master": "local[1]", "log_format": "text",
+                                  "http_port": 0}))
     code, line = run_cli("consume", "--config", str(config), "--print-spark-submit", "--once",
                          env=_consumer_env(settings))
     assert code == 0 and "spark-submit" in line, line

@@ -195,8 +195,10 @@ image); under the Spark operator spark-submit decides the master and the classpa
 */}}
 {{- define "slotbridge.consumerConfig" -}}
 {{- $config := deepCopy .Values.consumer.config }}
+{{- $_ := set $config "http_host" "0.0.0.0" }}
+{{- $_ = set $config "http_port" (int .Values.consumer.port) }}
 {{- if not .Values.consumer.sparkOperator.enabled }}
-{{- $_ := set $config "jars_dir" "/opt/slotbridge/jars/spark" }}
+{{- $_ = set $config "jars_dir" "/opt/slotbridge/jars/spark" }}
 {{- $_ = set $config "spark_master" .Values.consumer.localMaster }}
 {{- $_ = set $config "status_path" "/tmp/slotbridge/consumer-status.json" }}
 {{- end }}
