@@ -35,7 +35,8 @@ ENVELOPE = (
     "before map<string,variant>, after map<string,variant>, "
     "source struct<schema:string,table:string,txId:bigint,lsn:bigint,commit_lsn:bigint,"
     "ts_ms:bigint,snapshot:string,schema_version:int>, op string, ts_ms bigint, "
-    "transaction struct<id:string,total_order:bigint,data_collection_order:bigint>"
+    "transaction struct<id:string,total_order:bigint,data_collection_order:bigint>, "
+    "json_nulls struct<before:array<string>,after:array<string>>"
 )
 REASON = "_reason"
 TABLE = "_table"
@@ -176,10 +177,15 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
                                for i, c in columns
                                if isinstance(c.spark_type, ArrayType) and not c.is_json})
     converted: dict[str, Column] = {}
+    # The image's json/jsonb columns holding JSON null, which parse as SQL NULL.
+    json_nulls = F.when(op == "d", e["json_nulls"]["before"]).otherwise(
+        e["json_nulls"]["after"])
     for i, column in columns:
         raw = F.col(text(i))
         if column.is_json:
-            converted[typed(i)] = F.when(raw.isNotNull(), F.to_json(F.col(variant(i))))
+            converted[typed(i)] = (
+                F.when(F.array_contains(json_nulls, F.lit(column.name)), F.lit("null"))
+                .when(raw.isNotNull(), F.to_json(F.col(variant(i)))))
         elif isinstance(column.spark_type, ArrayType):
             element = column.spark_type.elementType
             converted[typed(i)] = F.transform(F.col(items(i)), _element(element))

@@ -21,7 +21,7 @@ import orjson
 from services.bridge import messages as m
 from services.bridge.records import CONNECTOR, TOAST_PLACEHOLDER
 from services.bridge.topics import table_topic
-from services.bridge.values import TYPE_NAMES, JsonValue, converter_for
+from services.bridge.values import JSON_NULL, TYPE_NAMES, JsonValue, converter_for
 from services.common.lsn import format_lsn
 
 VERSION = "0.1.0"
@@ -86,6 +86,8 @@ class RelationInfo:
     schema_record: dict[str, Any]
     # What an unchanged TOAST value becomes, per column.
     placeholders: tuple[JsonValue, ...]
+    # The json and jsonb columns: a JSON null in them is named in ``json_nulls``.
+    json_names: tuple[str, ...] = ()
     published: bool = False
     # The record format's own per-version pieces (the Debezium format's Connect schemas).
     encoded: Any = None
@@ -166,6 +168,8 @@ class RelationCatalog:
             key_idx=key_idx, key_names=tuple(names[i] for i in key_idx),
             replica_identity=rel.replica_identity, schema_record=record,
             placeholders=(TOAST_PLACEHOLDER,) * len(names),
+            json_names=tuple(n for n, c in zip(names, rel.columns, strict=True)
+                             if c.type_oid in _JSON_OIDS),
         )
         if self.encoder is not None:
             self.encoder(info, rel, facts)
@@ -378,6 +382,8 @@ class EventBuilder:
         for n, values in enumerate(rows, 1):
             row = _whole_row(info, values)
             value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)
+            if info.json_names:
+                value = _with_json_nulls(value, info, None, row)
             if len(value) > limit:
                 raise self._too_large(info, lsn, len(value))
             yield (topic, _dumps({k: row[k] for k in key_names}) if key_names else None, value,
@@ -407,6 +413,8 @@ class EventBuilder:
                         _dumps(after) if after is not None else b"null",
                         head, lsn, tail, commit_lsn, lsn, op.encode(), now_ms, txid.encode(),
                         total, order)
+        if info.json_names:
+            out = _with_json_nulls(out, info, before, after)
         if len(out) > self.max_record_bytes:
             raise self._too_large(info, lsn, len(out))
         return out
@@ -424,6 +432,25 @@ _VALUE_REST = (b',"source":%b,"lsn":%d%b,"sequence":"[\\"%d\\",\\"%d\\"]"},'
 _VALUE_END = b'%d,"data_collection_order":%d}}'
 _VALUE = b'{"before":%b,"after":%b' + _VALUE_REST + _VALUE_END
 _SNAPSHOT_VALUE = b'{"before":null,"after":%b%b' + _VALUE_END
+
+
+_JSON_OIDS = frozenset((114, 3802))
+
+
+def _with_json_nulls(value: bytes, info: RelationInfo, before: dict[str, JsonValue] | None,
+                     after: dict[str, JsonValue] | None) -> bytes:
+    """``value`` with ``"json_nulls": {"before": [...], "after": [...]}`` naming the json
+    and jsonb columns whose value is JSON ``null`` (embedded, it reads like SQL NULL);
+    ``value`` unchanged when there is none, the usual case."""
+    nulls: dict[str, list[str]] = {}
+    for image, row in (("before", before), ("after", after)):
+        if row is not None:
+            names = [n for n in info.json_names if row.get(n) is JSON_NULL]
+            if names:
+                nulls[image] = names
+    if not nulls:
+        return value
+    return value[:-1] + b',"json_nulls":' + _dumps(nulls) + b"}"
 
 
 def _transaction_value(status: str, txid: str, ts_ms: int, total: int | None,

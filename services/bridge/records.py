@@ -60,6 +60,13 @@ class TransactionBlock(_Strict):
     data_collection_order: int = Field(description="1-based position within its table")
 
 
+class JsonNulls(_Strict):
+    """Per row image, the json/jsonb columns whose value is JSON ``null``, not SQL NULL."""
+
+    before: list[str] | None = None
+    after: list[str] | None = None
+
+
 class ChangeValue(_Strict):
     """Value of a record on a change topic ``{prefix}.{schema}.{table}``.
 
@@ -81,6 +88,9 @@ class ChangeValue(_Strict):
     op: Literal["c", "u", "d", "r", "t"]
     ts_ms: int = Field(description="when the bridge built the record, ms since epoch")
     transaction: TransactionBlock | None
+    json_nulls: JsonNulls | None = Field(
+        default=None, description="json/jsonb columns holding JSON null (embedded, it reads "
+        "like SQL NULL); absent when there is none")
 
 
 class DataCollection(_Strict):

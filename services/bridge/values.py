@@ -87,7 +87,16 @@ def _timestamptz(text: str) -> JsonValue:
 # json and jsonb values are published as the very text PostgreSQL printed: parsed and
 # re-encoded they would lose digits, duplicate keys, and turn 1e400 into Infinity, which
 # is not JSON. An orjson Fragment is text the encoder writes out as it is.
-_raw_json = orjson.Fragment
+# A JSON null embedded so looks just like SQL NULL; this one object stands for it, so the
+# event builder can tell the two apart (``json_nulls`` in the record).
+JSON_NULL = orjson.Fragment(b"null")
+
+
+def _raw_json(text: str) -> JsonValue:
+    # json keeps the input's blanks around the value; jsonb prints exactly "null".
+    if len(text) < 16 and text.strip() == "null":
+        return JSON_NULL
+    return orjson.Fragment(text)
 
 
 _MONEY = re.compile(r"-?[0-9]+(\.[0-9]+)?")

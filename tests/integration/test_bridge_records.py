@@ -27,6 +27,7 @@ CREATE TABLE {SCHEMA}.everything (
 CREATE TABLE {SCHEMA}.full_ident (id int PRIMARY KEY, v text);
 ALTER TABLE {SCHEMA}.full_ident REPLICA IDENTITY FULL;
 CREATE TABLE {SCHEMA}.keyless (a int, b text);
+CREATE TABLE {SCHEMA}.docs (id int PRIMARY KEY, j json, jb jsonb);
 """
 
 ROW = f"""
@@ -57,7 +58,8 @@ def _schemas() -> dict[str, dict[str, object]]:
 @pytest.fixture(scope="module")
 def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     sql(stack.primary_dsn, TYPES_DDL)
-    pipe = Pipeline(stack, [f"{SCHEMA}.everything", f"{SCHEMA}.full_ident", f"{SCHEMA}.keyless"],
+    pipe = Pipeline(stack, [f"{SCHEMA}.everything", f"{SCHEMA}.full_ident", f"{SCHEMA}.keyless",
+                            f"{SCHEMA}.docs"],
                     Path(tmp_path_factory.mktemp("records")))
     pipe.start()
     try:
@@ -73,6 +75,9 @@ def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         sql(dsn, f"UPDATE {SCHEMA}.full_ident SET v = 'new' WHERE id = 1")
         sql(dsn, f"INSERT INTO {SCHEMA}.keyless VALUES (1, 'x')")
         sql(dsn, f"TRUNCATE {SCHEMA}.full_ident")
+        sql(dsn, f"INSERT INTO {SCHEMA}.docs VALUES (1, ' null ', 'null'), (2, NULL, NULL),"
+                 f" (3, '{{\"a\": null}}', '[null]')")
+        sql(dsn, f"UPDATE {SCHEMA}.docs SET jb = '{{}}' WHERE id = 1")
         pipe.wait_caught_up(90)
         yield pipe
         assert pipe.stop() == 0
@@ -101,6 +106,19 @@ def test_types_and_dml_kinds(published: Pipeline) -> None:
             assert src["schema"] == "rec" and src["table"] == "everything"
             assert src["lsn"] <= src["commit_lsn"]
             assert src["txId"] > 0
+
+
+def test_json_null_is_told_from_sql_null(published: Pipeline) -> None:
+    records = read_topics(published.stack.kafka, [published.topic("rec.docs")])
+    seen = {(r.value["op"], r.value["after"]["id"]): r.value for r in records}
+    assert seen[("c", 1)]["after"] == {"id": 1, "j": None, "jb": None}
+    assert seen[("c", 1)]["json_nulls"] == {"after": ["j", "jb"]}
+    assert seen[("c", 2)]["after"] == {"id": 2, "j": None, "jb": None}
+    # JSON null inside a document is just JSON; SQL NULL is no JSON null.
+    assert "json_nulls" not in seen[("c", 2)] and "json_nulls" not in seen[("c", 3)]
+    assert seen[("c", 3)]["after"] == {"id": 3, "j": {"a": None}, "jb": [None]}
+    assert seen[("u", 1)]["after"] == {"id": 1, "j": None, "jb": {}}
+    assert seen[("u", 1)]["json_nulls"] == {"after": ["j"]}
 
 
 def test_replica_identity_full_carries_before_and_truncate(published: Pipeline) -> None:

@@ -335,6 +335,28 @@ def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path
     assert tuple(texts) == ("-0043-03-15 12:00:00.5", "0000-01-01 00:00:00", "-4713-11-24")
 
 
+def test_json_null_is_stored_as_json_text(spark: SparkSession, tmp_path: Path) -> None:
+    """A jsonb ``null`` (named in ``json_nulls``) is the JSON text ``null``; SQL NULL stays
+    NULL; the marker of a delete's image is its ``before``."""
+    t = SynthTable("p", "public", "t", (COLUMNS[0], COLUMNS[4]))
+    h = Harness(spark, tmp_path, t)
+
+    def marked(records: list[Record], nulls: dict[str, list[str]]) -> list[Record]:
+        topic, key, value = records[0]
+        assert value is not None
+        return [(topic, key, json.dumps({**json.loads(value), "json_nulls": nulls}).encode()),
+                *records[1:]]
+
+    h.run([*marked(t.change("c", {"id": 1, "doc": None}, 100, 1, 1), {"after": ["doc"]}),
+           *t.change("c", {"id": 2, "doc": None}, 100, 2, 1),
+           *t.change("c", {"id": 3, "doc": {"a": None}}, 100, 3, 1)])
+    assert {k: r["doc"] for k, r in h.current().items()} == {1: "null", 2: None,
+                                                             3: '{"a":null}'}
+    h.run(marked(t.change("d", {"id": 1, "doc": None}, 200, 1, 2), {"before": ["doc"]}))
+    deleted = [r for r in h.history() if r["_cdc_op"] == "d"]
+    assert [(r["id"], r["doc"]) for r in deleted] == [(1, "null")]
+
+
 def _delta_table_exists(spark: SparkSession, path: str) -> bool:
     from delta.tables import DeltaTable
 

@@ -11,6 +11,7 @@ import pytest
 
 from services.bridge.values import (
     ARRAY_ELEMENT,
+    JSON_NULL,
     TYPE_NAMES,
     JsonValue,
     converter_for,
@@ -116,6 +117,18 @@ def test_json_text_is_embedded_exactly(oid: int, text: str) -> None:
     encoded = orjson.dumps({"after": row}).decode()
     assert encoded == ('{"after":{"j":' + text + r',"t":"\\u0000\"","u":"a\\u0000\\"}}')
     json.loads(encoded)  # valid JSON, whatever the value holds
+
+
+@pytest.mark.parametrize(("oid", "text"), [(JSONB, "null"), (JSON, "null"), (JSON, " null\n")])
+def test_json_null_is_one_marked_object(oid: int, text: str) -> None:
+    # The event builder names these columns in json_nulls; embedded they read as null.
+    value = converter_for(oid)(text)
+    assert value is JSON_NULL and orjson.dumps(value) == b"null"
+
+
+@pytest.mark.parametrize("text", ['"null"', "[null]", '{"a": null}', " nulls"])
+def test_json_that_is_not_null_is_not_marked(text: str) -> None:
+    assert converter_for(JSONB)(text) is not JSON_NULL
 
 
 def test_json_arrays_embed_each_element() -> None:
