@@ -13,8 +13,6 @@ first problems found (dead letter).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
@@ -142,8 +140,35 @@ def _datetime(raw: Column, data_type: DataType) -> Column:
             .otherwise(text.try_cast(data_type)))
 
 
-def _element(data_type: DataType) -> Callable[[Column], Column]:
-    return lambda x: _scalar(x, data_type)
+def _depth_and_leaf(data_type: DataType) -> tuple[int, DataType]:
+    depth, leaf = 0, data_type
+    while isinstance(leaf, ArrayType):
+        depth, leaf = depth + 1, leaf.elementType
+    return depth, leaf
+
+
+def _texts_of(data_type: DataType) -> ArrayType:
+    """The array type with text leaves: how an array column's JSON is parsed first."""
+    depth, _ = _depth_and_leaf(data_type)
+    shape = ArrayType(StringType())
+    for _ in range(depth - 1):
+        shape = ArrayType(shape)
+    return shape
+
+
+def _convert_nested(texts: Column, data_type: DataType) -> Column:
+    """Text leaves -> typed leaves, at every level of a (multi-dimensional) array."""
+    if isinstance(data_type, ArrayType):
+        element = data_type.elementType
+        return F.transform(texts, lambda x: _convert_nested(x, element))
+    return _scalar(texts, data_type)
+
+
+def _flat(nested: Column, depth: int) -> Column:
+    """All leaves of a ``depth``-level array in one array (null if a level is null)."""
+    for _ in range(depth - 1):
+        nested = F.flatten(nested)
+    return nested
 
 
 def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int]) -> DataFrame:
@@ -173,7 +198,7 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
     })
     steps = steps.withColumns({text(i): F.try_variant_get(F.col(variant(i)), "$", "string")
                                for i, _ in columns})
-    steps = steps.withColumns({items(i): F.from_json(F.col(text(i)), ArrayType(StringType()))
+    steps = steps.withColumns({items(i): F.from_json(F.col(text(i)), _texts_of(c.spark_type))
                                for i, c in columns
                                if isinstance(c.spark_type, ArrayType) and not c.is_json})
     converted: dict[str, Column] = {}
@@ -187,8 +212,7 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
                 F.when(F.array_contains(json_nulls, F.lit(column.name)), F.lit("null"))
                 .when(raw.isNotNull(), F.to_json(F.col(variant(i)))))
         elif isinstance(column.spark_type, ArrayType):
-            element = column.spark_type.elementType
-            converted[typed(i)] = F.transform(F.col(items(i)), _element(element))
+            converted[typed(i)] = _convert_nested(F.col(items(i)), column.spark_type)
         else:
             converted[typed(i)] = _scalar(raw, column.spark_type)
         converted[toast_flag(i)] = (F.coalesce(raw == F.lit(TOAST_PLACEHOLDER), F.lit(False))
@@ -201,10 +225,18 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
         if column.is_json:
             failed = F.lit(False)
         elif isinstance(column.spark_type, ArrayType):
-            texts = F.col(items(i))
+            depth, leaf = _depth_and_leaf(column.spark_type)
+            texts, kept = _flat(F.col(items(i)), depth), _flat(value, depth)
             present = F.size(F.filter(texts, lambda x: x.isNotNull()))
-            kept = F.size(F.filter(value, lambda x: x.isNotNull()))
-            failed = raw.isNotNull() & (texts.isNull() | (present != kept))
+            lost = F.coalesce(present != F.size(F.filter(kept, lambda x: x.isNotNull())),
+                              F.lit(True))
+            failed = raw.isNotNull() & (texts.isNull() | lost)
+            if isinstance(leaf, StringType):
+                # A deeper value's inner arrays would pass as text elements: compare the
+                # nesting itself (an empty array has none to compare).
+                shape = F.expr(f"schema_of_variant(`{variant(i)}`)")
+                levels = (F.length(shape) - F.length(F.replace(shape, F.lit("ARRAY<")))) / 6
+                failed = failed | (raw.isNotNull() & (F.size(texts) > 0) & (levels != depth))
         else:
             failed = raw.isNotNull() & value.isNull()
             if isinstance(column.spark_type, DecimalType):

@@ -10,8 +10,9 @@ and decides, from PostgreSQL's ``format_type`` text, which Spark type a column g
   rounding money is worse than asking the reader to cast;
 - ``timestamp`` -> TIMESTAMP_NTZ, ``timestamptz`` -> TIMESTAMP (UTC instant), ``date`` -> DATE;
 - ``json``/``jsonb`` -> string holding the JSON text; ``bytea`` -> binary;
-- ``x[]`` -> array of x's type (one dimension); anything else (time, interval, enums,
-  inet, ...) -> string with PostgreSQL's text form.
+- ``x[]`` -> array of x's type, nested as many levels as the column declares
+  (``int[][]``: array of arrays); anything else (time, interval, enums, inet, ...) ->
+  string with PostgreSQL's text form.
 """
 
 from __future__ import annotations
@@ -91,11 +92,16 @@ def numeric_precision_scale(type_modifier: int) -> tuple[int, int] | None:
     return precision, scale
 
 
-def spark_type(pg_type: str, type_oid: int = 0, type_modifier: int = -1) -> DataType:
-    """The Spark type of a column from its ``format_type`` text (and numeric's typmod)."""
+def spark_type(pg_type: str, type_oid: int = 0, type_modifier: int = -1,
+               dimensions: int = 1) -> DataType:
+    """The Spark type of a column from its ``format_type`` text (and numeric's typmod);
+    ``dimensions``: an array column's declared ones (format_type prints ``x[]`` for all)."""
     text = pg_type.strip().lower()
     if text.endswith("[]"):
-        return ArrayType(spark_type(text[:-2], 0, type_modifier), containsNull=True)
+        nested = spark_type(text[:-2], 0, type_modifier)
+        for _ in range(max(1, dimensions)):
+            nested = ArrayType(nested, containsNull=True)
+        return nested
     if text.startswith("numeric") or type_oid == _NUMERIC_OID:
         ps = numeric_precision_scale(type_modifier)
         if ps is None:
@@ -119,10 +125,11 @@ class Column:
     type_modifier: int
     nullable: bool
     key: bool
+    dimensions: int = 1
 
     @property
     def spark_type(self) -> DataType:
-        return spark_type(self.pg_type, self.type_oid, self.type_modifier)
+        return spark_type(self.pg_type, self.type_oid, self.type_modifier, self.dimensions)
 
     @property
     def is_json(self) -> bool:
@@ -150,7 +157,7 @@ class TableSchema:
         columns = tuple(
             Column(name=c["name"], pg_type=c["type"], type_oid=int(c["type_oid"]),
                    type_modifier=int(c["type_modifier"]), nullable=bool(c["nullable"]),
-                   key=bool(c["key"]))
+                   key=bool(c["key"]), dimensions=int(c.get("dimensions") or 1))
             for c in value["columns"]
         )
         reserved = [c.name for c in columns if c.name in RESERVED]

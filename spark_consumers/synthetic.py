@@ -28,6 +28,7 @@ class SynthColumn:
     type_modifier: int = -1
     key: bool = False
     nullable: bool = True
+    dimensions: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class SynthTable:
             "relation_oid": 16384, "replica_identity": "d",
             "columns": [{"name": c.name, "type": c.pg_type, "type_oid": c.type_oid,
                          "type_modifier": c.type_modifier, "nullable": c.nullable,
-                         "key": c.key} for c in self.columns],
+                         "key": c.key, **({"dimensions": c.dimensions}
+                                          if c.dimensions > 1 else {})}
+                        for c in self.columns],
             "key_columns": self.key_columns, "ts_ms": int(time.time() * 1000),
         }
         key = {"schema": self.schema, "table": self.table, "version": self.version}

@@ -55,6 +55,9 @@ class ColumnFacts:
     # The labels of an enum type (of the element type for an array of enums), in order.
     enum_labels: tuple[str, ...] | None = None
     enum_array: bool = False
+    # An array column's declared dimensions (``int[][]``: 2); PostgreSQL does not enforce
+    # them, but consumers that store arrays typed (Spark) need a number of levels.
+    dimensions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,7 @@ class RelationCatalog:
         columns = []
         for c in rel.columns:
             fact = facts.columns.get(c.name) if facts is not None else None
-            columns.append({
+            column = {
                 "name": c.name,
                 "type": fact.type_name if fact else TYPE_NAMES.get(c.type_oid, "text"),
                 "type_oid": c.type_oid,
@@ -154,7 +157,10 @@ class RelationCatalog:
                 "nullable": fact.nullable if fact else True,
                 "key": c.is_key if rel.replica_identity != "f" else c.name in
                 [names[i] for i in key_idx],
-            })
+            }
+            if fact is not None and fact.dimensions > 1:
+                column["dimensions"] = fact.dimensions
+            columns.append(column)
         record = {
             "schema": rel.namespace, "table": rel.name, "version": version,
             "relation_oid": rel.oid, "replica_identity": rel.replica_identity,

@@ -117,6 +117,9 @@ class ColumnSchema(_Strict):
     type_modifier: int
     nullable: bool
     key: bool
+    dimensions: int | None = Field(
+        default=None, description="an array column's declared dimensions (int[][]: 2), when "
+        "more than one; PostgreSQL does not enforce them")
 
 
 class TableSchemaRecord(_Strict):

@@ -254,13 +254,14 @@ def table_facts(conn: Conn, relation_oid: int) -> TableFacts | None:
             "SELECT a.attname, format_type(a.atttypid, a.atttypmod), NOT a.attnotnull,"
             " (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder) FROM pg_enum e"
             "  WHERE e.enumtypid = CASE WHEN t.typcategory = 'A' THEN t.typelem ELSE t.oid END),"
-            " t.typcategory = 'A'"
+            " t.typcategory = 'A', a.attndims"
             " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
             " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped",
             (relation_oid,))
         columns = {str(n): ColumnFacts(
             str(t), bool(nullable), None if labels is None else tuple(cast(list[str], labels)),
-            bool(array) and labels is not None) for n, t, nullable, labels, array in cur}
+            bool(array) and labels is not None, cast(int, dims))
+            for n, t, nullable, labels, array, dims in cur}
         cur.execute(
             "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
             " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s AND i.indisprimary"

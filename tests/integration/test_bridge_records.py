@@ -27,7 +27,7 @@ CREATE TABLE {SCHEMA}.everything (
 CREATE TABLE {SCHEMA}.full_ident (id int PRIMARY KEY, v text);
 ALTER TABLE {SCHEMA}.full_ident REPLICA IDENTITY FULL;
 CREATE TABLE {SCHEMA}.keyless (a int, b text);
-CREATE TABLE {SCHEMA}.docs (id int PRIMARY KEY, j json, jb jsonb);
+CREATE TABLE {SCHEMA}.docs (id int PRIMARY KEY, j json, jb jsonb, grid int[][]);
 """
 
 ROW = f"""
@@ -111,13 +111,13 @@ def test_types_and_dml_kinds(published: Pipeline) -> None:
 def test_json_null_is_told_from_sql_null(published: Pipeline) -> None:
     records = read_topics(published.stack.kafka, [published.topic("rec.docs")])
     seen = {(r.value["op"], r.value["after"]["id"]): r.value for r in records}
-    assert seen[("c", 1)]["after"] == {"id": 1, "j": None, "jb": None}
+    assert seen[("c", 1)]["after"] == {"id": 1, "j": None, "jb": None, "grid": None}
     assert seen[("c", 1)]["json_nulls"] == {"after": ["j", "jb"]}
-    assert seen[("c", 2)]["after"] == {"id": 2, "j": None, "jb": None}
+    assert seen[("c", 2)]["after"] == {"id": 2, "j": None, "jb": None, "grid": None}
     # JSON null inside a document is just JSON; SQL NULL is no JSON null.
     assert "json_nulls" not in seen[("c", 2)] and "json_nulls" not in seen[("c", 3)]
-    assert seen[("c", 3)]["after"] == {"id": 3, "j": {"a": None}, "jb": [None]}
-    assert seen[("u", 1)]["after"] == {"id": 1, "j": None, "jb": {}}
+    assert seen[("c", 3)]["after"] == {"id": 3, "j": {"a": None}, "jb": [None], "grid": None}
+    assert seen[("u", 1)]["after"] == {"id": 1, "j": None, "jb": {}, "grid": None}
     assert seen[("u", 1)]["json_nulls"] == {"after": ["j"]}
 
 
@@ -166,6 +166,11 @@ def test_schema_topic_describes_columns(published: Pipeline) -> None:
     assert cols["id"]["nullable"] is False and cols["id"]["key"] is True
     assert cols["mood"]["type"] == "rec.mood"
     assert everything[0]["key_columns"] == ["id"]
+    # Declared dimensions ride along when there is more than one (format_type hides them).
+    assert "dimensions" not in cols["ints"]
+    docs = [r.value for r in records if r.value["table"] == "docs"]
+    assert {c["name"]: c.get("dimensions") for c in docs[0]["columns"]} == {
+        "id": None, "j": None, "jb": None, "grid": 2}
 
 
 def test_status_command_reports_slot_origin_and_kafka(published: Pipeline) -> None:

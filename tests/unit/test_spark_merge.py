@@ -357,6 +357,32 @@ def test_json_null_is_stored_as_json_text(spark: SparkSession, tmp_path: Path) -
     assert [(r["id"], r["doc"]) for r in deleted] == [(1, "null")]
 
 
+def test_multi_dimensional_arrays_follow_the_declared_dimensions(
+        spark: SparkSession, tmp_path: Path) -> None:
+    """``int[][]``/``text[][]`` columns become arrays of arrays; a value with other
+    dimensions than its column declares is set aside with the column named, never stored
+    as text that only looks right."""
+    t = SynthTable("p", "public", "t", (
+        COLUMNS[0], SynthColumn("grid", "integer[]", 1007, dimensions=2),
+        SynthColumn("words", "text[]", 1009, dimensions=2), SynthColumn("flat", "text[]", 1009)))
+    h = Harness(spark, tmp_path, t)
+    good = {"grid": [[1, 2], [3, None]], "words": [["a", "b"], ["c", None]],
+            "flat": ["x", None]}
+    h.run([*t.change("c", {"id": 1, **good}, 100, 1, 1),
+           *t.change("c", {"id": 2, "grid": [], "words": [], "flat": []}, 100, 2, 1),
+           *t.change("c", {**good, "id": 3, "flat": [["a"], ["b"]]}, 100, 3, 1),
+           *t.change("c", {**good, "id": 4, "grid": [1, 2]}, 100, 4, 1),
+           *t.change("c", {**good, "id": 5, "words": [[["a"]]]}, 100, 5, 1)])
+    current = h.current()
+    assert sorted(current) == [1, 2]
+    assert {k: v for k, v in current[1].items() if k in good} == good
+    assert (current[2]["grid"], current[2]["words"], current[2]["flat"]) == ([], [], [])
+    reasons = sorted(d["reason"] for d in h.dead_letters())
+    assert reasons == ["column flat: cannot convert to array<string>",
+                       "column grid: cannot convert to array<array<int>>",
+                       "column words: cannot convert to array<array<string>>"], reasons
+
+
 def _delta_table_exists(spark: SparkSession, path: str) -> bool:
     from delta.tables import DeltaTable
 

@@ -62,6 +62,12 @@ def test_spark_type(pg_type: str, typmod: int, expected: object) -> None:
     assert spark_type(pg_type, 0, typmod) == expected
 
 
+def test_declared_dimensions_nest_arrays() -> None:
+    # format_type prints integer[] whatever the dimensions; the schema record says them.
+    assert spark_type("integer[]", 1007, -1, 3) == ArrayType(ArrayType(ArrayType(IntegerType())))
+    assert spark_type("integer[]", 1007, -1, 0) == ArrayType(IntegerType())
+
+
 def test_numeric_typmod() -> None:
     assert numeric_precision_scale(-1) is None
     assert numeric_precision_scale(_typmod(12, 4)) == (12, 4)
