@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
@@ -24,6 +24,7 @@ from pyspark.sql import functions as F
 
 from services.common.logs import log_event
 from spark_consumers import schema as s
+from spark_consumers.status import Upkeep
 from spark_consumers.tables import IS_TRUNCATE, TablePaths, dead_letter_path, quote
 
 log = logging.getLogger("slotbridge.consume")
@@ -33,25 +34,12 @@ _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 
 
 @dataclass
-class Upkeep:
-    """What one housekeeping run did, for the log and the status file."""
-
-    finished_at: float = 0.0
-    seconds: float = 0.0
-    files_compacted: int = 0
-    files_vacuumed: int = 0
-    tombstones_trimmed: int = 0
-    tables: list[str] = field(default_factory=list)
-
-
-@dataclass
 class Housekeeper:
-    """Decides when upkeep is due and runs it over the tables the job has written."""
+    """Decides when upkeep is due and runs it over every table the schema topic names."""
 
     interval_s: float
     vacuum_retention_hours: float
     tombstone_retention_hours: float
-    last: Upkeep | None = None
     _next_due: float = 0.0
 
     def due(self, now: float) -> bool:
@@ -73,7 +61,6 @@ class Housekeeper:
         self._compact_and_vacuum(spark, dead_letter_path(warehouse), upkeep)
         upkeep.seconds = round(time.monotonic() - started, 3)
         upkeep.finished_at = time.time()
-        self.last = upkeep
         self._next_due = time.monotonic() + self.interval_s
         log_event(log, logging.INFO, "housekeeping done", seconds=upkeep.seconds,
                   tables=len(tables), files_compacted=upkeep.files_compacted,

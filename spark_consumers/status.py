@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from services.common.logs import log_event
-from spark_consumers.housekeeping import Upkeep
 from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
@@ -26,6 +25,18 @@ class TableCounts:
     applied: int = 0
     quarantined: int = 0
     stopped: str | None = None  # why the table's records are all set aside
+
+
+@dataclass
+class Upkeep:
+    """What one housekeeping run did, for the log and the status file."""
+
+    finished_at: float = 0.0
+    seconds: float = 0.0
+    files_compacted: int = 0
+    files_vacuumed: int = 0
+    tombstones_trimmed: int = 0
+    tables: list[str] = field(default_factory=list)
 
 
 @dataclass

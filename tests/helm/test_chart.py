@@ -33,7 +33,9 @@ from services.common.settings import ServiceSettings, load_settings
 from services.failover.settings import FailoverSettings
 from services.failover.watch import Metrics as FailoverMetrics
 from services.stack.bootstrap import cache_dir
+from spark_consumers.metrics import registry_for
 from spark_consumers.settings import ConsumerSettings
+from spark_consumers.status import Status, TableCounts, Upkeep
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "slotbridge"
@@ -520,7 +522,10 @@ def test_container_args_parse_with_the_cli(manifests: list[Manifest]) -> None:
 
 def _exported_metrics() -> set[str]:
     names: set[str] = set()
-    registries = [BridgeMetrics("s", SpoolStats()).registry, CollectorRegistry()]
+    status = Status(tables={"public.t": TableCounts(applied=1, quarantined=1)},
+                    lag={"p.public.t": 0}, last_batch_seconds=1.0, housekeeping=Upkeep())
+    registries = [BridgeMetrics("s", SpoolStats()).registry, CollectorRegistry(),
+                  registry_for(status)]
     FailoverMetrics(registries[1])
     for registry in registries:
         for family in registry.collect():
