@@ -28,9 +28,6 @@ from spark_consumers.status import Upkeep
 from spark_consumers.tables import IS_TRUNCATE, TablePaths, dead_letter_path, quote
 
 log = logging.getLogger("slotbridge.consume")
-# Delta refuses a VACUUM retention under 168 hours unless this check is off; the
-# retention is the operator's explicit setting, so it is honoured as given.
-_RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 
 
 @dataclass
@@ -75,20 +72,12 @@ class Housekeeper:
         metrics = table.optimize().executeCompaction().first()
         if metrics is not None:
             upkeep.files_compacted += int(metrics["metrics"]["numFilesRemoved"])
-        previous = spark.conf.get(_RETENTION_CHECK, None)
-        spark.conf.set(_RETENTION_CHECK, "false")
-        try:
-            # The dry run lists what VACUUM deletes: VACUUM itself reports no count.
-            doomed = spark.sql(f"VACUUM delta.{quote(path)} RETAIN "
-                               f"{self.vacuum_retention_hours} HOURS DRY RUN").count()
-            if doomed:
-                table.vacuum(self.vacuum_retention_hours)
-            upkeep.files_vacuumed += doomed
-        finally:
-            if previous is None:
-                spark.conf.unset(_RETENTION_CHECK)
-            else:
-                spark.conf.set(_RETENTION_CHECK, previous)
+        # The dry run lists what VACUUM deletes: VACUUM itself reports no count.
+        doomed = spark.sql(f"VACUUM delta.{quote(path)} RETAIN "
+                           f"{self.vacuum_retention_hours} HOURS DRY RUN").count()
+        if doomed:
+            table.vacuum(self.vacuum_retention_hours)
+        upkeep.files_vacuumed += doomed
 
     def _trim_tombstones(self, spark: SparkSession, paths: TablePaths) -> int:
         """Delete the tombstones of deletes committed more than ``tombstone_retention_hours``

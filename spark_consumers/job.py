@@ -78,6 +78,9 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # to disk only; kept in memory, spilling when it must, the copy is cheaper to write
         # and to read back in the MERGE's two passes.
         "spark.databricks.delta.merge.materializeSource.rddStorageLevel": "MEMORY_AND_DISK",
+        # Delta refuses a VACUUM retention under 168 hours unless this check is off; the
+        # job vacuums only with the operator's explicit vacuum_retention_hours.
+        "spark.databricks.delta.retentionDurationCheck.enabled": "false",
         # File listings (VACUUM's among them) run as one task per this many paths;
         # Spark's 10,000 made a VACUUM of a small table take a minute on two cores.
         "spark.sql.sources.parallelPartitionDiscovery.parallelism":

@@ -18,8 +18,6 @@ else from the current-state row, so history and current state both hold real val
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from delta.tables import DeltaTable
@@ -374,14 +372,13 @@ class TableWriter:
                       .drop("_d"))
         latest = latest.persist()
         try:
-            with _source_as_is(self.spark):
-                (current.alias("t").merge(_align(latest, target, (s.OP,)).alias("s"),
-                                          _key_match(table.key_columns))
-                 .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
-                 .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
-                 .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
-                                       values=_assign(target))
-                 .execute())
+            (current.alias("t").merge(_align(latest, target, (s.OP,)).alias("s"),
+                                      _key_match(table.key_columns))
+             .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
+             .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
+             .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
+                                   values=_assign(target))
+             .execute())
             timings.merged(f"{table.name} current", current)
             if facts.has_deletes and tombstones is not None:
                 with timings.phase(f"{table.name} tombstones"):
@@ -393,29 +390,6 @@ class TableWriter:
                 self._floor is None or max(facts.truncates) > self._floor):
             self._floor = max(facts.truncates)
             _store_truncate(self.spark, stones, self._floor)
-
-
-_MATERIALIZE = "spark.databricks.delta.merge.materializeSource"
-
-
-@contextmanager
-def _source_as_is(spark: SparkSession) -> Iterator[None]:
-    """A MERGE whose source is already persisted reads it as it is.
-
-    Delta copies a MERGE's source first (its two passes must see the same rows), which for
-    a cached source is a second copy of the same rows. Ours is recomputed only if a cached
-    block is lost, and then from the same Kafka offsets and the same table versions (no
-    write happens during the MERGE), so it comes out the same.
-    """
-    previous = spark.conf.get(_MATERIALIZE, None)
-    spark.conf.set(_MATERIALIZE, "none")
-    try:
-        yield
-    finally:
-        if previous is None:
-            spark.conf.unset(_MATERIALIZE)
-        else:
-            spark.conf.set(_MATERIALIZE, previous)
 
 
 def _append_tombstones(latest: DataFrame, target: StructType, path: str) -> None:
