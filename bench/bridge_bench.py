@@ -53,8 +53,12 @@ from services.bridge.stream import ReplicationConnection
 from services.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
-START_OPTIONS = {"proto_version": "4", "streaming": "parallel", "messages": "true",
-                 "two_phase": "on"}
+START_OPTIONS = {
+    "proto_version": "4",
+    "streaming": "parallel",
+    "messages": "true",
+    "two_phase": "on",
+}
 _COMMIT = ord("C")
 _STREAM_COMMIT = ord("c")
 
@@ -73,39 +77,55 @@ def _rss_kb(pid: int, field: str = "VmHWM") -> int:
     return 0
 
 
-def daemon_env(dsn: str, bootstrap: str, slot: str, publication: str, table: str,
-               prefix: str, spool_dir: Path) -> dict[str, str]:
+def daemon_env(
+    dsn: str, bootstrap: str, slot: str, publication: str, table: str, prefix: str, spool_dir: Path
+) -> dict[str, str]:
     """The environment of a daemon streaming ``public.<table>`` from its own slot, with
     its own topic prefix and progress topic (``<prefix>.progress``), and no snapshot."""
-    return {**os.environ,
-            "SLOTBRIDGE_SOURCE_DSN": dsn,
-            "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
-            "SLOTBRIDGE_SLOT_NAME": slot,
-            "SLOTBRIDGE_PUBLICATION_NAME": publication,
-            "SLOTBRIDGE_TABLES": json.dumps([f"public.{table}"]),
-            "SLOTBRIDGE_TOPIC_PREFIX": prefix,
-            "SLOTBRIDGE_PROGRESS_TOPIC": f"{prefix}.progress",
-            "SLOTBRIDGE_SNAPSHOT_MODE": "never",
-            "SLOTBRIDGE_SPOOL_DIR": str(spool_dir),
-            "SLOTBRIDGE_HTTP_PORT": "0",
-            "SLOTBRIDGE_LOG_FORMAT": "text"}
+    return {
+        **os.environ,
+        "SLOTBRIDGE_SOURCE_DSN": dsn,
+        "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
+        "SLOTBRIDGE_SLOT_NAME": slot,
+        "SLOTBRIDGE_PUBLICATION_NAME": publication,
+        "SLOTBRIDGE_TABLES": json.dumps([f"public.{table}"]),
+        "SLOTBRIDGE_TOPIC_PREFIX": prefix,
+        "SLOTBRIDGE_PROGRESS_TOPIC": f"{prefix}.progress",
+        "SLOTBRIDGE_SNAPSHOT_MODE": "never",
+        "SLOTBRIDGE_SPOOL_DIR": str(spool_dir),
+        "SLOTBRIDGE_HTTP_PORT": "0",
+        "SLOTBRIDGE_LOG_FORMAT": "text",
+    }
 
 
-def drop_pipeline(dsn: str, bootstrap: str, slots: list[str], daemon_slot: str,
-                  publication: str, table: str, prefix: str) -> None:
+def drop_pipeline(
+    dsn: str,
+    bootstrap: str,
+    slots: list[str],
+    daemon_slot: str,
+    publication: str,
+    table: str,
+    prefix: str,
+) -> None:
     """Drop the slots (once their readers let go), the daemon's origin, the publication,
     the table and every topic under ``prefix``."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         for slot in slots:
             for _ in range(50):
                 try:
-                    conn.execute("SELECT pg_drop_replication_slot(%s) FROM"
-                                 " pg_replication_slots WHERE slot_name = %s", (slot, slot))
+                    conn.execute(
+                        "SELECT pg_drop_replication_slot(%s) FROM"
+                        " pg_replication_slots WHERE slot_name = %s",
+                        (slot, slot),
+                    )
                     break
                 except psycopg.errors.ObjectInUse:
                     time.sleep(0.2)
-        conn.execute("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
-                     " WHERE roname = %s", (f"slotbridge_{daemon_slot}",))
+        conn.execute(
+            "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
+            " WHERE roname = %s",
+            (f"slotbridge_{daemon_slot}",),
+        )
         conn.execute(f"DROP PUBLICATION IF EXISTS {publication}")
         conn.execute(f"DROP TABLE IF EXISTS {table}")
     admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -121,8 +141,17 @@ def drop_pipeline(dsn: str, bootstrap: str, slots: list[str], daemon_slot: str,
 class Run:
     """One shape, one repeat: its own table, publication, slots and topics."""
 
-    def __init__(self, dsn: str, bootstrap: str, rows: int, txn_size: int, tag: str,
-                 spool_dir: Path, verify: bool, py_spy: Path | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        bootstrap: str,
+        rows: int,
+        txn_size: int,
+        tag: str,
+        spool_dir: Path,
+        verify: bool,
+        py_spy: Path | None = None,
+    ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
         self.rows, self.txn_size = rows, txn_size
         self.tag = tag
@@ -141,43 +170,59 @@ class Run:
 
     def setup(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute(f"CREATE TABLE {self.table} (id bigint PRIMARY KEY, a int, b text,"
-                         " c numeric, d timestamptz)")
+            conn.execute(
+                f"CREATE TABLE {self.table} (id bigint PRIMARY KEY, a int, b text,"
+                " c numeric, d timestamptz)"
+            )
             conn.execute(f"CREATE PUBLICATION {self.publication} FOR TABLE {self.table}")
             # The mark the daemon leaves before creating a slot: without it, it refuses a
             # slot it did not create.
-            conn.execute("SELECT pg_replication_origin_create(%s)",
-                         (f"slotbridge_{self.bridge_slot}",))
+            conn.execute(
+                "SELECT pg_replication_origin_create(%s)", (f"slotbridge_{self.bridge_slot}",)
+            )
             for slot in (self.ceiling_slot, self.bridge_slot):
                 # failover + two_phase, as the daemon creates its own.
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false,"
-                             " true, true)", (slot,))
+                conn.execute(
+                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, true, true)",
+                    (slot,),
+                )
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        for future in admin.create_topics([NewTopic(self.progress_topic, num_partitions=1,
-                                                    replication_factor=-1,
-                                                    config={"cleanup.policy": "compact"})],
-                                          operation_timeout=30).values():
+        for future in admin.create_topics(
+            [
+                NewTopic(
+                    self.progress_topic,
+                    num_partitions=1,
+                    replication_factor=-1,
+                    config={"cleanup.policy": "compact"},
+                )
+            ],
+            operation_timeout=30,
+        ).values():
             future.result()
 
     def load(self) -> float:
         """Insert the rows; returns the seconds it took (not part of any rate)."""
         started = time.monotonic()
-        select = ("SELECT g, (g % 100000)::int, 'customer ' || g || ' note', "
-                  "(g * 1.25)::numeric(14,2), "
-                  "timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second' "
-                  "FROM generate_series({lo}, {hi}) g")
+        select = (
+            "SELECT g, (g % 100000)::int, 'customer ' || g || ' note', "
+            "(g * 1.25)::numeric(14,2), "
+            "timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second' "
+            "FROM generate_series({lo}, {hi}) g"
+        )
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("SET synchronous_commit = off")
             if self.txns == 1:
-                conn.execute(f"INSERT INTO {self.table} "
-                             + select.format(lo=1, hi=self.rows))
+                conn.execute(f"INSERT INTO {self.table} " + select.format(lo=1, hi=self.rows))
             else:
                 conn.execute(
                     f"DO $$ BEGIN FOR i IN 0..{self.txns - 1} LOOP "
                     f"INSERT INTO {self.table} "
-                    + select.format(lo=f"i * {self.txn_size} + 1",
-                                    hi=f"least((i + 1) * {self.txn_size}, {self.rows})")
-                    + "; COMMIT; END LOOP; END $$")
+                    + select.format(
+                        lo=f"i * {self.txn_size} + 1",
+                        hi=f"least((i + 1) * {self.txn_size}, {self.rows})",
+                    )
+                    + "; COMMIT; END LOOP; END $$"
+                )
         return time.monotonic() - started
 
     # -- the ceiling -------------------------------------------------------------------
@@ -211,18 +256,37 @@ class Run:
             seconds = time.monotonic() - started
         finally:
             repl.close()
-        return {"seconds": seconds, "messages": count, "payload_bytes": nbytes,
-                "rows_per_s": self.rows / seconds, "msgs_per_s": count / seconds,
-                "mb_per_s": nbytes / seconds / 1e6, "end_lsn": end_lsn}
+        return {
+            "seconds": seconds,
+            "messages": count,
+            "payload_bytes": nbytes,
+            "rows_per_s": self.rows / seconds,
+            "msgs_per_s": count / seconds,
+            "mb_per_s": nbytes / seconds / 1e6,
+            "end_lsn": end_lsn,
+        }
 
     # -- end to end --------------------------------------------------------------------
 
     def e2e(self, end_lsn: int, log_path: Path) -> dict[str, Any]:
-        env = daemon_env(self.dsn, self.bootstrap, self.bridge_slot, self.publication,
-                         self.table, self.prefix, self.spool_dir)
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"bench-{self.tag}",
-                             "enable.auto.commit": False, "isolation.level": "read_committed",
-                             "fetch.wait.max.ms": 10})
+        env = daemon_env(
+            self.dsn,
+            self.bootstrap,
+            self.bridge_slot,
+            self.publication,
+            self.table,
+            self.prefix,
+            self.spool_dir,
+        )
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"bench-{self.tag}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "fetch.wait.max.ms": 10,
+            }
+        )
         consumer.assign([TopicPartition(self.progress_topic, 0, OFFSET_BEGINNING)])
         streaming_at: list[float] = []
         log_file = log_path.open("w")
@@ -231,11 +295,23 @@ class Run:
         command = [sys.executable, "-m", "services.cli", "run"]
         if self.py_spy is not None:
             # The daemon as py-spy's child (ptrace needs it); RSS is read from that child.
-            command = [str(ROOT / ".venv/bin/py-spy"), "record", "--nonblocking", "--threads",
-                       "--rate", "100", "--format", "raw", "-o",
-                       str(self.py_spy / f"{self.tag}.txt"), "--", *command]
-        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                cwd=ROOT)
+            command = [
+                str(ROOT / ".venv/bin/py-spy"),
+                "record",
+                "--nonblocking",
+                "--threads",
+                "--rate",
+                "100",
+                "--format",
+                "raw",
+                "-o",
+                str(self.py_spy / f"{self.tag}.txt"),
+                "--",
+                *command,
+            ]
+        proc = subprocess.Popen(
+            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT
+        )
         bridge_pid = proc.pid
         while self.py_spy is not None and bridge_pid == proc.pid and proc.poll() is None:
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
@@ -284,21 +360,30 @@ class Run:
             log_file.close()
             watcher.join(1)
         began = streaming_at[0] if streaming_at else spawned
-        result = {"seconds": done - began, "seconds_from_spawn": done - spawned,
-                  "rows_per_s": self.rows / (done - began),
-                  "rows_per_s_from_spawn": self.rows / (done - spawned),
-                  "peak_rss_mb": peak_kb / 1024}
+        result = {
+            "seconds": done - began,
+            "seconds_from_spawn": done - spawned,
+            "rows_per_s": self.rows / (done - began),
+            "rows_per_s_from_spawn": self.rows / (done - spawned),
+            "peak_rss_mb": peak_kb / 1024,
+        }
         if self.verify:
             result["records"] = self._count(f"{self.prefix}.public.{self.table}")
             if result["records"] != self.rows:
-                raise RuntimeError(f"change topic holds {result['records']} records, "
-                                   f"expected {self.rows}")
+                raise RuntimeError(
+                    f"change topic holds {result['records']} records, expected {self.rows}"
+                )
         return result
 
     def _count(self, topic: str) -> int:
-        consumer = Consumer({"bootstrap.servers": self.bootstrap,
-                             "group.id": f"bench-count-{self.tag}", "enable.auto.commit": False,
-                             "isolation.level": "read_committed"})
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"bench-count-{self.tag}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
         try:
             tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
             _low, high = consumer.get_watermark_offsets(tp, timeout=30)
@@ -326,15 +411,22 @@ class Run:
     # -- teardown ----------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        drop_pipeline(self.dsn, self.bootstrap, [self.ceiling_slot, self.bridge_slot],
-                      self.bridge_slot, self.publication, self.table, self.prefix)
+        drop_pipeline(
+            self.dsn,
+            self.bootstrap,
+            [self.ceiling_slot, self.bridge_slot],
+            self.bridge_slot,
+            self.publication,
+            self.table,
+            self.prefix,
+        )
 
 
-def _one(args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int,
-         index: int, work: Path) -> dict[str, Any]:
+def _one(
+    args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int, index: int, work: Path
+) -> dict[str, Any]:
     tag = f"{'big' if txn_size >= args.rows else 'txn'}{int(time.time()) % 1_000_000}_{index}"
-    run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify,
-              args.py_spy)
+    run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify, args.py_spy)
     say(f"{tag}: {args.rows:,} rows in {run.txns:,} transaction(s) of {txn_size:,}")
     try:
         run.setup()
@@ -343,29 +435,50 @@ def _one(args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int,
         ceiling = run.ceiling()
         say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
         e2e = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
-        say(f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
-             f"peak RSS {e2e['peak_rss_mb']:.0f} MB")
+        say(
+            f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
+            f"peak RSS {e2e['peak_rss_mb']:.0f} MB"
+        )
     finally:
         if not args.keep:
             run.cleanup()
-    return {"shape": f"{txn_size}-row txns" if run.txns > 1 else f"one {args.rows}-row txn",
-            "txn_size": txn_size, "rows": args.rows, "load_s": load_s, "ceiling": ceiling,
-            "e2e": e2e, "ratio": e2e["rows_per_s"] / ceiling["rows_per_s"]}
+    return {
+        "shape": f"{txn_size}-row txns" if run.txns > 1 else f"one {args.rows}-row txn",
+        "txn_size": txn_size,
+        "rows": args.rows,
+        "load_s": load_s,
+        "ceiling": ceiling,
+        "e2e": e2e,
+        "ratio": e2e["rows_per_s"] / ceiling["rows_per_s"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--txn-size", type=int, default=1000)
-    parser.add_argument("--shapes", choices=("both", "small", "big"), default="both",
-                        help="small: --txn-size transactions; big: one --rows transaction")
+    parser.add_argument(
+        "--shapes",
+        choices=("both", "small", "big"),
+        default="both",
+        help="small: --txn-size transactions; big: one --rows transaction",
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip reading the change topic back to count the records")
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip reading the change topic back to count the records",
+    )
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
-    parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
-                        help="run the daemon under py-spy, raw stacks into DIR (skews figures)")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the daemon under py-spy, raw stacks into DIR (skews figures)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
 
@@ -374,37 +487,51 @@ def main() -> None:
         stack.up()
     work = args.stack_dir / "bridge-bench"
     work.mkdir(parents=True, exist_ok=True)
-    sizes = {"small": [args.txn_size], "big": [args.rows],
-             "both": [args.txn_size, args.rows]}[args.shapes]
-    results = [_one(args, stack.primary_dsn, stack.kafka_bootstrap, size, i, work)
-               for i in range(args.repeat) for size in sizes]
+    sizes = {"small": [args.txn_size], "big": [args.rows], "both": [args.txn_size, args.rows]}[
+        args.shapes
+    ]
+    results = [
+        _one(args, stack.primary_dsn, stack.kafka_bootstrap, size, i, work)
+        for i in range(args.repeat)
+        for size in sizes
+    ]
     summary = []
     for size in sizes:
         runs = [r for r in results if r["txn_size"] == size]
-        summary.append({
-            "shape": runs[0]["shape"], "runs": len(runs),
-            "ceiling_rows_per_s": statistics.median(r["ceiling"]["rows_per_s"] for r in runs),
-            "e2e_rows_per_s": statistics.median(r["e2e"]["rows_per_s"] for r in runs),
-            "e2e_rows_per_s_from_spawn": statistics.median(
-                r["e2e"]["rows_per_s_from_spawn"] for r in runs),
-            "ratio": statistics.median(r["ratio"] for r in runs),
-            "peak_rss_mb": statistics.median(r["e2e"]["peak_rss_mb"] for r in runs),
-        })
+        summary.append(
+            {
+                "shape": runs[0]["shape"],
+                "runs": len(runs),
+                "ceiling_rows_per_s": statistics.median(r["ceiling"]["rows_per_s"] for r in runs),
+                "e2e_rows_per_s": statistics.median(r["e2e"]["rows_per_s"] for r in runs),
+                "e2e_rows_per_s_from_spawn": statistics.median(
+                    r["e2e"]["rows_per_s_from_spawn"] for r in runs
+                ),
+                "ratio": statistics.median(r["ratio"] for r in runs),
+                "peak_rss_mb": statistics.median(r["e2e"]["peak_rss_mb"] for r in runs),
+            }
+        )
     if args.json:
         print(json.dumps({"runs": results, "median": summary}, indent=2))
         return
-    print(f"\n{'shape':24} {'ceiling rows/s':>15} {'e2e rows/s':>12} {'e2e/ceiling':>12}"
-          f" {'e2e from spawn':>15} {'peak RSS MB':>12} {'load s':>7}")
+    print(
+        f"\n{'shape':24} {'ceiling rows/s':>15} {'e2e rows/s':>12} {'e2e/ceiling':>12}"
+        f" {'e2e from spawn':>15} {'peak RSS MB':>12} {'load s':>7}"
+    )
     for r in results:
-        print(f"{r['shape']:24} {r['ceiling']['rows_per_s']:15,.0f} {r['e2e']['rows_per_s']:12,.0f}"
-              f" {r['ratio']:12.3f} {r['e2e']['rows_per_s_from_spawn']:15,.0f}"
-              f" {r['e2e']['peak_rss_mb']:12.0f} {r['load_s']:7.1f}")
+        print(
+            f"{r['shape']:24} {r['ceiling']['rows_per_s']:15,.0f} {r['e2e']['rows_per_s']:12,.0f}"
+            f" {r['ratio']:12.3f} {r['e2e']['rows_per_s_from_spawn']:15,.0f}"
+            f" {r['e2e']['peak_rss_mb']:12.0f} {r['load_s']:7.1f}"
+        )
     if args.repeat > 1:
         print("median")
         for s in summary:
-            print(f"{s['shape']:24} {s['ceiling_rows_per_s']:15,.0f} {s['e2e_rows_per_s']:12,.0f}"
-                  f" {s['ratio']:12.3f} {s['e2e_rows_per_s_from_spawn']:15,.0f}"
-                  f" {s['peak_rss_mb']:12.0f}")
+            print(
+                f"{s['shape']:24} {s['ceiling_rows_per_s']:15,.0f} {s['e2e_rows_per_s']:12,.0f}"
+                f" {s['ratio']:12.3f} {s['e2e_rows_per_s_from_spawn']:15,.0f}"
+                f" {s['peak_rss_mb']:12.0f}"
+            )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,13 @@ from services.stack.kafka_proxy import KafkaFaultProxy  # noqa: E402
 from services.stack.stack import Stack  # noqa: E402
 from tests.integration.bridge_harness import CounterWorkload, Pipeline, wait_for  # noqa: E402
 
-FAILPOINTS = ["after_produce", "before_kafka_commit", "after_kafka_commit",
-              "after_origin_advance", "after_slot_confirm"]
+FAILPOINTS = [
+    "after_produce",
+    "before_kafka_commit",
+    "after_kafka_commit",
+    "after_origin_advance",
+    "after_slot_confirm",
+]
 
 
 def _say(msg: str) -> None:
@@ -60,17 +65,26 @@ def _say(msg: str) -> None:
 
 
 def _audit_counts(report: AuditReport) -> dict[str, int]:
-    return {"lost": report.kinds["lost"], "duplicated": report.kinds["duplicated"],
-            "sequence_gaps": report.kinds["sequence_gap"], "open": report.kinds["open"],
-            "problems": len(report.problems)}
+    return {
+        "lost": report.kinds["lost"],
+        "duplicated": report.kinds["duplicated"],
+        "sequence_gaps": report.kinds["sequence_gap"],
+        "open": report.kinds["open"],
+        "problems": len(report.problems),
+    }
 
 
-def kill_phase(stack: Stack, work: Path, kills: int, cuts: int, broker_kills: int,
-               rng: random.Random) -> dict[str, Any]:
+def kill_phase(
+    stack: Stack, work: Path, kills: int, cuts: int, broker_kills: int, rng: random.Random
+) -> dict[str, Any]:
     proxy = KafkaFaultProxy(stack.kafka_bootstrap, fail_first_produce=True, hold_s=0.3).start()
     workload = CounterWorkload(stack.primary_dsn, "chaosbench", seed=rng.randrange(1 << 30))
-    pipe = Pipeline(stack, workload.create(), work, extra={
-        "SLOTBRIDGE_KAFKA_BOOTSTRAP": proxy.bootstrap, "SLOTBRIDGE_TOPIC_PARTITIONS": "3"})
+    pipe = Pipeline(
+        stack,
+        workload.create(),
+        work,
+        extra={"SLOTBRIDGE_KAFKA_BOOTSTRAP": proxy.bootstrap, "SLOTBRIDGE_TOPIC_PARTITIONS": "3"},
+    )
     done = {"kills": 0, "failpoint_kills": 0, "cuts": 0, "broker_kills": 0}
     cut_at = set(rng.sample(range(kills), min(cuts, kills)))
     broker_at = set(rng.sample(range(kills), min(broker_kills, kills)))
@@ -88,10 +102,12 @@ def kill_phase(stack: Stack, work: Path, kills: int, cuts: int, broker_kills: in
                 pipe.kill()
                 point = rng.choice(FAILPOINTS)
                 code, output = pipe.run_to_exit(
-                    180, SLOTBRIDGE_FAILPOINTS=f"{point}={rng.randint(1, 3)}*kill")
+                    180, SLOTBRIDGE_FAILPOINTS=f"{point}={rng.randint(1, 3)}*kill"
+                )
                 if code != -9:
-                    raise SystemExit(f"failpoint {point} did not fire (exit {code}):\n"
-                                     f"{output[-2000:]}")
+                    raise SystemExit(
+                        f"failpoint {point} did not fire (exit {code}):\n{output[-2000:]}"
+                    )
                 done["failpoint_kills"] += 1
             else:
                 if pipe.proc is None or pipe.proc.poll() is not None:
@@ -125,12 +141,20 @@ def kill_phase(stack: Stack, work: Path, kills: int, cuts: int, broker_kills: in
         report = audit(stack.kafka, pipe.prefix, [pipe.progress_topic])
         for problem in report.problems[:20]:
             _say(f"AUDIT: {problem}")
-        return {**done, "fresh_tables": len(workload.fresh),
-                "source_transactions": workload.committed, "records_checked": checked,
-                "first_requests_failed": len(proxy.stats.sabotaged),
-                "audit": {"committed": report.committed, "aborted": report.aborted,
-                          "batches": report.batches, **_audit_counts(report)},
-                "seconds": round(time.monotonic() - started, 1)}
+        return {
+            **done,
+            "fresh_tables": len(workload.fresh),
+            "source_transactions": workload.committed,
+            "records_checked": checked,
+            "first_requests_failed": len(proxy.stats.sabotaged),
+            "audit": {
+                "committed": report.committed,
+                "aborted": report.aborted,
+                "batches": report.batches,
+                **_audit_counts(report),
+            },
+            "seconds": round(time.monotonic() - started, 1),
+        }
     finally:
         workload.stop_flag.set()
         proxy.stop()
@@ -145,20 +169,25 @@ def one_drill(work: Path, planned: bool, n: int) -> dict[str, Any]:
         stack.up()
         subscribe(stack, table)
         pipe = Pipeline(stack, [f"public.{table}"], stack.state_dir)
-        pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = follow_primary(stack.primary_dsn,
-                                                             stack.standby_dsn)
+        pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = follow_primary(stack.primary_dsn, stack.standby_dsn)
         fence = {"fence_command": fence_by_stopping(stack)} if planned else {}
-        config = settings_for(stack, stack.state_dir / "failover.yaml",
-                              bridge_slots=[pipe.name], **fence)
+        config = settings_for(
+            stack, stack.state_dir / "failover.yaml", bridge_slots=[pipe.name], **fence
+        )
         pipe.start()
         pipe.wait_caught_up(90)
         stack.wait_slot_synced(pipe.name, timeout=120)
+
         def crash_primary() -> None:
             stack.node("primary").stop("immediate")
 
-        result = drill(config, "standby", Workload(follow_primary(
-            stack.primary_dsn, stack.standby_dsn), table),
-            extra=() if planned else ("--force",), before=None if planned else crash_primary)
+        result = drill(
+            config,
+            "standby",
+            Workload(follow_primary(stack.primary_dsn, stack.standby_dsn), table),
+            extra=() if planned else ("--force",),
+            before=None if planned else crash_primary,
+        )
         if result.promote_exit != 0:
             raise SystemExit(f"drill {n}: promote failed:\n{result.output[-3000:]}")
         source = sorted(r[0] for r in stack.node("standby").query(f"SELECT id FROM {table}"))
@@ -171,9 +200,14 @@ def one_drill(work: Path, planned: bool, n: int) -> dict[str, Any]:
         if pipe.stop() != 0:
             raise SystemExit(f"drill {n}: bridge did not stop cleanly:\n{pipe.output()[-3000:]}")
         report = audit(stack.kafka, pipe.prefix, [pipe.progress_topic])
-        return {"planned": planned, "rows": len(source),
-                "lost": len(set(source) - set(ids)), "duplicated": len(ids) - len(set(ids)),
-                "extra": len(set(ids) - set(source)), **_audit_counts(report)}
+        return {
+            "planned": planned,
+            "rows": len(source),
+            "lost": len(set(source) - set(ids)),
+            "duplicated": len(ids) - len(set(ids)),
+            "extra": len(set(ids) - set(source)),
+            **_audit_counts(report),
+        }
     finally:
         stack.down(purge=True)
         shutil.rmtree(stack.state_dir, ignore_errors=True)
@@ -197,10 +231,13 @@ def main() -> int:
         stack = Stack(args.stack_dir / "kills")
         stack.up()
         try:
-            _say(f"kill phase: {args.kills} kills, {args.cuts} cuts, "
-                 f"{args.broker_kills} broker kills")
-            results["kills"] = kill_phase(stack, args.stack_dir, args.kills, args.cuts,
-                                          args.broker_kills, rng)
+            _say(
+                f"kill phase: {args.kills} kills, {args.cuts} cuts, "
+                f"{args.broker_kills} broker kills"
+            )
+            results["kills"] = kill_phase(
+                stack, args.stack_dir, args.kills, args.cuts, args.broker_kills, rng
+            )
         finally:
             stack.down(purge=True)
     drills = []
@@ -209,13 +246,22 @@ def main() -> int:
         _say(f"drill {n + 1}/{args.drills}: {drills[-1]}")
     if drills:
         results["drills"] = {
-            "count": len(drills), "planned": sum(d["planned"] for d in drills),
+            "count": len(drills),
+            "planned": sum(d["planned"] for d in drills),
             "rows": sum(d["rows"] for d in drills),
-            **{k: sum(d[k] for d in drills) for k in ("lost", "duplicated", "extra",
-                                                      "sequence_gaps", "problems")}}
+            **{
+                k: sum(d[k] for d in drills)
+                for k in ("lost", "duplicated", "extra", "sequence_gaps", "problems")
+            },
+        }
     # Records checks raise; what remains to judge is the audits' and the drills' counts.
-    bad = sum(r.get("audit", r)["problems"] + r.get("lost", 0) + r.get("duplicated", 0)
-              + r.get("extra", 0) for r in results.values())
+    bad = sum(
+        r.get("audit", r)["problems"]
+        + r.get("lost", 0)
+        + r.get("duplicated", 0)
+        + r.get("extra", 0)
+        for r in results.values()
+    )
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -52,22 +52,33 @@ MIXED_TYPES = (20, 1700, 1184, 3802, 1007, 701, 16, 2950)
 
 
 def _mixed_row(i: int) -> list[str | None]:
-    return [str(i), f"{i}.25", "2024-11-21 00:43:10.123456+00", f'{{"k": {i}, "tags": ["a"]}}',
-            "{1,2,3,NULL}", "3.141592653589793", "t", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"]
+    return [
+        str(i),
+        f"{i}.25",
+        "2024-11-21 00:43:10.123456+00",
+        f'{{"k": {i}, "tags": ["a"]}}',
+        "{1,2,3,NULL}",
+        "3.141592653589793",
+        "t",
+        "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+    ]
 
 
 WORKLOADS: dict[str, tuple[tuple[int, ...], Callable[[int], bytes]]] = {
     "insert 5 cols int/text": (INT_TEXT_TYPES, lambda i: _insert(_int_text_rows(i))),
-    "update K+N int/text": (INT_TEXT_TYPES, lambda i: _update_with_key(
-        [str(1_000_000 + i), None, None, None, None], _int_text_rows(i))),
+    "update K+N int/text": (
+        INT_TEXT_TYPES,
+        lambda i: _update_with_key([str(1_000_000 + i), None, None, None, None], _int_text_rows(i)),
+    ),
     "insert 8 cols mixed types": (MIXED_TYPES, lambda i: _insert(_mixed_row(i))),
 }
 
 
 def _typed(converters: Sequence[Converter], tup: m.TupleData) -> list[JsonValue]:
     # The event builder's per-row loop in miniature (it also resolves TOAST markers).
-    return [conv(v) if isinstance(v, str) else None
-            for conv, v in zip(converters, tup, strict=True)]
+    return [
+        conv(v) if isinstance(v, str) else None for conv, v in zip(converters, tup, strict=True)
+    ]
 
 
 def _run(payloads: list[bytes], converters: Sequence[Converter] | None) -> float:

@@ -55,10 +55,16 @@ class Receiver(threading.Thread):
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         super().__init__(daemon=True)
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"lat-{topic}",
-                                  "enable.auto.commit": False,
-                                  "isolation.level": "read_committed",
-                                  "fetch.wait.max.ms": 5, "fetch.error.backoff.ms": 5})
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"lat-{topic}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "fetch.wait.max.ms": 5,
+                "fetch.error.backoff.ms": 5,
+            }
+        )
         self.consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
         self.delays: list[float] = []
         self.stop_flag = threading.Event()
@@ -94,8 +100,7 @@ def _write(dsn: str, table: str, rate: int, txn_rows: int, seconds: float) -> tu
     """Commit ``txn_rows``-row transactions on a fixed schedule; returns (rows, seconds)."""
     interval = txn_rows / rate
     count = int(seconds / interval)
-    insert = (f"INSERT INTO {table} (pad) SELECT 'row ' || g "
-              f"FROM generate_series(1, {txn_rows}) g")
+    insert = f"INSERT INTO {table} (pad) SELECT 'row ' || g FROM generate_series(1, {txn_rows}) g"
     with psycopg.connect(dsn, autocommit=True) as conn:
         started = time.monotonic()
         for i in range(count):
@@ -107,23 +112,30 @@ def _write(dsn: str, table: str, rate: int, txn_rows: int, seconds: float) -> tu
         return count * txn_rows, time.monotonic() - started
 
 
-def run_mode(mode: str, args: argparse.Namespace, dsn: str, bootstrap: str,
-             work: Path) -> dict[str, Any]:
+def run_mode(
+    mode: str, args: argparse.Namespace, dsn: str, bootstrap: str, work: Path
+) -> dict[str, Any]:
     tag = f"lat{mode}{int(time.time()) % 1_000_000}"
     table, prefix = f"bench_{tag}", f"bench.{tag}"
     topic = f"{prefix}.public.{table}"
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
-                     "ts timestamptz NOT NULL DEFAULT clock_timestamp(), pad text)")
+        conn.execute(
+            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+            "ts timestamptz NOT NULL DEFAULT clock_timestamp(), pad text)"
+        )
         conn.execute(f"CREATE PUBLICATION {tag} FOR TABLE {table}")
     log_path = work / f"{tag}.log"
-    env = {**daemon_env(dsn, bootstrap, tag, tag, table, prefix, work / "spool"),
-           **MODES[mode]}
+    env = {**daemon_env(dsn, bootstrap, tag, tag, table, prefix, work / "spool"), **MODES[mode]}
     receiver: Receiver | None = None
     try:
         with log_path.open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "run"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
         try:
             # One row once the daemon streams: it creates the topic for it.
             deadline = time.monotonic() + 60
@@ -144,8 +156,10 @@ def run_mode(mode: str, args: argparse.Namespace, dsn: str, bootstrap: str,
                     raise TimeoutError(f"no warm-up row within 30s; see {log_path}")
                 time.sleep(0.05)
             receiver.delays.clear()
-            say(f"{mode}: writing {args.rate:,} rows/s in {args.txn_rows}-row transactions "
-                 f"for {args.seconds:.0f}s")
+            say(
+                f"{mode}: writing {args.rate:,} rows/s in {args.txn_rows}-row transactions "
+                f"for {args.seconds:.0f}s"
+            )
             rows, write_s = _write(dsn, table, args.rate, args.txn_rows, args.seconds)
             deadline = time.monotonic() + 60
             while len(receiver.delays) < rows and time.monotonic() < deadline:
@@ -168,10 +182,16 @@ def run_mode(mode: str, args: argparse.Namespace, dsn: str, bootstrap: str,
     delays = sorted(receiver.delays)
     if len(delays) != rows:
         raise RuntimeError(f"{mode}: received {len(delays)} rows, wrote {rows}")
-    return {"mode": mode, "rows": rows, "write_rows_per_s": rows / write_s,
-            "p50_ms": _percentile(delays, 0.50) * 1000, "p90_ms": _percentile(delays, 0.90) * 1000,
-            "p99_ms": _percentile(delays, 0.99) * 1000, "max_ms": delays[-1] * 1000,
-            "mean_ms": statistics.fmean(delays) * 1000}
+    return {
+        "mode": mode,
+        "rows": rows,
+        "write_rows_per_s": rows / write_s,
+        "p50_ms": _percentile(delays, 0.50) * 1000,
+        "p90_ms": _percentile(delays, 0.90) * 1000,
+        "p99_ms": _percentile(delays, 0.99) * 1000,
+        "max_ms": delays[-1] * 1000,
+        "mean_ms": statistics.fmean(delays) * 1000,
+    }
 
 
 def main() -> None:
@@ -179,8 +199,11 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=5000, help="rows per second")
     parser.add_argument("--txn-rows", type=int, default=50, help="rows per transaction")
     parser.add_argument("--seconds", type=float, default=30)
-    parser.add_argument("--modes", default="new,old",
-                        help=f"comma-separated, of {', '.join(MODES)} (see the module doc)")
+    parser.add_argument(
+        "--modes",
+        default="new,old",
+        help=f"comma-separated, of {', '.join(MODES)} (see the module doc)",
+    )
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -195,18 +218,25 @@ def main() -> None:
         stack.up()
     work = args.stack_dir / "latency-bench"
     work.mkdir(parents=True, exist_ok=True)
-    results = [run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work)
-               for mode in modes]
+    results = [
+        run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work) for mode in modes
+    ]
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"\ninsert -> read_committed consumer, {args.rate:,} rows/s in {args.txn_rows}-row "
-          f"transactions, {args.seconds:.0f}s")
-    print(f"{'mode':6} {'rows':>8} {'rows/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
-          f" {'max ms':>8}")
+    print(
+        f"\ninsert -> read_committed consumer, {args.rate:,} rows/s in {args.txn_rows}-row "
+        f"transactions, {args.seconds:.0f}s"
+    )
+    print(
+        f"{'mode':6} {'rows':>8} {'rows/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
+        f" {'max ms':>8}"
+    )
     for r in results:
-        print(f"{r['mode']:6} {r['rows']:8,} {r['write_rows_per_s']:8,.0f} {r['p50_ms']:8.1f}"
-              f" {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f}")
+        print(
+            f"{r['mode']:6} {r['rows']:8,} {r['write_rows_per_s']:8,.0f} {r['p50_ms']:8.1f}"
+            f" {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,16 +44,24 @@ COLUMNS = (("id", 20, 1), ("a", 23, 0), ("b", 25, 0), ("c", 1700, 0), ("d", 1184
 
 
 def _relation() -> bytes:
-    cols = b"".join(struct.pack("!B", key) + name.encode() + b"\0" + struct.pack("!Ii", oid, -1)
-                    for name, oid, key in COLUMNS)
-    return (b"R" + struct.pack("!I", OID) + b"public\0bench\0d"
-            + struct.pack("!H", len(COLUMNS)) + cols)
+    cols = b"".join(
+        struct.pack("!B", key) + name.encode() + b"\0" + struct.pack("!Ii", oid, -1)
+        for name, oid, key in COLUMNS
+    )
+    return (
+        b"R" + struct.pack("!I", OID) + b"public\0bench\0d" + struct.pack("!H", len(COLUMNS)) + cols
+    )
 
 
 def _insert(i: int) -> bytes:
-    values = [str(i), str(i % 100_000), f"customer {i} note", f"{i * 1.25:.2f}",
-              f"2024-01-{1 + i // 86_400 % 28:02d} {i // 3600 % 24:02d}:{i // 60 % 60:02d}:"
-              f"{i % 60:02d}+00"]
+    values = [
+        str(i),
+        str(i % 100_000),
+        f"customer {i} note",
+        f"{i * 1.25:.2f}",
+        f"2024-01-{1 + i // 86_400 % 28:02d} {i // 3600 % 24:02d}:{i // 60 % 60:02d}:"
+        f"{i % 60:02d}+00",
+    ]
     out = [b"I", struct.pack("!I", OID), b"N", struct.pack("!H", len(values))]
     for value in values:
         raw = value.encode()
@@ -93,23 +101,43 @@ def _transactions(rows: int, txn_size: int, memory: int, folder: Path) -> list[T
             spool.append(lsn, _relation())
         for i in range(first, min(first + txn_size, rows)):
             spool.append(lsn + i * 120, _insert(i + 1))
-        txns.append(Transaction(1000 + n, lsn + txn_size * 120, lsn + txn_size * 120 + 48,
-                                785_000_000_000_000 + n, spool, False, frozenset()))
+        txns.append(
+            Transaction(
+                1000 + n,
+                lsn + txn_size * 120,
+                lsn + txn_size * 120 + 48,
+                785_000_000_000_000 + n,
+                spool,
+                False,
+                frozenset(),
+            )
+        )
     return txns
 
 
 def _run(rows: int, txn_size: int, memory: int) -> tuple[float, _CountingSink]:
     facts = TableFacts({n: ColumnFacts(str(t), n != "id") for n, t, _ in COLUMNS}, ("id",))
-    builder = EventBuilder(RelationCatalog("bench", lambda oid: facts), "bench", "postgres",
-                           1_000_000)
+    builder = EventBuilder(
+        RelationCatalog("bench", lambda oid: facts), "bench", "postgres", 1_000_000
+    )
     decoder = PgOutputDecoder(4, parallel_abort=True)
     sink = _CountingSink()
     publisher: Any = Publisher(
-        settings=None, sink=sink, origin=None, builder=builder, tracker=None,  # type: ignore[arg-type]
-        identity=None, high_water=0, last_commit_lsn=0, queue=None,  # type: ignore[arg-type]
+        settings=None,
+        sink=sink,
+        origin=None,
+        builder=builder,
+        tracker=None,  # type: ignore[arg-type]
+        identity=None,
+        high_water=0,
+        last_commit_lsn=0,
+        queue=None,  # type: ignore[arg-type]
         decode=lambda payload, streamed: decoder.decode(payload, streamed),
-        metrics=_Metrics(), book=SnapshotBook(), snapshot_added=False,  # type: ignore[arg-type]
-        published=set)
+        metrics=_Metrics(),
+        book=SnapshotBook(),
+        snapshot_added=False,  # type: ignore[arg-type]
+        published=set,
+    )
     with tempfile.TemporaryDirectory() as folder:
         txns = _transactions(rows, txn_size, memory, Path(folder))
         started = time.perf_counter()
@@ -124,8 +152,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--txn-size", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--spill", action="store_true",
-                        help="8 MB spool memory limit (the daemon's default), else all in memory")
+    parser.add_argument(
+        "--spill",
+        action="store_true",
+        help="8 MB spool memory limit (the daemon's default), else all in memory",
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
@@ -142,10 +173,12 @@ def main() -> None:
     for _ in range(args.repeat):
         rate, sink = _run(args.rows, args.txn_size, memory)
         rates.append(rate)
-    print(f"{args.rows:,} rows in transactions of {args.txn_size:,}"
-          f"{' (spilled)' if args.spill else ''}: best {max(rates):,.0f} rows/s, "
-          f"median {sorted(rates)[len(rates) // 2]:,.0f} rows/s "
-          f"({sink.records:,} records, {sink.bytes / sink.records:.0f} B/value)")
+    print(
+        f"{args.rows:,} rows in transactions of {args.txn_size:,}"
+        f"{' (spilled)' if args.spill else ''}: best {max(rates):,.0f} rows/s, "
+        f"median {sorted(rates)[len(rates) // 2]:,.0f} rows/s "
+        f"({sink.records:,} records, {sink.bytes / sink.records:.0f} B/value)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,12 +53,16 @@ def _say(text: str) -> None:
 def load(dsn: str, table: str, rows: int) -> float:
     started = time.monotonic()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, a int, b text, "
-                     "c numeric(14,2), d timestamptz)")
-        conn.execute(f"INSERT INTO {table} SELECT g, (g % 100000)::int, "
-                     "'customer ' || g || ' note', (g * 1.25)::numeric(14,2), "
-                     "timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second' "
-                     f"FROM generate_series(1, {rows}) g")
+        conn.execute(
+            f"CREATE TABLE {table} (id bigint PRIMARY KEY, a int, b text, "
+            "c numeric(14,2), d timestamptz)"
+        )
+        conn.execute(
+            f"INSERT INTO {table} SELECT g, (g % 100000)::int, "
+            "'customer ' || g || ' note', (g * 1.25)::numeric(14,2), "
+            "timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second' "
+            f"FROM generate_series(1, {rows}) g"
+        )
         conn.execute(f"VACUUM ANALYZE {table}")
     return time.monotonic() - started
 
@@ -79,18 +83,31 @@ def ceiling(dsn: str, table: str) -> float:
         return count / (time.monotonic() - started)
 
 
-def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
-           profile: Path | None, settings: list[str]) -> dict[str, Any]:
+def bridge(
+    dsn: str,
+    bootstrap: str,
+    table: str,
+    tag: str,
+    work: Path,
+    profile: Path | None,
+    settings: list[str],
+) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
-    env.update({
-        "SLOTBRIDGE_SOURCE_DSN": dsn, "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
-        "SLOTBRIDGE_SLOT_NAME": f"snap_{tag}", "SLOTBRIDGE_PUBLICATION_NAME": f"snap_{tag}",
-        "SLOTBRIDGE_TOPIC_PREFIX": f"snapbench{tag}",
-        "SLOTBRIDGE_PROGRESS_TOPIC": f"snapbench{tag}.progress",
-        "SLOTBRIDGE_TABLES": json.dumps([f"public.{table}"]),
-        "SLOTBRIDGE_SNAPSHOT_MODE": "initial_only", "SLOTBRIDGE_HTTP_PORT": "0",
-        "SLOTBRIDGE_LOG_FORMAT": "text", "SLOTBRIDGE_SPOOL_DIR": str(work / "spool"),
-    })
+    env.update(
+        {
+            "SLOTBRIDGE_SOURCE_DSN": dsn,
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
+            "SLOTBRIDGE_SLOT_NAME": f"snap_{tag}",
+            "SLOTBRIDGE_PUBLICATION_NAME": f"snap_{tag}",
+            "SLOTBRIDGE_TOPIC_PREFIX": f"snapbench{tag}",
+            "SLOTBRIDGE_PROGRESS_TOPIC": f"snapbench{tag}.progress",
+            "SLOTBRIDGE_TABLES": json.dumps([f"public.{table}"]),
+            "SLOTBRIDGE_SNAPSHOT_MODE": "initial_only",
+            "SLOTBRIDGE_HTTP_PORT": "0",
+            "SLOTBRIDGE_LOG_FORMAT": "text",
+            "SLOTBRIDGE_SPOOL_DIR": str(work / "spool"),
+        }
+    )
     for setting in settings:
         name, _, value = setting.partition("=")
         env[f"SLOTBRIDGE_{name.upper()}"] = value
@@ -100,9 +117,20 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
     with open(log_path, "wb") as log:
         command = [sys.executable, "-m", "services.cli", "run"]
         if profile is not None:  # sampled, every thread, in the collapsed-stack format
-            command = [str(Path(sys.executable).with_name("py-spy")), "record", "--threads",
-                       "--format", "raw", "--rate", "200", "--idle", "-o", str(profile), "--",
-                       *command]
+            command = [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--threads",
+                "--format",
+                "raw",
+                "--rate",
+                "200",
+                "--idle",
+                "-o",
+                str(profile),
+                "--",
+                *command,
+            ]
         code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -110,24 +138,38 @@ def bridge(dsn: str, bootstrap: str, table: str, tag: str, work: Path,
     output = log_path.read_text(errors="replace")
     if code != 0:
         raise SystemExit(f"bridge exited with {code}; see {log_path}")
-    found = re.search(r"snapshot of table published .*rows=(\d+) chunks=\d+ seconds=[\d.]+ "
-                      r"rows_per_s=(\d+)", output)
+    found = re.search(
+        r"snapshot of table published .*rows=(\d+) chunks=\d+ seconds=[\d.]+ "
+        r"rows_per_s=(\d+)",
+        output,
+    )
     if found is None:
         raise SystemExit(f"no 'snapshot of table published' line in {log_path}")
     rows, rate = int(found.group(1)), int(found.group(2))
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"DROP PUBLICATION snap_{tag}")
         conn.execute("SELECT pg_replication_origin_drop(%s)", (f"slotbridge_snap_{tag}",))
-    return {"rows": rows, "snapshot_rows_per_s": rate, "wall_s": wall, "cpu_s": cpu,
-            "topic": f"snapbench{tag}.public.{table}",
-            # Children waited for so far: this run's daemon is the largest of them.
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+    return {
+        "rows": rows,
+        "snapshot_rows_per_s": rate,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "topic": f"snapbench{tag}.public.{table}",
+        # Children waited for so far: this run's daemon is the largest of them.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
 
 
 def count_committed(bootstrap: str, topic: str) -> int:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4()}",
-                         "isolation.level": "read_committed", "enable.partition.eof": True,
-                         "enable.auto.commit": False})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
     try:
         consumer.assign([TopicPartition(topic, 0, 0)])
         count = 0
@@ -152,10 +194,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
-    parser.add_argument("--py-spy", type=Path, metavar="FILE",
-                        help="record the bridge with py-spy (pip install py-spy) into FILE")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a bridge setting for the run, e.g. snapshot_workers=4")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="FILE",
+        help="record the bridge with py-spy (pip install py-spy) into FILE",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a bridge setting for the run, e.g. snapshot_workers=4",
+    )
     args = parser.parse_args()
     stack = Stack(args.stack_dir)
     stack.up()
@@ -170,29 +221,43 @@ def main() -> None:
         _say(f"loaded in {load_s:.1f}s; reading the ceiling")
         ceiling_rate = ceiling(stack.primary_dsn, table)
         _say("running the bridge (snapshot_mode initial_only)")
-        run = bridge(stack.primary_dsn, stack.kafka_bootstrap, table, tag, work, args.py_spy,
-                     args.set)
+        run = bridge(
+            stack.primary_dsn, stack.kafka_bootstrap, table, tag, work, args.py_spy, args.set
+        )
         published = count_committed(stack.kafka_bootstrap, run["topic"])
         if published != args.rows or run["rows"] != args.rows:
-            raise SystemExit(f"expected {args.rows} records, the snapshot logged {run['rows']}"
-                             f" and the topic holds {published}")
+            raise SystemExit(
+                f"expected {args.rows} records, the snapshot logged {run['rows']}"
+                f" and the topic holds {published}"
+            )
         with psycopg.connect(stack.primary_dsn, autocommit=True) as conn:
             conn.execute(f"DROP TABLE {table}")
-        results.append({"ceiling": ceiling_rate, "snapshot": run["snapshot_rows_per_s"],
-                        "process": args.rows / run["wall_s"], "rss": run["peak_rss_mb"],
-                        "cpu": run["cpu_s"] / run["wall_s"],
-                        "load_s": load_s})
+        results.append(
+            {
+                "ceiling": ceiling_rate,
+                "snapshot": run["snapshot_rows_per_s"],
+                "process": args.rows / run["wall_s"],
+                "rss": run["peak_rss_mb"],
+                "cpu": run["cpu_s"] / run["wall_s"],
+                "load_s": load_s,
+            }
+        )
         r = results[-1]
-        print(f"rows {args.rows:,}: read ceiling {r['ceiling']:,.0f} rows/s | snapshot "
-              f"{r['snapshot']:,.0f} rows/s (ratio {r['snapshot'] / r['ceiling']:.2f}) | "
-              f"whole process {r['process']:,.0f} rows/s, {r['cpu']:.0%} of a core | "
-              f"peak RSS {r['rss']:.0f} MB | "
-              f"verified {published:,} records", flush=True)
+        print(
+            f"rows {args.rows:,}: read ceiling {r['ceiling']:,.0f} rows/s | snapshot "
+            f"{r['snapshot']:,.0f} rows/s (ratio {r['snapshot'] / r['ceiling']:.2f}) | "
+            f"whole process {r['process']:,.0f} rows/s, {r['cpu']:.0%} of a core | "
+            f"peak RSS {r['rss']:.0f} MB | "
+            f"verified {published:,} records",
+            flush=True,
+        )
     if args.repeat > 1:
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-        print(f"median of {args.repeat}: ceiling {med['ceiling']:,.0f} rows/s, snapshot "
-              f"{med['snapshot']:,.0f} rows/s (ratio {med['snapshot'] / med['ceiling']:.2f}), "
-              f"process {med['process']:,.0f} rows/s, peak RSS {med['rss']:.0f} MB")
+        print(
+            f"median of {args.repeat}: ceiling {med['ceiling']:,.0f} rows/s, snapshot "
+            f"{med['snapshot']:,.0f} rows/s (ratio {med['snapshot'] / med['ceiling']:.2f}), "
+            f"process {med['process']:,.0f} rows/s, peak RSS {med['rss']:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

@@ -73,10 +73,17 @@ class Published:
 
 
 def publish(bootstrap: str, prefix: str, changes: int) -> Published:
-    table = SynthTable(prefix, "public", "bench", (
-        SynthColumn("id", "bigint", 20, key=True), SynthColumn("name", "text", 25),
-        SynthColumn("amount", "numeric(12,2)", 1700, NUM),
-        SynthColumn("at", "timestamp with time zone", 1184)))
+    table = SynthTable(
+        prefix,
+        "public",
+        "bench",
+        (
+            SynthColumn("id", "bigint", 20, key=True),
+            SynthColumn("name", "text", 25),
+            SynthColumn("amount", "numeric(12,2)", 1700, NUM),
+            SynthColumn("at", "timestamp with time zone", 1184),
+        ),
+    )
     writer = TransactionalWriter(bootstrap, f"{prefix}-bench")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
     writer.send([table.schema_record()])
@@ -90,9 +97,18 @@ def publish(bootstrap: str, prefix: str, changes: int) -> Published:
             batch += table.change("d", {"id": key}, 1000 + n, 1, n)
             del out.live[key]
         else:
-            batch += table.change("u" if key in out.live else "c",
-                                  {"id": key, "name": f"name {n}", "amount": f"{n % 100000}.50",
-                                   "at": "2024-05-01T10:00:00.000001Z"}, 1000 + n, 1, n)
+            batch += table.change(
+                "u" if key in out.live else "c",
+                {
+                    "id": key,
+                    "name": f"name {n}",
+                    "amount": f"{n % 100000}.50",
+                    "at": "2024-05-01T10:00:00.000001Z",
+                },
+                1000 + n,
+                1,
+                n,
+            )
             out.live[key] = n
         if len(batch) >= 20_000:
             out.records += writer.send(batch)
@@ -122,9 +138,11 @@ def timed(spark: SparkSession, start: Callable[[], StreamingQuery]) -> Run:
     wall, cpu = time.monotonic() - started, jvm_cpu_s(spark) - cpu
     if query.exception() is not None:
         raise SystemExit(f"query failed: {query.exception()}")
-    batches = [(int(p["batchId"]), int(p["numInputRows"]),
-                int(p["durationMs"].get("addBatch", 0)) / 1000)
-               for p in map(_progress_dict, query.recentProgress) if p["numInputRows"]]
+    batches = [
+        (int(p["batchId"]), int(p["numInputRows"]), int(p["durationMs"].get("addBatch", 0)) / 1000)
+        for p in map(_progress_dict, query.recentProgress)
+        if p["numInputRows"]
+    ]
     return Run(wall, cpu, batches)
 
 
@@ -138,33 +156,50 @@ def consume(spark: SparkSession, settings: ConsumerSettings) -> Run:
     return timed(spark, lambda: start_query(spark, settings, Status(), once=True))
 
 
-def append(spark: SparkSession, settings: ConsumerSettings, topic: str, root: Path,
-           batch: int) -> Run:
-    return timed(spark, lambda: (
-        spark.readStream.format("kafka").options(**kafka_options(settings))
-        .option("subscribe", topic).option("startingOffsets", "earliest")
-        .option("maxOffsetsPerTrigger", str(batch)).load()
-        .selectExpr("CAST(key AS STRING) key", "CAST(value AS STRING) value")
-        .writeStream.format("parquet").option("path", str(root / "parquet"))
-        .option("checkpointLocation", str(root / "ck-parquet"))
-        .trigger(availableNow=True).start()))
+def append(
+    spark: SparkSession, settings: ConsumerSettings, topic: str, root: Path, batch: int
+) -> Run:
+    return timed(
+        spark,
+        lambda: (
+            spark.readStream.format("kafka")
+            .options(**kafka_options(settings))
+            .option("subscribe", topic)
+            .option("startingOffsets", "earliest")
+            .option("maxOffsetsPerTrigger", str(batch))
+            .load()
+            .selectExpr("CAST(key AS STRING) key", "CAST(value AS STRING) value")
+            .writeStream.format("parquet")
+            .option("path", str(root / "parquet"))
+            .option("checkpointLocation", str(root / "ck-parquet"))
+            .trigger(availableNow=True)
+            .start()
+        ),
+    )
 
 
 def settings_for(bootstrap: str, prefix: str, root: Path, batch: int) -> ConsumerSettings:
-    return ConsumerSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix,
-                            warehouse=str(root / "wh"), checkpoint_dir=str(root / "ck"),
-                            spark_master="local[2]", max_offsets_per_trigger=batch,
-                            log_format="text")
+    return ConsumerSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=prefix,
+        warehouse=str(root / "wh"),
+        checkpoint_dir=str(root / "ck"),
+        spark_master="local[2]",
+        max_offsets_per_trigger=batch,
+        log_format="text",
+    )
 
 
-def verify(spark: SparkSession, settings: ConsumerSettings, sent: Published,
-           parquet: Path) -> list[str]:
+def verify(
+    spark: SparkSession, settings: ConsumerSettings, sent: Published, parquet: Path
+) -> list[str]:
     """Everything that is wrong with the tables the two runs left (empty when right)."""
     problems = []
     paths = table_paths(settings.warehouse, TABLE)
     current = spark.read.format("delta").load(paths.current)
-    expected = spark.createDataFrame([(k, f"name {n}") for k, n in sent.live.items()],
-                                     "id bigint, name string")
+    expected = spark.createDataFrame(
+        [(k, f"name {n}") for k, n in sent.live.items()], "id bigint, name string"
+    )
     rows = current.count()
     if rows != len(sent.live):
         problems.append(f"current state: {rows} rows, publisher left {len(sent.live)} live keys")
@@ -176,11 +211,14 @@ def verify(spark: SparkSession, settings: ConsumerSettings, sent: Published,
     counts = history.agg(
         F.count("*").alias("rows"),
         F.count_distinct("_cdc_commit_lsn", "_cdc_total_order", "_cdc_op").alias("distinct"),
-        F.sum(F.col("valid_to_lsn").isNull().cast("int")).alias("open")).first()
+        F.sum(F.col("valid_to_lsn").isNull().cast("int")).alias("open"),
+    ).first()
     assert counts is not None
     if counts["rows"] != sent.changes or counts["distinct"] != sent.changes:
-        problems.append(f"history: {counts['rows']} rows, {counts['distinct']} distinct "
-                        f"changes; {sent.changes} changes were published")
+        problems.append(
+            f"history: {counts['rows']} rows, {counts['distinct']} distinct "
+            f"changes; {sent.changes} changes were published"
+        )
     if counts["open"] != len(sent.live):
         problems.append(f"history: {counts['open']} open versions, {len(sent.live)} live keys")
     dead = dead_letter_path(settings.warehouse)
@@ -201,22 +239,28 @@ def print_phases(spark: SparkSession, label: str, run: Run, warehouse: str | Non
     paths = table_paths(warehouse, TABLE)
     # Tombstones are appended, not merged: their time is in the "batch applied" phases.
     for name, path in (("history", paths.history), ("current", paths.current)):
-        merges = [r["operationMetrics"] for r in spark.sql(
-            f"DESCRIBE HISTORY delta.`{path}`").orderBy("version").collect()
-            if r["operation"] == "MERGE"]
+        merges = [
+            r["operationMetrics"]
+            for r in spark.sql(f"DESCRIBE HISTORY delta.`{path}`").orderBy("version").collect()
+            if r["operation"] == "MERGE"
+        ]
 
         def total(metric: str, merges: list[dict[str, str]] = merges) -> float:
             return sum(int(m.get(metric, 0)) for m in merges) / 1000
+
         each = " ".join(f"{int(m['executionTimeMs']) / 1000:.1f}" for m in merges)
-        print(f"  {name} MERGE x{len(merges)}: {total('executionTimeMs'):.1f} s "
-              f"(materialize source {total('materializeSourceTimeMs'):.1f}, scan "
-              f"{total('scanTimeMs'):.1f}, rewrite {total('rewriteTimeMs'):.1f}); "
-              f"each: {each}")
+        print(
+            f"  {name} MERGE x{len(merges)}: {total('executionTimeMs'):.1f} s "
+            f"(materialize source {total('materializeSourceTimeMs'):.1f}, scan "
+            f"{total('scanTimeMs'):.1f}, rewrite {total('rewriteTimeMs'):.1f}); "
+            f"each: {each}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--changes", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
@@ -229,8 +273,10 @@ def main() -> None:
     started = time.monotonic()
     warm = publish(args.bootstrap, f"warm{run_id}", args.warmup)
     sent = publish(args.bootstrap, f"bench{run_id}", args.changes)
-    print(f"published {sent.changes} changes ({sent.records} records, {len(sent.live)} live "
-          f"keys) in {time.monotonic() - started:.1f}s")
+    print(
+        f"published {sent.changes} changes ({sent.records} records, {len(sent.live)} live "
+        f"keys) in {time.monotonic() - started:.1f}s"
+    )
 
     warm_settings = settings_for(args.bootstrap, f"warm{run_id}", root / "warm", args.batch)
     spark = build_session(warm_settings)
@@ -246,17 +292,23 @@ def main() -> None:
     spark.stop()
 
     merge_rate, append_rate = sent.records / merged.wall_s, sent.records / plain.wall_s
-    print(f"delta merge (history + current state): {sent.changes / merged.wall_s:,.0f} "
-          f"changes/s, {merge_rate:,.0f} records/s ({merged.wall_s:.1f}s, "
-          f"{merged.cpu_s:.1f}s JVM CPU)")
-    print(f"plain kafka -> parquet append:         {append_rate:,.0f} records/s "
-          f"({plain.wall_s:.1f}s, {plain.cpu_s:.1f}s JVM CPU)")
+    print(
+        f"delta merge (history + current state): {sent.changes / merged.wall_s:,.0f} "
+        f"changes/s, {merge_rate:,.0f} records/s ({merged.wall_s:.1f}s, "
+        f"{merged.cpu_s:.1f}s JVM CPU)"
+    )
+    print(
+        f"plain kafka -> parquet append:         {append_rate:,.0f} records/s "
+        f"({plain.wall_s:.1f}s, {plain.cpu_s:.1f}s JVM CPU)"
+    )
     print(f"ratio merge/append (records/s): {merge_rate / append_rate:.3f}")
     if problems:
         print("VERIFICATION FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
         raise SystemExit(1)
-    print("verified: current state = live keys with their last values, history = one row "
-          "per change, parquet = every record, no dead letters")
+    print(
+        "verified: current state = live keys with their last values, history = one row "
+        "per change, parquet = every record, no dead letters"
+    )
 
 
 if __name__ == "__main__":

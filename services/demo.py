@@ -46,8 +46,14 @@ def _say(msg: str) -> None:
 
 
 def _count(bootstrap: str, topic: str) -> dict[str, int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-{uuid.uuid4()}",
-                         "isolation.level": "read_committed", "enable.partition.eof": True})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"demo-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+    )
     ops: dict[str, int] = {}
     try:
         consumer.assign([TopicPartition(topic, 0, 0)])
@@ -68,8 +74,14 @@ def _count(bootstrap: str, topic: str) -> dict[str, int]:
 
 
 @click.command()
-@click.option("--dir", "state_dir", type=click.Path(file_okay=False, path_type=Path),
-              envvar="SLOTBRIDGE_STACK_DIR", default=ROOT / ".stack", show_default=True)
+@click.option(
+    "--dir",
+    "state_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="SLOTBRIDGE_STACK_DIR",
+    default=ROOT / ".stack",
+    show_default=True,
+)
 def demo(state_dir: Path) -> None:
     """Run the pipeline end to end on the local stack and show the result."""
     stack = Stack(state_dir)
@@ -80,16 +92,27 @@ def demo(state_dir: Path) -> None:
         sys.exit(1)
     with psycopg.connect(stack.primary_dsn, autocommit=True) as conn:
         conn.execute(_DDL)
-    env = {**os.environ, "SLOTBRIDGE_SOURCE_DSN": stack.primary_dsn,
-           "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "SLOTBRIDGE_SLOT_NAME": "demo",
-           "SLOTBRIDGE_PUBLICATION_NAME": "demo", "SLOTBRIDGE_TOPIC_PREFIX": "demo",
-           "SLOTBRIDGE_TABLES": '["shop.customers", "shop.orders"]',
-           "SLOTBRIDGE_LOG_FORMAT": "text", "SLOTBRIDGE_HTTP_PORT": "0"}
+    env = {
+        **os.environ,
+        "SLOTBRIDGE_SOURCE_DSN": stack.primary_dsn,
+        "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+        "SLOTBRIDGE_SLOT_NAME": "demo",
+        "SLOTBRIDGE_PUBLICATION_NAME": "demo",
+        "SLOTBRIDGE_TOPIC_PREFIX": "demo",
+        "SLOTBRIDGE_TABLES": '["shop.customers", "shop.orders"]',
+        "SLOTBRIDGE_LOG_FORMAT": "text",
+        "SLOTBRIDGE_HTTP_PORT": "0",
+    }
     log_path = state_dir / "demo-bridge.log"
     _say(f"starting the bridge (log: {log_path})")
     with open(log_path, "ab") as log:
-        bridge = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], cwd=ROOT,
-                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        bridge = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_slot(stack, bridge)
         _say("writing the workload on the primary")
@@ -100,30 +123,47 @@ def demo(state_dir: Path) -> None:
         assert target is not None
         _wait_confirmed(stack, bridge, str(target[0]))
         with psycopg.connect(stack.primary_dsn) as conn:
-            rows = {t: (conn.execute(f"SELECT count(*) FROM shop.{t}").fetchone() or (0,))[0]
-                    for t in ("customers", "orders")}
+            rows = {
+                t: (conn.execute(f"SELECT count(*) FROM shop.{t}").fetchone() or (0,))[0]
+                for t in ("customers", "orders")
+            }
         for table in ("customers", "orders"):
             ops = _count(stack.kafka_bootstrap, f"demo.shop.{table}")
-            _say(f"shop.{table}: {rows[table]} rows in PostgreSQL; "
-                 f"Kafka topic demo.shop.{table}: {ops}")
+            _say(
+                f"shop.{table}: {rows[table]} rows in PostgreSQL; "
+                f"Kafka topic demo.shop.{table}: {ops}"
+            )
     finally:
         bridge.terminate()
         bridge.wait(60)
     _consume(stack, state_dir)
-    _say(f"bridge stopped (exit {bridge.returncode}); the stack is still up - "
-         f"'slotbridge stack down --dir {state_dir}' stops it")
+    _say(
+        f"bridge stopped (exit {bridge.returncode}); the stack is still up - "
+        f"'slotbridge stack down --dir {state_dir}' stops it"
+    )
 
 
 def _consume(stack: Stack, state_dir: Path) -> None:
     """One Spark batch: the topics into typed current-state and history Delta tables."""
     warehouse = state_dir / "demo-warehouse"
     _say(f"running the Spark consumer once (Delta tables under {warehouse}/tables)")
-    env = {**os.environ, "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
-           "SLOTBRIDGE_TOPIC_PREFIX": "demo", "SLOTBRIDGE_WAREHOUSE": str(warehouse / "tables"),
-           "SLOTBRIDGE_CHECKPOINT_DIR": str(warehouse / "checkpoint"),
-           "SLOTBRIDGE_LOG_FORMAT": "text"}
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "consume", "--once"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    env = {
+        **os.environ,
+        "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+        "SLOTBRIDGE_TOPIC_PREFIX": "demo",
+        "SLOTBRIDGE_WAREHOUSE": str(warehouse / "tables"),
+        "SLOTBRIDGE_CHECKPOINT_DIR": str(warehouse / "checkpoint"),
+        "SLOTBRIDGE_LOG_FORMAT": "text",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "consume", "--once"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     for line in proc.stdout.splitlines() + proc.stderr.splitlines():
         if "batch applied" in line or " ERROR " in line:
             _say(line.strip())
@@ -136,8 +176,9 @@ def _wait_slot(stack: Stack, bridge: subprocess.Popen[bytes]) -> None:
         if bridge.poll() is not None:
             raise click.ClickException(f"the bridge exited with {bridge.returncode}")
         with psycopg.connect(stack.primary_dsn) as conn:
-            if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = 'demo'"
-                            " AND active").fetchone():
+            if conn.execute(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = 'demo' AND active"
+            ).fetchone():
                 return
         time.sleep(0.5)
     raise click.ClickException("the bridge did not start streaming within 60 s")
@@ -149,9 +190,11 @@ def _wait_confirmed(stack: Stack, bridge: subprocess.Popen[bytes], target: str) 
         if bridge.poll() is not None:
             raise click.ClickException(f"the bridge exited with {bridge.returncode}")
         with psycopg.connect(stack.primary_dsn) as conn:
-            done = conn.execute("SELECT confirmed_flush_lsn >= %s::pg_lsn FROM "
-                                "pg_replication_slots WHERE slot_name = 'demo'",
-                                (target,)).fetchone()
+            done = conn.execute(
+                "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM "
+                "pg_replication_slots WHERE slot_name = 'demo'",
+                (target,),
+            ).fetchone()
         if done and done[0]:
             return
         time.sleep(0.5)

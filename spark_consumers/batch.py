@@ -57,16 +57,23 @@ class _Survey:
 class BatchProcessor:
     """Callable handed to ``foreachBatch``; holds the schema registry across batches."""
 
-    def __init__(self, spark: SparkSession, settings: ConsumerSettings, status: Status,
-                 registry: s.SchemaRegistry | None = None) -> None:
+    def __init__(
+        self,
+        spark: SparkSession,
+        settings: ConsumerSettings,
+        status: Status,
+        registry: s.SchemaRegistry | None = None,
+    ) -> None:
         self.spark = spark
         self.settings = settings
         self.status = status
         self.registry = registry if registry is not None else s.SchemaRegistry()
         self.writers: dict[str, TableWriter] = {}
-        self.housekeeper = Housekeeper(settings.housekeeping_interval_s,
-                                       settings.vacuum_retention_hours,
-                                       settings.tombstone_retention_hours)
+        self.housekeeper = Housekeeper(
+            settings.housekeeping_interval_s,
+            settings.vacuum_retention_hours,
+            settings.tombstone_retention_hours,
+        )
         # Tables stopped by an error of their own -> why; read from the dead-letter
         # table at the first batch, so a stopped table stays stopped across restarts.
         self.stopped: dict[str, str] | None = None
@@ -82,17 +89,20 @@ class BatchProcessor:
         self.status.record_batch(batch_id, counts, time.monotonic() - started, timings)
         if self.housekeeper.due(time.monotonic()):
             tables = {t: table_paths(self.settings.warehouse, t) for t in self.registry.versions}
-            self.status.housekeeping = self.housekeeper.run(self.spark, self.settings.warehouse,
-                                                            tables)
+            self.status.housekeeping = self.housekeeper.run(
+                self.spark, self.settings.warehouse, tables
+            )
         self.status.write(self.settings.status_path)
 
-    def _process(self, raw: DataFrame, envs: DataFrame, batch_id: int,
-                 timings: BatchTimings) -> dict[str, TableCounts]:
+    def _process(
+        self, raw: DataFrame, envs: DataFrame, batch_id: int, timings: BatchTimings
+    ) -> dict[str, TableCounts]:
         # The survey is the first action on the batch: it reads and parses the records.
         with timings.phase("read, parse, survey"):
             surveys = self._survey(envs)
-        missing = [t for t, sv in surveys.items()
-                   if any(not self.registry.has(t, v) for v in sv.versions)]
+        missing = [
+            t for t, sv in surveys.items() if any(not self.registry.has(t, v) for v in sv.versions)
+        ]
         if missing:
             for problem in refresh_registry(self.spark, self.settings, self.registry):
                 log_event(log, logging.WARNING, problem)
@@ -104,103 +114,169 @@ class BatchProcessor:
             why = self.stopped.get(table)
             if why is None:
                 try:
-                    counts[table] = self._apply_table(raw, table_envs, table, survey,
-                                                      batch_id, timings)
+                    counts[table] = self._apply_table(
+                        raw, table_envs, table, survey, batch_id, timings
+                    )
                     continue
                 except (AnalysisException, TableRefused) as exc:
                     # Raised by this table's shape or data, so a retry would raise it again:
                     # stop this table alone. Anything else (Kafka, disk, memory) fails the
                     # job, and the batch is replayed on restart.
                     why = self.stopped[table] = error_line(exc)
-                    log_event(log, logging.ERROR, "table stopped; its records go to the "
-                              "dead-letter table from now on", table=table, reason=why,
-                              batch_id=batch_id)
+                    log_event(
+                        log,
+                        logging.ERROR,
+                        "table stopped; its records go to the dead-letter table from now on",
+                        table=table,
+                        reason=why,
+                        batch_id=batch_id,
+                    )
             counts[table] = self._set_aside(raw, table_envs, table, why, batch_id)
         return counts
 
-    def _set_aside(self, raw: DataFrame, envs: DataFrame, table: str, why: str,
-                   batch_id: int) -> TableCounts:
+    def _set_aside(
+        self, raw: DataFrame, envs: DataFrame, table: str, why: str, batch_id: int
+    ) -> TableCounts:
         """A stopped table's records of this batch, dead-lettered with the reason. Applying
         later changes over the ones set aside would build a wrong table."""
         bad = envs.select(*COORDINATES, F.col(TABLE), F.lit(STOPPED + why).alias(REASON))
-        quarantine(self.spark, dead_letter_path(self.settings.warehouse),
-                   _with_texts(bad, raw), batch_id)
+        quarantine(
+            self.spark, dead_letter_path(self.settings.warehouse), _with_texts(bad, raw), batch_id
+        )
         count = bad.count()
-        log_event(log, logging.WARNING, "records of a stopped table quarantined", table=table,
-                  count=count, batch_id=batch_id, reason=why)
+        log_event(
+            log,
+            logging.WARNING,
+            "records of a stopped table quarantined",
+            table=table,
+            count=count,
+            batch_id=batch_id,
+            reason=why,
+        )
         return TableCounts(quarantined=count, stopped=why)
 
     def _survey(self, envs: DataFrame) -> dict[str, _Survey]:
         op = F.col("e.op")
-        rows = (envs.groupBy(TABLE, F.col("e.source.schema_version").alias("v"))
-                .agg(F.collect_list(F.when(op == "t", F.struct(
-                        F.col("e.source.commit_lsn"), F.col("e.transaction.total_order"))))
-                     .alias("truncates"),
-                     F.max((op == "d").cast("int")).alias("deletes"),
-                     F.min("e.source.commit_lsn").alias("oldest"))
-                .collect())
+        rows = (
+            envs.groupBy(TABLE, F.col("e.source.schema_version").alias("v"))
+            .agg(
+                F.collect_list(
+                    F.when(
+                        op == "t",
+                        F.struct(F.col("e.source.commit_lsn"), F.col("e.transaction.total_order")),
+                    )
+                ).alias("truncates"),
+                F.max((op == "d").cast("int")).alias("deletes"),
+                F.min("e.source.commit_lsn").alias("oldest"),
+            )
+            .collect()
+        )
         surveys: dict[str, _Survey] = defaultdict(_Survey)
         for row in rows:
             survey = surveys[row[TABLE]]
             if row["v"] is not None:
                 survey.versions.add(int(row["v"]))
-            survey.truncates.extend((int(t[0]), int(t[1])) for t in row["truncates"]
-                                    if t[0] is not None and t[1] is not None)
+            survey.truncates.extend(
+                (int(t[0]), int(t[1]))
+                for t in row["truncates"]
+                if t[0] is not None and t[1] is not None
+            )
             survey.deletes = survey.deletes or bool(row["deletes"])
             oldest = row["oldest"]
             if oldest is not None and (survey.oldest_lsn is None or oldest < survey.oldest_lsn):
                 survey.oldest_lsn = int(oldest)
         return dict(surveys)
 
-    def _apply_table(self, raw: DataFrame, envs: DataFrame, table: str, survey: _Survey,
-                     batch_id: int, timings: BatchTimings) -> TableCounts:
+    def _apply_table(
+        self,
+        raw: DataFrame,
+        envs: DataFrame,
+        table: str,
+        survey: _Survey,
+        batch_id: int,
+        timings: BatchTimings,
+    ) -> TableCounts:
         dead_letters = dead_letter_path(self.settings.warehouse)
         known = sorted(self.registry.versions.get(table, {}))
         if not known:
-            bad = envs.select(*COORDINATES, F.col(TABLE),
-                              F.lit("no schema record for this table").alias(REASON))
+            bad = envs.select(
+                *COORDINATES, F.col(TABLE), F.lit("no schema record for this table").alias(REASON)
+            )
             quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
             return TableCounts(quarantined=bad.count())
         schema = self.registry.merged(table)
         collisions = schema.case_collisions()
         if collisions:
-            raise TableRefused(f"columns {' and '.join(collisions[0])} differ only in case; "
-                               "a Delta table cannot hold both (rename one at the source)")
-        typed = with_neighbours(typed_rows(envs, schema, known), schema).withColumn(
-            TABLE, F.lit(table)).persist()
+            raise TableRefused(
+                f"columns {' and '.join(collisions[0])} differ only in case; "
+                "a Delta table cannot hold both (rename one at the source)"
+            )
+        typed = (
+            with_neighbours(typed_rows(envs, schema, known), schema)
+            .withColumn(TABLE, F.lit(table))
+            .persist()
+        )
         try:
-            toast = reduce(or_, [F.col(toast_flag(i)) for i in range(len(schema.columns))],
-                           F.lit(False))
+            toast = reduce(
+                or_, [F.col(toast_flag(i)) for i in range(len(schema.columns))], F.lit(False)
+            )
             with timings.phase(f"{table} type"):
-                split = {bool(r["good"]): r for r in typed.groupBy(
-                    F.col(REASON).isNull().alias("good")).agg(
-                        F.count("*").alias("n"), F.max(toast).alias("toast")).collect()}
+                split = {
+                    bool(r["good"]): r
+                    for r in typed.groupBy(F.col(REASON).isNull().alias("good"))
+                    .agg(F.count("*").alias("n"), F.max(toast).alias("toast"))
+                    .collect()
+                }
             good_n = int(split[True]["n"]) if True in split else 0
             bad_n = int(split[False]["n"]) if False in split else 0
             if bad_n:
                 bad = typed.where(F.col(REASON).isNotNull()).select(*COORDINATES, TABLE, REASON)
                 quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
-                log_event(log, logging.WARNING, "records quarantined", table=table,
-                          count=bad_n, batch_id=batch_id)
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "records quarantined",
+                    table=table,
+                    count=bad_n,
+                    batch_id=batch_id,
+                )
             if good_n:
-                self._merge(typed.where(F.col(REASON).isNull()), schema, survey,
-                            bool(split[True]["toast"]), timings)
+                self._merge(
+                    typed.where(F.col(REASON).isNull()),
+                    schema,
+                    survey,
+                    bool(split[True]["toast"]),
+                    timings,
+                )
         finally:
             typed.unpersist()
         return TableCounts(applied=good_n, quarantined=bad_n)
 
-    def _merge(self, good: DataFrame, schema: s.TableSchema, survey: _Survey,
-               has_toast: bool, timings: BatchTimings) -> None:
+    def _merge(
+        self,
+        good: DataFrame,
+        schema: s.TableSchema,
+        survey: _Survey,
+        has_toast: bool,
+        timings: BatchTimings,
+    ) -> None:
         writer = self.writers.get(schema.name)
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
             writer = self.writers[schema.name] = TableWriter(self.spark, paths)
         # Good rows all have a commit LSN, so the survey found one.
         assert survey.oldest_lsn is not None
-        writer.apply(good, schema, BatchFacts(truncates=tuple(sorted(survey.truncates)),
-                                              has_deletes=survey.deletes,
-                                              has_toast_markers=has_toast,
-                                              oldest_lsn=survey.oldest_lsn), timings)
+        writer.apply(
+            good,
+            schema,
+            BatchFacts(
+                truncates=tuple(sorted(survey.truncates)),
+                has_deletes=survey.deletes,
+                has_toast_markers=has_toast,
+                oldest_lsn=survey.oldest_lsn,
+            ),
+            timings,
+        )
 
 
 class TableRefused(Exception):

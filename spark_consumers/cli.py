@@ -18,18 +18,30 @@ from spark_consumers.settings import ConsumerSettings
 
 
 @click.command()
-@click.option("--config", "config", type=click.Path(dir_okay=False, path_type=Path),
-              help="YAML or TOML settings file (SLOTBRIDGE_* variables override it).")
-@click.option("--once", is_flag=True,
-              help="Consume what Kafka holds now, then stop (availableNow trigger).")
-@click.option("--fail-on-quarantine", is_flag=True,
-              help="Exit 3 after a clean end that sent records to the dead-letter table.")
-@click.option("--print-spark-submit", "print_submit", is_flag=True,
-              help="Print the spark-submit command that runs this job, and exit.")
-@click.option("--status", "show_status", is_flag=True,
-              help="Print the job's status file and exit.")
-def consume(config: Path | None, once: bool, fail_on_quarantine: bool, print_submit: bool,
-            show_status: bool) -> None:
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="YAML or TOML settings file (SLOTBRIDGE_* variables override it).",
+)
+@click.option(
+    "--once", is_flag=True, help="Consume what Kafka holds now, then stop (availableNow trigger)."
+)
+@click.option(
+    "--fail-on-quarantine",
+    is_flag=True,
+    help="Exit 3 after a clean end that sent records to the dead-letter table.",
+)
+@click.option(
+    "--print-spark-submit",
+    "print_submit",
+    is_flag=True,
+    help="Print the spark-submit command that runs this job, and exit.",
+)
+@click.option("--status", "show_status", is_flag=True, help="Print the job's status file and exit.")
+def consume(
+    config: Path | None, once: bool, fail_on_quarantine: bool, print_submit: bool, show_status: bool
+) -> None:
     """Stream the change topics into current-state and history Delta tables."""
     try:
         settings = load_settings(ConsumerSettings, config)

@@ -22,23 +22,38 @@ def quarantine(spark: SparkSession, path: str, bad: DataFrame, batch_id: int) ->
     """Store ``bad`` (Kafka columns + ``_table`` + ``_reason``) in the dead-letter table."""
     ensure_table(spark, path, DEAD_LETTER_SCHEMA)
     rows = bad.select(
-        F.col("_table").alias("table"), "topic", "partition", "offset", "key_text",
-        "value_text", F.col("_reason").alias("reason"),
+        F.col("_table").alias("table"),
+        "topic",
+        "partition",
+        "offset",
+        "key_text",
+        "value_text",
+        F.col("_reason").alias("reason"),
         F.lit(batch_id).cast("long").alias("batch_id"),
         F.current_timestamp().alias("quarantined_at"),
     )
-    (DeltaTable.forPath(spark, path).alias("t")
-     .merge(rows.alias("s"), "t.topic = s.topic AND t.partition = s.partition "
-                             "AND t.offset = s.offset")
-     .whenNotMatchedInsertAll()
-     .execute())
+    (
+        DeltaTable.forPath(spark, path)
+        .alias("t")
+        .merge(
+            rows.alias("s"),
+            "t.topic = s.topic AND t.partition = s.partition AND t.offset = s.offset",
+        )
+        .whenNotMatchedInsertAll()
+        .execute()
+    )
 
 
 def stopped_tables(spark: SparkSession, path: str) -> dict[str, str]:
     """Tables whose records are set aside since an error of their own -> that error."""
     if not DeltaTable.isDeltaTable(spark, path):
         return {}
-    rows = (DeltaTable.forPath(spark, path).toDF()
-            .where(F.col("reason").startswith(STOPPED))
-            .groupBy("table").agg(F.min_by("reason", "offset").alias("reason")).collect())
-    return {r["table"]: r["reason"][len(STOPPED):] for r in rows}
+    rows = (
+        DeltaTable.forPath(spark, path)
+        .toDF()
+        .where(F.col("reason").startswith(STOPPED))
+        .groupBy("table")
+        .agg(F.min_by("reason", "offset").alias("reason"))
+        .collect()
+    )
+    return {r["table"]: r["reason"][len(STOPPED) :] for r in rows}

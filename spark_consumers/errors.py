@@ -21,10 +21,13 @@ def error_line(exc: BaseException | str) -> str:
     """The line naming what went wrong, at most ``_MAX`` characters."""
     text = str(exc)
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    line = _python_error(lines) or _innermost_cause(lines) or (
-        lines[0] if lines else type(exc).__name__)
+    line = (
+        _python_error(lines)
+        or _innermost_cause(lines)
+        or (lines[0] if lines else type(exc).__name__)
+    )
     line = line.strip()
-    return line if len(line) <= _MAX else line[:_MAX - 3] + "..."
+    return line if len(line) <= _MAX else line[: _MAX - 3] + "..."
 
 
 def _python_error(lines: list[str]) -> str | None:
@@ -32,7 +35,7 @@ def _python_error(lines: list[str]) -> str | None:
     starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
     if not starts:
         return None
-    rest = lines[starts[-1] + 1:]
+    rest = lines[starts[-1] + 1 :]
     for n, line in enumerate(rest):
         if not line.startswith((" ", "\t")) and _PY_ERROR.match(line):
             if line.startswith(_PY4J) and n + 1 < len(rest) and rest[n + 1].startswith(": "):

@@ -59,10 +59,16 @@ class Housekeeper:
         upkeep.seconds = round(time.monotonic() - started, 3)
         upkeep.finished_at = time.time()
         self._next_due = time.monotonic() + self.interval_s
-        log_event(log, logging.INFO, "housekeeping done", seconds=upkeep.seconds,
-                  tables=len(tables), files_compacted=upkeep.files_compacted,
-                  files_vacuumed=upkeep.files_vacuumed,
-                  tombstones_trimmed=upkeep.tombstones_trimmed)
+        log_event(
+            log,
+            logging.INFO,
+            "housekeeping done",
+            seconds=upkeep.seconds,
+            tables=len(tables),
+            files_compacted=upkeep.files_compacted,
+            files_vacuumed=upkeep.files_vacuumed,
+            tombstones_trimmed=upkeep.tombstones_trimmed,
+        )
         return upkeep
 
     def _compact_and_vacuum(self, spark: SparkSession, path: str, upkeep: Upkeep) -> None:
@@ -73,8 +79,9 @@ class Housekeeper:
         if metrics is not None:
             upkeep.files_compacted += int(metrics["metrics"]["numFilesRemoved"])
         # The dry run lists what VACUUM deletes: VACUUM itself reports no count.
-        doomed = spark.sql(f"VACUUM delta.{quote(path)} RETAIN "
-                           f"{self.vacuum_retention_hours} HOURS DRY RUN").count()
+        doomed = spark.sql(
+            f"VACUUM delta.{quote(path)} RETAIN {self.vacuum_retention_hours} HOURS DRY RUN"
+        ).count()
         if doomed:
             table.vacuum(self.vacuum_retention_hours)
         upkeep.files_vacuumed += doomed
@@ -88,15 +95,17 @@ class Housekeeper:
         ``delete.retention.ms``, this bounds how late such a record may come. The last
         truncate's row is kept: it is one row, and it guards every key.
         """
-        if not (DeltaTable.isDeltaTable(spark, paths.tombstones)
-                and DeltaTable.isDeltaTable(spark, paths.history)):
+        if not (
+            DeltaTable.isDeltaTable(spark, paths.tombstones)
+            and DeltaTable.isDeltaTable(spark, paths.history)
+        ):
             return 0
-        newest = (DeltaTable.forPath(spark, paths.history).toDF()
-                  .agg(F.max(s.COMMIT_TS)).first())
+        newest = DeltaTable.forPath(spark, paths.history).toDF().agg(F.max(s.COMMIT_TS)).first()
         if newest is None or newest[0] is None:
             return 0
         horizon = F.lit(newest[0]) - F.expr(
-            f"make_interval(0, 0, 0, 0, 0, 0, {self.tombstone_retention_hours * 3600})")
+            f"make_interval(0, 0, 0, 0, 0, 0, {self.tombstone_retention_hours * 3600})"
+        )
         stones = DeltaTable.forPath(spark, paths.tombstones)
         stale = ~F.col(IS_TRUNCATE) & (F.col(s.COMMIT_TS) < horizon)
         count = stones.toDF().where(stale).count()

@@ -54,8 +54,10 @@ def extra_jars(jars_dir: Path) -> list[str]:
     """
     import pyspark
 
-    shipped = {_artifact(j) for j in glob.glob(os.path.join(
-        os.path.dirname(pyspark.__file__), "jars", "*.jar"))}
+    shipped = {
+        _artifact(j)
+        for j in glob.glob(os.path.join(os.path.dirname(pyspark.__file__), "jars", "*.jar"))
+    }
     jars = sorted(glob.glob(str(jars_dir / "*.jar")))
     if not jars:
         raise FileNotFoundError(f"no jars in {jars_dir}; run python3 -m services.stack.bootstrap")
@@ -83,8 +85,9 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         "spark.databricks.delta.retentionDurationCheck.enabled": "false",
         # File listings (VACUUM's among them) run as one task per this many paths;
         # Spark's 10,000 made a VACUUM of a small table take a minute on two cores.
-        "spark.sql.sources.parallelPartitionDiscovery.parallelism":
-            str(settings.shuffle_partitions),
+        "spark.sql.sources.parallelPartitionDiscovery.parallelism": str(
+            settings.shuffle_partitions
+        ),
         "spark.sql.streaming.stopGracefullyOnShutdown": "false",
         # Spark's default INT96 holds only 1677-2262 for readers that map it to
         # nanoseconds (delta-rs, pandas): one timestamptz of 0001-01-01 or 9999-12-31 made
@@ -107,8 +110,10 @@ def _jars(settings: ConsumerSettings) -> list[str]:
     return extra_jars(jars_dir) if jars_dir is not None else []
 
 
-def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consume",
-                  ) -> SparkSession:
+def build_session(
+    settings: ConsumerSettings,
+    app_name: str = "slotbridge-consume",
+) -> SparkSession:
     """A session with Delta, the Kafka source and UTC as the session time zone.
 
     UTC makes ``timestamp with time zone`` values show the instant the source stored,
@@ -131,12 +136,14 @@ def build_session(settings: ConsumerSettings, app_name: str = "slotbridge-consum
     assert jvm is not None
     jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
         "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
-        jvm.org.apache.logging.log4j.Level.OFF)
+        jvm.org.apache.logging.log4j.Level.OFF,
+    )
     return spark
 
 
-def spark_submit_command(settings: ConsumerSettings, config: Path | None,
-                         once: bool = False) -> list[str]:
+def spark_submit_command(
+    settings: ConsumerSettings, config: Path | None, once: bool = False
+) -> list[str]:
     """The spark-submit command running this job as ``slotbridge consume`` would.
 
     The driver imports ``spark_consumers`` and ``services``, so it runs this Python (where
@@ -148,9 +155,17 @@ def spark_submit_command(settings: ConsumerSettings, config: Path | None,
     # spark-submit runs main.py as a script: the driver finds the packages through
     # PYTHONPATH, which it passes on to the driver's Python.
     root = Path(__file__).resolve().parents[1]
-    command = ["env", f"PYTHONPATH={root}", str(submit), "--name", "slotbridge-consume",
-               "--conf", f"spark.pyspark.python={sys.executable}",
-               "--conf", f"spark.pyspark.driver.python={sys.executable}"]
+    command = [
+        "env",
+        f"PYTHONPATH={root}",
+        str(submit),
+        "--name",
+        "slotbridge-consume",
+        "--conf",
+        f"spark.pyspark.python={sys.executable}",
+        "--conf",
+        f"spark.pyspark.driver.python={sys.executable}",
+    ]
     if settings.spark_master is not None:
         command += ["--master", settings.spark_master]
     # The cached jars ship with the submission (spark-submit uploads them to a cluster).
@@ -163,13 +178,16 @@ def spark_submit_command(settings: ConsumerSettings, config: Path | None,
     return command + (["--once"] if once else [])
 
 
-def start_query(spark: SparkSession, settings: ConsumerSettings, status: Status,
-                once: bool = False) -> StreamingQuery:
+def start_query(
+    spark: SparkSession, settings: ConsumerSettings, status: Status, once: bool = False
+) -> StreamingQuery:
     """Start the stream; ``once`` consumes what is in Kafka now and then ends."""
-    writer = (change_stream(spark, settings).writeStream
-              .queryName("slotbridge-consume")
-              .option("checkpointLocation", settings.checkpoint_dir)
-              .foreachBatch(BatchProcessor(spark, settings, status)))
+    writer = (
+        change_stream(spark, settings)
+        .writeStream.queryName("slotbridge-consume")
+        .option("checkpointLocation", settings.checkpoint_dir)
+        .foreachBatch(BatchProcessor(spark, settings, status))
+    )
     if once:
         writer = writer.trigger(availableNow=True)
     else:
@@ -180,8 +198,7 @@ def start_query(spark: SparkSession, settings: ConsumerSettings, status: Status,
 QUARANTINED_EXIT = 3
 
 
-def run(settings: ConsumerSettings, once: bool = False,
-        fail_on_quarantine: bool = False) -> int:
+def run(settings: ConsumerSettings, once: bool = False, fail_on_quarantine: bool = False) -> int:
     """Run until the query ends (``once``), fails, or a signal asks for a stop.
 
     Returns the process exit code: 0 for a clean end, 1 when the query failed,
@@ -202,18 +219,25 @@ def run(settings: ConsumerSettings, once: bool = False,
     status = Status()
     server = None
     if settings.http_port:
-        server = HealthServer(settings.http_host, settings.http_port,
-                              lambda: liveness(status), lambda: readiness(status),
-                              registry_for(status)).start()
+        server = HealthServer(
+            settings.http_host,
+            settings.http_port,
+            lambda: liveness(status),
+            lambda: readiness(status),
+            registry_for(status),
+        ).start()
         log_event(log, logging.INFO, "serving /healthz /readyz /metrics", port=server.port)
     spark = build_session(settings)
     try:
         code = _follow(spark, settings, status, once, stop)
         if code == 0 and fail_on_quarantine and status.quarantined:
-            log_event(log, logging.ERROR, "records quarantined in this run; see the "
-                      "dead-letter table", count=status.quarantined,
-                      tables={t: c.quarantined for t, c in status.tables.items()
-                              if c.quarantined})
+            log_event(
+                log,
+                logging.ERROR,
+                "records quarantined in this run; see the dead-letter table",
+                count=status.quarantined,
+                tables={t: c.quarantined for t, c in status.tables.items() if c.quarantined},
+            )
             return QUARANTINED_EXIT
         return code
     except Exception as exc:
@@ -229,15 +253,26 @@ def run(settings: ConsumerSettings, once: bool = False,
             server.stop()
 
 
-def _follow(spark: SparkSession, settings: ConsumerSettings, status: Status, once: bool,
-            stop: threading.Event) -> int:
+def _follow(
+    spark: SparkSession,
+    settings: ConsumerSettings,
+    status: Status,
+    once: bool,
+    stop: threading.Event,
+) -> int:
     """Start the query and keep the status file current until it ends; raises its error."""
     query = start_query(spark, settings, status, once)
     status.state = "running"
     status.write(settings.status_path)
-    log_event(log, logging.INFO, "consumer started", query_id=str(query.id),
-              checkpoint=settings.checkpoint_dir, warehouse=settings.warehouse,
-              topics=settings.change_topics() or settings.change_topic_pattern())
+    log_event(
+        log,
+        logging.INFO,
+        "consumer started",
+        query_id=str(query.id),
+        checkpoint=settings.checkpoint_dir,
+        warehouse=settings.warehouse,
+        topics=settings.change_topics() or settings.change_topic_pattern(),
+    )
     while query.isActive and not stop.is_set():
         query.awaitTermination(_POLL_S)
         status.record_lag(_progress(query))
@@ -271,6 +306,11 @@ def _stop_between_batches(query: StreamingQuery, grace_s: float) -> None:
         time.sleep(0.2)
     abandoned = bool(query.status.get("isTriggerActive"))
     query.stop()
-    log_event(log, logging.WARNING if abandoned else logging.INFO,
-              "batch abandoned after the stop grace; the next start replays it"
-              if abandoned else "stopped between batches", stop_grace_s=grace_s)
+    log_event(
+        log,
+        logging.WARNING if abandoned else logging.INFO,
+        "batch abandoned after the stop grace; the next start replays it"
+        if abandoned
+        else "stopped between batches",
+        stop_grace_s=grace_s,
+    )

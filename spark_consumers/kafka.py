@@ -42,13 +42,18 @@ def change_stream(spark: SparkSession, settings: ConsumerSettings) -> DataFrame:
     return reader.load()
 
 
-def refresh_registry(spark: SparkSession, settings: ConsumerSettings,
-                     registry: SchemaRegistry) -> list[str]:
+def refresh_registry(
+    spark: SparkSession, settings: ConsumerSettings, registry: SchemaRegistry
+) -> list[str]:
     """Read the whole (compacted, small) schema topic into ``registry``; returns problems."""
-    frame = (spark.read.format("kafka").options(**kafka_options(settings))
-             .option("subscribe", settings.schema_topic)
-             .option("startingOffsets", "earliest").option("endingOffsets", "latest")
-             .option("failOnDataLoss", "false")
-             .load())
+    frame = (
+        spark.read.format("kafka")
+        .options(**kafka_options(settings))
+        .option("subscribe", settings.schema_topic)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", "latest")
+        .option("failOnDataLoss", "false")
+        .load()
+    )
     rows = frame.selectExpr("CAST(value AS STRING) AS value").collect()
     return registry.add_records(row["value"] for row in rows)

@@ -34,8 +34,7 @@ def main(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 1
     setup_logging(settings.log_format, settings.log_level)
-    return run(settings, once="--once" in argv,
-               fail_on_quarantine="--fail-on-quarantine" in argv)
+    return run(settings, once="--once" in argv, fail_on_quarantine="--fail-on-quarantine" in argv)
 
 
 if __name__ == "__main__":

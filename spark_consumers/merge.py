@@ -110,9 +110,9 @@ def with_neighbours(rows: DataFrame, table: s.TableSchema) -> DataFrame:
     """
     if not table.key_columns:
         return rows.withColumn(_NEXT, F.lit(None).cast(_POINT))
-    by_key = Window.partitionBy(*[F.col(quote(k)) for k in table.key_columns],
-                                F.col(s.OP) == "t", F.col(REASON).isNull()).orderBy(
-        *_position_order())
+    by_key = Window.partitionBy(
+        *[F.col(quote(k)) for k in table.key_columns], F.col(s.OP) == "t", F.col(REASON).isNull()
+    ).orderBy(*_position_order())
     return rows.withColumn(_NEXT, F.lead(F.struct(*_position_order())).over(by_key))
 
 
@@ -127,8 +127,9 @@ def _reachable(oldest_lsn: int, alias: str = "") -> str:
     return f"({end} IS NULL OR {end} > {oldest_lsn} OR {lsn} >= {oldest_lsn})"
 
 
-def _recompute_ends(union: DataFrame, table: s.TableSchema,
-                    truncates: tuple[Position, ...]) -> DataFrame:
+def _recompute_ends(
+    union: DataFrame, table: s.TableSchema, truncates: tuple[Position, ...]
+) -> DataFrame:
     """Batch rows and reachable stored rows with ``valid_from``/``valid_to`` recomputed;
     a change stored and in the batch (a replay) comes out once, as the stored row.
 
@@ -140,24 +141,33 @@ def _recompute_ends(union: DataFrame, table: s.TableSchema,
     rows = union.withColumnRenamed(s.VALID_TO, _OLD_END)
     if keys:
         # Stored copies sort first, so a batch copy of a stored change is the one dropped.
-        by_key = Window.partitionBy(*keys, op == "t").orderBy(*_position_order(),
-                                                              F.col(_STORED).desc())
-        rows = (rows.withColumn("_previous", F.lag(position).over(by_key))
-                .where(F.col("_previous").isNull() | (F.col("_previous") != position))
-                .drop("_previous"))
+        by_key = Window.partitionBy(*keys, op == "t").orderBy(
+            *_position_order(), F.col(_STORED).desc()
+        )
+        rows = (
+            rows.withColumn("_previous", F.lag(position).over(by_key))
+            .where(F.col("_previous").isNull() | (F.col("_previous") != position))
+            .drop("_previous")
+        )
         following = F.lead(position).over(by_key)[s.COMMIT_LSN]
     else:
         by_change = Window.partitionBy(*_position_order()).orderBy(F.col(_STORED).desc())
-        rows = (rows.withColumn("_copy", F.row_number().over(by_change))
-                .where(F.col("_copy") == 1).drop("_copy"))
+        rows = (
+            rows.withColumn("_copy", F.row_number().over(by_change))
+            .where(F.col("_copy") == 1)
+            .drop("_copy")
+        )
         following = F.lit(None).cast("long")
     if truncates:
         following = F.least(following, _next_truncate(truncates)[s.COMMIT_LSN])
-    return rows.withColumns({
-        s.VALID_FROM: F.col(s.COMMIT_LSN),
-        s.VALID_TO: F.when(op.isin("d", "t"), F.col(s.COMMIT_LSN))
-        .otherwise(F.least(following, F.col(_OLD_END))),
-    })
+    return rows.withColumns(
+        {
+            s.VALID_FROM: F.col(s.COMMIT_LSN),
+            s.VALID_TO: F.when(op.isin("d", "t"), F.col(s.COMMIT_LSN)).otherwise(
+                F.least(following, F.col(_OLD_END))
+            ),
+        }
+    )
 
 
 def _next_truncate(truncates: tuple[Position, ...]) -> Column:
@@ -166,9 +176,12 @@ def _next_truncate(truncates: tuple[Position, ...]) -> Column:
     The driver knows the batch's truncates, so this is a CASE over them rather than a
     window over the whole batch, which Spark would run in a single task.
     """
+
     def point(position: Position) -> Column:
-        return F.struct(F.lit(position[0]).cast("long").alias(s.COMMIT_LSN),
-                        F.lit(position[1]).cast("long").alias(s.TOTAL_ORDER))
+        return F.struct(
+            F.lit(position[0]).cast("long").alias(s.COMMIT_LSN),
+            F.lit(position[1]).cast("long").alias(s.TOTAL_ORDER),
+        )
 
     first, *later = sorted(truncates)
     result = F.when(F.expr(_older_than(first)), point(first))
@@ -177,34 +190,40 @@ def _next_truncate(truncates: tuple[Position, ...]) -> Column:
     return result
 
 
-def resolve_toast(spark: SparkSession, rows: DataFrame, table: s.TableSchema,
-                  paths: TablePaths) -> DataFrame:
+def resolve_toast(
+    spark: SparkSession, rows: DataFrame, table: s.TableSchema, paths: TablePaths
+) -> DataFrame:
     """Replace unchanged-TOAST placeholders with the value the key had just before.
 
     Within the batch that is the latest earlier change of the key since its last insert or
     delete; otherwise the current-state row (read before this batch touches it).
     """
-    toastable = [(i, c.name) for i, c in enumerate(table.columns)
-                 if can_be_toasted(c.spark_type)]
+    toastable = [(i, c.name) for i, c in enumerate(table.columns) if can_be_toasted(c.spark_type)]
     if not toastable or not table.key_columns:
         return rows
     keys = [F.col(quote(k)) for k in table.key_columns]
     restart = F.col(s.OP).isin("c", "r", "d", "t").cast("int")
     upto = Window.unboundedPreceding
-    by_key = Window.partitionBy(*keys).orderBy(*_position_order()).rowsBetween(
-        upto, Window.currentRow)
+    by_key = (
+        Window.partitionBy(*keys).orderBy(*_position_order()).rowsBetween(upto, Window.currentRow)
+    )
     rows = rows.withColumn("_segment", F.sum(restart).over(by_key))
-    segment = Window.partitionBy(*keys, F.col("_segment")).orderBy(
-        *_position_order()).rowsBetween(upto, Window.currentRow)
+    segment = (
+        Window.partitionBy(*keys, F.col("_segment"))
+        .orderBy(*_position_order())
+        .rowsBetween(upto, Window.currentRow)
+    )
     for index, name in toastable:
         flag = F.col(toast_flag(index))
-        prior = F.last(F.when(~flag, F.struct(F.col(quote(name)).alias("v"))),
-                       ignorenulls=True).over(segment)
+        prior = F.last(
+            F.when(~flag, F.struct(F.col(quote(name)).alias("v"))), ignorenulls=True
+        ).over(segment)
         rows = rows.withColumn(f"_prior_{index}", prior)
     for index, name in toastable:
         flag, prior = F.col(toast_flag(index)), F.col(f"_prior_{index}")
-        rows = (rows.withColumn(name, F.when(flag, prior["v"]).otherwise(F.col(quote(name))))
-                .withColumn(toast_flag(index), flag & prior.isNull()))
+        rows = rows.withColumn(
+            name, F.when(flag, prior["v"]).otherwise(F.col(quote(name)))
+        ).withColumn(toast_flag(index), flag & prior.isNull())
     rows = rows.drop("_segment", *[f"_prior_{i}" for i, _ in toastable])
     if not DeltaTable.isDeltaTable(spark, paths.current):
         return rows
@@ -214,13 +233,16 @@ def resolve_toast(spark: SparkSession, rows: DataFrame, table: s.TableSchema,
     stored = DeltaTable.forPath(spark, paths.current).toDF()
     stored_cols = set(stored.columns)
     carried = [(i, n) for i, n in toastable if n in stored_cols]
-    stored = stored.select(*[F.col(quote(k)) for k in table.key_columns],
-                           *[F.col(quote(n)).alias(f"_stored_{i}") for i, n in carried])
+    stored = stored.select(
+        *[F.col(quote(k)) for k in table.key_columns],
+        *[F.col(quote(n)).alias(f"_stored_{i}") for i, n in carried],
+    )
     needs = rows.where(pending).join(stored, list(table.key_columns), "left")
     for index, name in carried:
         flag = F.col(toast_flag(index))
-        needs = needs.withColumn(name, F.when(flag, F.col(f"_stored_{index}"))
-                                 .otherwise(F.col(quote(name))))
+        needs = needs.withColumn(
+            name, F.when(flag, F.col(f"_stored_{index}")).otherwise(F.col(quote(name)))
+        )
     needs = needs.drop(*[f"_stored_{i}" for i, _ in carried])
     return rows.where(~pending).unionByName(needs)
 
@@ -241,8 +263,9 @@ class TableWriter:
         self._truncates: set[Position] | None = None
         self._tombstones: bool | None = None
 
-    def apply(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts,
-              timings: BatchTimings) -> None:
+    def apply(
+        self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts, timings: BatchTimings
+    ) -> None:
         """Both tables for one batch: history first, so a crash in between leaves the
         current state behind, never ahead of the history (replay fixes either).
 
@@ -252,8 +275,11 @@ class TableWriter:
         if self._tombstones is None and table.key_columns:
             self._load_tombstone_state(table)
         # Filled-in TOAST values come from windows and a join: computed once for both tables.
-        toasted = (resolve_toast(self.spark, rows, table, self.paths).persist()
-                   if facts.has_toast_markers else None)
+        toasted = (
+            resolve_toast(self.spark, rows, table, self.paths).persist()
+            if facts.has_toast_markers
+            else None
+        )
         try:
             changes = rows if toasted is None else toasted
             with timings.phase(f"{table.name} history"):
@@ -310,26 +336,35 @@ class TableWriter:
             stored = history.toDF().where(_reachable(facts.oldest_lsn))
             if not facts.truncates:
                 # Only a truncate reaches keys the batch does not change.
-                stored = stored.join(rows.where(F.col(s.OP) != "t").select(
-                    *[F.col(quote(k)) for k in keys]), list(keys), "left_semi")
+                stored = stored.join(
+                    rows.where(F.col(s.OP) != "t").select(*[F.col(quote(k)) for k in keys]),
+                    list(keys),
+                    "left_semi",
+                )
             identity = [*keys, s.OP, s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO]
             union = fresh.unionByName(
-                _align(stored.select(*[F.col(quote(c)) for c in identity]), target)
-                .withColumn(_STORED, F.lit(True)))
+                _align(stored.select(*[F.col(quote(c)) for c in identity]), target).withColumn(
+                    _STORED, F.lit(True)
+                )
+            )
         ends = _recompute_ends(union, table, later)
         # Stored rows whose end did not move and batch rows already stored (a replay) are
         # left out: a MERGE rewrites every file holding a matched row.
         ends = ends.where(~F.col(_STORED) | ~F.col(s.VALID_TO).eqNullSafe(F.col(_OLD_END)))
-        same_change = " AND ".join(f"t.{quote(c)} = s.{quote(c)}"
-                                   for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP))
+        same_change = " AND ".join(
+            f"t.{quote(c)} = s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP)
+        )
         # The stored side of the join is narrowed by the same predicate that chose the
         # reachable rows, so Spark filters the history's rows before joining.
-        (history.alias("t").merge(ends.alias("s"),
-                                  f"{same_change} AND {_reachable(facts.oldest_lsn, 't.')}")
-         .whenMatchedUpdate(condition=f"s.{_STORED}",
-                            set={quote(s.VALID_TO): f"s.{quote(s.VALID_TO)}"})
-         .whenNotMatchedInsert(condition=f"NOT s.{_STORED}", values=_assign(target))
-         .execute())
+        (
+            history.alias("t")
+            .merge(ends.alias("s"), f"{same_change} AND {_reachable(facts.oldest_lsn, 't.')}")
+            .whenMatchedUpdate(
+                condition=f"s.{_STORED}", set={quote(s.VALID_TO): f"s.{quote(s.VALID_TO)}"}
+            )
+            .whenNotMatchedInsert(condition=f"NOT s.{_STORED}", values=_assign(target))
+            .execute()
+        )
         self._truncates = truncates
 
     @property
@@ -339,19 +374,27 @@ class TableWriter:
     def _history_truncates(self) -> set[Position]:
         """Every truncate the history holds; read once, then kept up to date in memory."""
         if self._truncates is None:
-            stored = self.history.toDF().where(
-                F.col(s.OP) == "t").select(s.COMMIT_LSN, s.TOTAL_ORDER).collect()
+            stored = (
+                self.history.toDF()
+                .where(F.col(s.OP) == "t")
+                .select(s.COMMIT_LSN, s.TOTAL_ORDER)
+                .collect()
+            )
             self._truncates = {(int(r[0]), int(r[1])) for r in stored}
         return self._truncates
 
-    def _merge_current(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts,
-                       timings: BatchTimings) -> None:
+    def _merge_current(
+        self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts, timings: BatchTimings
+    ) -> None:
         """Bring the current-state table to the newest change of every key in the batch."""
         target = self._target(self.paths.current, table, current_struct(table))
         keys = list(table.key_columns)
         current = DeltaTable.forPath(self.spark, self.paths.current)
-        tombstones = self._target(self.paths.tombstones, table, tombstone_struct(table)) \
-            if facts.has_deletes or facts.truncates or self._tombstones else None
+        tombstones = (
+            self._target(self.paths.tombstones, table, tombstone_struct(table))
+            if facts.has_deletes or facts.truncates or self._tombstones
+            else None
+        )
         stones = DeltaTable.forPath(self.spark, self.paths.tombstones) if tombstones else None
         if facts.truncates:
             latest_truncate = max(facts.truncates)
@@ -363,22 +406,27 @@ class TableWriter:
         if self._tombstones and stones is not None:
             # Tombstones are appended, so a key deleted several times has several: its
             # newest delete is the one a change must come after.
-            deleted = (stones.toDF().where(~F.col(IS_TRUNCATE))
-                       .groupBy(*[F.col(quote(k)) for k in keys])
-                       .agg(F.max(F.struct(*_position_order())).alias("_d")))
-            latest = (latest.join(deleted, keys, "left")
-                      .where(F.col("_d").isNull()
-                             | (F.struct(*_position_order()) > F.col("_d")))
-                      .drop("_d"))
+            deleted = (
+                stones.toDF()
+                .where(~F.col(IS_TRUNCATE))
+                .groupBy(*[F.col(quote(k)) for k in keys])
+                .agg(F.max(F.struct(*_position_order())).alias("_d"))
+            )
+            latest = (
+                latest.join(deleted, keys, "left")
+                .where(F.col("_d").isNull() | (F.struct(*_position_order()) > F.col("_d")))
+                .drop("_d")
+            )
         latest = latest.persist()
         try:
-            (current.alias("t").merge(_align(latest, target, (s.OP,)).alias("s"),
-                                      _key_match(table.key_columns))
-             .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
-             .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
-             .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'",
-                                   values=_assign(target))
-             .execute())
+            (
+                current.alias("t")
+                .merge(_align(latest, target, (s.OP,)).alias("s"), _key_match(table.key_columns))
+                .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
+                .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
+                .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'", values=_assign(target))
+                .execute()
+            )
             timings.merged(f"{table.name} current", current)
             if facts.has_deletes and tombstones is not None:
                 with timings.phase(f"{table.name} tombstones"):
@@ -386,8 +434,11 @@ class TableWriter:
                 self._tombstones = True
         finally:
             latest.unpersist()
-        if stones is not None and facts.truncates and (
-                self._floor is None or max(facts.truncates) > self._floor):
+        if (
+            stones is not None
+            and facts.truncates
+            and (self._floor is None or max(facts.truncates) > self._floor)
+        ):
             self._floor = max(facts.truncates)
             _store_truncate(self.spark, stones, self._floor)
 
@@ -404,11 +455,16 @@ def _append_tombstones(latest: DataFrame, target: StructType, path: str) -> None
 
 
 def _store_truncate(spark: SparkSession, stones: DeltaTable, position: Position) -> None:
-    source = spark.range(1).select(F.lit(position[0]).alias(s.COMMIT_LSN),
-                                   F.lit(position[1]).alias(s.TOTAL_ORDER))
-    columns: dict[str, str | Column] = {quote(c): f"s.{quote(c)}"
-                                        for c in (s.COMMIT_LSN, s.TOTAL_ORDER)}
-    (stones.alias("t").merge(source.alias("s"), f"t.{IS_TRUNCATE}")
-     .whenMatchedUpdate(condition=newer("s", "t"), set=columns)
-     .whenNotMatchedInsert(values={**columns, IS_TRUNCATE: "true"})
-     .execute())
+    source = spark.range(1).select(
+        F.lit(position[0]).alias(s.COMMIT_LSN), F.lit(position[1]).alias(s.TOTAL_ORDER)
+    )
+    columns: dict[str, str | Column] = {
+        quote(c): f"s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER)
+    }
+    (
+        stones.alias("t")
+        .merge(source.alias("s"), f"t.{IS_TRUNCATE}")
+        .whenMatchedUpdate(condition=newer("s", "t"), set=columns)
+        .whenNotMatchedInsert(values={**columns, IS_TRUNCATE: "true"})
+        .execute()
+    )

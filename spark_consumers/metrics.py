@@ -27,40 +27,54 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         status = self.status
-        batches = CounterMetricFamily("slotbridge_consumer_batches",
-                                      "micro-batches applied by this run")
+        batches = CounterMetricFamily(
+            "slotbridge_consumer_batches", "micro-batches applied by this run"
+        )
         batches.add_metric([], status.batches)
         yield batches
-        applied = CounterMetricFamily("slotbridge_consumer_records_applied",
-                                      "change records applied to the Delta tables",
-                                      labels=["table"])
+        applied = CounterMetricFamily(
+            "slotbridge_consumer_records_applied",
+            "change records applied to the Delta tables",
+            labels=["table"],
+        )
         quarantined = CounterMetricFamily(
             "slotbridge_consumer_records_quarantined",
-            "change records set aside in the dead-letter table", labels=["table"])
-        stopped = GaugeMetricFamily("slotbridge_consumer_table_stopped",
-                                    "1 while a table is stopped by an error of its own",
-                                    labels=["table"])
+            "change records set aside in the dead-letter table",
+            labels=["table"],
+        )
+        stopped = GaugeMetricFamily(
+            "slotbridge_consumer_table_stopped",
+            "1 while a table is stopped by an error of its own",
+            labels=["table"],
+        )
         for table, counts in sorted(status.tables.items()):
             applied.add_metric([table], counts.applied)
             quarantined.add_metric([table], counts.quarantined)
             stopped.add_metric([table], 1 if counts.stopped else 0)
         yield from (applied, quarantined, stopped)
-        lag = GaugeMetricFamily("slotbridge_consumer_lag_records",
-                                "records in Kafka not yet consumed", labels=["topic"])
+        lag = GaugeMetricFamily(
+            "slotbridge_consumer_lag_records", "records in Kafka not yet consumed", labels=["topic"]
+        )
         for topic, behind in sorted(status.lag.items()):
             lag.add_metric([topic], behind)
         yield lag
         if status.last_batch_seconds is not None:
-            yield GaugeMetricFamily("slotbridge_consumer_last_batch_seconds",
-                                    "wall seconds of the last micro-batch",
-                                    value=status.last_batch_seconds)
+            yield GaugeMetricFamily(
+                "slotbridge_consumer_last_batch_seconds",
+                "wall seconds of the last micro-batch",
+                value=status.last_batch_seconds,
+            )
         if status.housekeeping is not None:
-            yield GaugeMetricFamily("slotbridge_consumer_housekeeping_seconds",
-                                    "wall seconds of the last housekeeping run",
-                                    value=status.housekeeping.seconds)
-            yield GaugeMetricFamily("slotbridge_consumer_housekeeping_timestamp_seconds",
-                                    "when the last housekeeping run ended",
-                                    value=status.housekeeping.finished_at)
+            yield GaugeMetricFamily(
+                "slotbridge_consumer_housekeeping_seconds",
+                "wall seconds of the last housekeeping run",
+                value=status.housekeeping.seconds,
+            )
+            yield GaugeMetricFamily(
+                "slotbridge_consumer_housekeeping_timestamp_seconds",
+                "when the last housekeeping run ended",
+                value=status.housekeeping.finished_at,
+            )
 
 
 def registry_for(status: Status) -> CollectorRegistry:

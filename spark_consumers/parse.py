@@ -84,14 +84,17 @@ def envelope_reason(table: s.TableSchema) -> Column:
         (e["source"]["schema_version"].isNull(), "source.schema_version missing"),
         # The topic may name the table mapped (services/bridge/topics.py); the record has
         # its real name.
-        ((e["source"]["schema"] != F.lit(table.schema))
-         | (e["source"]["table"] != F.lit(table.table)),
-         "source.schema/table does not match the topic"),
+        (
+            (e["source"]["schema"] != F.lit(table.schema))
+            | (e["source"]["table"] != F.lit(table.table)),
+            "source.schema/table does not match the topic",
+        ),
         (op.isin("c", "u", "r") & e["after"].isNull(), "after missing"),
         (op.isin("d") & e["before"].isNull(), "before missing"),
     ]
     return F.when(e.isNull() | op.isNull(), F.lit("value is not a change record")).otherwise(
-        _reasons(checks))
+        _reasons(checks)
+    )
 
 
 def _reasons(checks: list[tuple[Column, str]]) -> Column:
@@ -132,12 +135,17 @@ def _datetime(raw: Column, data_type: DataType) -> Column:
         infinity = F.timestamp_micros(F.lit(_MAX_MICROS)).cast(data_type)
         minus_infinity = F.timestamp_micros(F.lit(-_MAX_MICROS)).cast(data_type)
     year = F.regexp_extract(raw, r"^(\d+)", 1).cast("int")
-    astronomical = F.concat(F.when(year > 1, F.lit("-")).otherwise(F.lit("")),
-                            F.lpad((year - 1).cast("string"), 4, "0"),
-                            F.regexp_extract(raw, r"^\d+(.*) BC$", 1))
+    astronomical = F.concat(
+        F.when(year > 1, F.lit("-")).otherwise(F.lit("")),
+        F.lpad((year - 1).cast("string"), 4, "0"),
+        F.regexp_extract(raw, r"^\d+(.*) BC$", 1),
+    )
     text = F.when(raw.endswith(" BC"), astronomical).otherwise(raw)
-    return (F.when(raw == "infinity", infinity).when(raw == "-infinity", minus_infinity)
-            .otherwise(text.try_cast(data_type)))
+    return (
+        F.when(raw == "infinity", infinity)
+        .when(raw == "-infinity", minus_infinity)
+        .otherwise(text.try_cast(data_type))
+    )
 
 
 def _depth_and_leaf(data_type: DataType) -> tuple[int, DataType]:
@@ -188,35 +196,50 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
     op = e["op"]
     columns = list(enumerate(table.columns))
     image = F.when(op == "d", e["before"]).otherwise(e["after"])
-    variant, text, items, typed = "_variant_{}".format, "_text_{}".format, \
-        "_items_{}".format, "_typed_{}".format
+    variant, text, items, typed = (
+        "_variant_{}".format,
+        "_text_{}".format,
+        "_items_{}".format,
+        "_typed_{}".format,
+    )
     steps = envs.select(*COORDINATES, e, F.col(TABLE), image.alias("_image"))
-    steps = steps.withColumns({
-        **{variant(i): F.try_element_at(F.col("_image"), F.lit(c.name)) for i, c in columns},
-        **{f"_no_key_{n}": F.try_element_at(F.col("_image"), F.lit(key)).isNull()
-           for n, key in enumerate(table.key_columns)},
-    })
-    steps = steps.withColumns({text(i): F.try_variant_get(F.col(variant(i)), "$", "string")
-                               for i, _ in columns})
-    steps = steps.withColumns({items(i): F.from_json(F.col(text(i)), _texts_of(c.spark_type))
-                               for i, c in columns
-                               if isinstance(c.spark_type, ArrayType) and not c.is_json})
+    steps = steps.withColumns(
+        {
+            **{variant(i): F.try_element_at(F.col("_image"), F.lit(c.name)) for i, c in columns},
+            **{
+                f"_no_key_{n}": F.try_element_at(F.col("_image"), F.lit(key)).isNull()
+                for n, key in enumerate(table.key_columns)
+            },
+        }
+    )
+    steps = steps.withColumns(
+        {text(i): F.try_variant_get(F.col(variant(i)), "$", "string") for i, _ in columns}
+    )
+    steps = steps.withColumns(
+        {
+            items(i): F.from_json(F.col(text(i)), _texts_of(c.spark_type))
+            for i, c in columns
+            if isinstance(c.spark_type, ArrayType) and not c.is_json
+        }
+    )
     converted: dict[str, Column] = {}
     # The image's json/jsonb columns holding JSON null, which parse as SQL NULL.
-    json_nulls = F.when(op == "d", e["json_nulls"]["before"]).otherwise(
-        e["json_nulls"]["after"])
+    json_nulls = F.when(op == "d", e["json_nulls"]["before"]).otherwise(e["json_nulls"]["after"])
     for i, column in columns:
         raw = F.col(text(i))
         if column.is_json:
-            converted[typed(i)] = (
-                F.when(F.array_contains(json_nulls, F.lit(column.name)), F.lit("null"))
-                .when(raw.isNotNull(), F.to_json(F.col(variant(i)))))
+            converted[typed(i)] = F.when(
+                F.array_contains(json_nulls, F.lit(column.name)), F.lit("null")
+            ).when(raw.isNotNull(), F.to_json(F.col(variant(i))))
         elif isinstance(column.spark_type, ArrayType):
             converted[typed(i)] = _convert_nested(F.col(items(i)), column.spark_type)
         else:
             converted[typed(i)] = _scalar(raw, column.spark_type)
-        converted[toast_flag(i)] = (F.coalesce(raw == F.lit(TOAST_PLACEHOLDER), F.lit(False))
-                                    if can_be_toasted(column.spark_type) else F.lit(False))
+        converted[toast_flag(i)] = (
+            F.coalesce(raw == F.lit(TOAST_PLACEHOLDER), F.lit(False))
+            if can_be_toasted(column.spark_type)
+            else F.lit(False)
+        )
     steps = steps.withColumns(converted)
     values: list[Column] = []
     checks: list[tuple[Column, str]] = []
@@ -228,8 +251,9 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
             depth, leaf = _depth_and_leaf(column.spark_type)
             texts, kept = _flat(F.col(items(i)), depth), _flat(value, depth)
             present = F.size(F.filter(texts, lambda x: x.isNotNull()))
-            lost = F.coalesce(present != F.size(F.filter(kept, lambda x: x.isNotNull())),
-                              F.lit(True))
+            lost = F.coalesce(
+                present != F.size(F.filter(kept, lambda x: x.isNotNull())), F.lit(True)
+            )
             failed = raw.isNotNull() & (texts.isNull() | lost)
             if isinstance(leaf, StringType):
                 # A deeper value's inner arrays would pass as text elements: compare the
@@ -246,12 +270,12 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
             failed = ~marker & failed
         else:
             values.append(value.alias(column.name))
-        checks.append((failed, f"column {column.name}: cannot convert to "
-                               f"{column.spark_type.simpleString()}"))
+        checks.append(
+            (failed, f"column {column.name}: cannot convert to {column.spark_type.simpleString()}")
+        )
     for n, key in enumerate(table.key_columns):
         checks.append(((op != "t") & F.col(f"_no_key_{n}"), f"key column {key} missing"))
-    checks.append((~e["source"]["schema_version"].isin(*known_versions),
-                   "unknown schema version"))
+    checks.append((~e["source"]["schema_version"].isin(*known_versions), "unknown schema version"))
     steps = steps.select(
         *COORDINATES,
         *values,
@@ -267,6 +291,7 @@ def typed_rows(envs: DataFrame, table: s.TableSchema, known_versions: list[int])
         _reasons(checks).alias("_row_reasons"),
     )
     # The envelope's problems hide the row's: a record that is no change has no columns.
-    reason = F.coalesce(F.nullif(F.col("_envelope_reason"), F.lit("")),
-                        F.nullif(F.col("_row_reasons"), F.lit("")))
+    reason = F.coalesce(
+        F.nullif(F.col("_envelope_reason"), F.lit("")), F.nullif(F.col("_row_reasons"), F.lit(""))
+    )
     return steps.withColumn(REASON, reason).drop("_envelope_reason", "_row_reasons")

@@ -21,8 +21,11 @@ def check_kafka(settings: ConsumerSettings) -> None:
     """Raise ``KafkaUnreachable`` (one line) when Kafka does not answer."""
     protocol = settings.kafka_options.get("security.protocol", "PLAINTEXT").upper()
     if protocol == "PLAINTEXT":
-        check_reachable({"bootstrap.servers": settings.kafka_bootstrap}, TIMEOUT_S,
-                        "kafka_bootstrap and kafka_options' security.protocol")
+        check_reachable(
+            {"bootstrap.servers": settings.kafka_bootstrap},
+            TIMEOUT_S,
+            "kafka_bootstrap and kafka_options' security.protocol",
+        )
         return
     errors = []
     for server in settings.kafka_bootstrap.split(","):
@@ -32,5 +35,7 @@ def check_kafka(settings: ConsumerSettings) -> None:
             return
         except (OSError, ValueError) as exc:
             errors.append(f"{server.strip()}: {exc}")
-    raise KafkaUnreachable(f"Kafka at {settings.kafka_bootstrap} accepts no connection "
-                           f"({'; '.join(errors)}); check kafka_bootstrap")
+    raise KafkaUnreachable(
+        f"Kafka at {settings.kafka_bootstrap} accepts no connection "
+        f"({'; '.join(errors)}); check kafka_bootstrap"
+    )

@@ -54,8 +54,9 @@ COMMIT_TS = "_cdc_commit_ts"
 SCHEMA_VERSION = "_cdc_schema_version"
 VALID_FROM = "valid_from_lsn"
 VALID_TO = "valid_to_lsn"
-RESERVED = frozenset({OP, COMMIT_LSN, TOTAL_ORDER, LSN, TX_ID, COMMIT_TS, SCHEMA_VERSION,
-                      VALID_FROM, VALID_TO})
+RESERVED = frozenset(
+    {OP, COMMIT_LSN, TOTAL_ORDER, LSN, TX_ID, COMMIT_TS, SCHEMA_VERSION, VALID_FROM, VALID_TO}
+)
 
 _SIMPLE: dict[str, DataType] = {
     "smallint": ShortType(),
@@ -92,8 +93,9 @@ def numeric_precision_scale(type_modifier: int) -> tuple[int, int] | None:
     return precision, scale
 
 
-def spark_type(pg_type: str, type_oid: int = 0, type_modifier: int = -1,
-               dimensions: int = 1) -> DataType:
+def spark_type(
+    pg_type: str, type_oid: int = 0, type_modifier: int = -1, dimensions: int = 1
+) -> DataType:
     """The Spark type of a column from its ``format_type`` text (and numeric's typmod);
     ``dimensions``: an array column's declared ones (format_type prints ``x[]`` for all)."""
     text = pg_type.strip().lower()
@@ -155,17 +157,30 @@ class TableSchema:
     def from_record(cls, value: dict[str, Any]) -> TableSchema:
         """Build from a ``TableSchemaRecord`` JSON object; KeyError/TypeError if malformed."""
         columns = tuple(
-            Column(name=c["name"], pg_type=c["type"], type_oid=int(c["type_oid"]),
-                   type_modifier=int(c["type_modifier"]), nullable=bool(c["nullable"]),
-                   key=bool(c["key"]), dimensions=int(c.get("dimensions") or 1))
+            Column(
+                name=c["name"],
+                pg_type=c["type"],
+                type_oid=int(c["type_oid"]),
+                type_modifier=int(c["type_modifier"]),
+                nullable=bool(c["nullable"]),
+                key=bool(c["key"]),
+                dimensions=int(c.get("dimensions") or 1),
+            )
             for c in value["columns"]
         )
         reserved = [c.name for c in columns if c.name in RESERVED]
         if reserved:
-            raise ValueError(f"{value['schema']}.{value['table']}: column name(s) {reserved} "
-                             "collide with the consumer's metadata columns")
-        return cls(schema=value["schema"], table=value["table"], version=int(value["version"]),
-                   columns=columns, key_columns=tuple(value["key_columns"]))
+            raise ValueError(
+                f"{value['schema']}.{value['table']}: column name(s) {reserved} "
+                "collide with the consumer's metadata columns"
+            )
+        return cls(
+            schema=value["schema"],
+            table=value["table"],
+            version=int(value["version"]),
+            columns=columns,
+            key_columns=tuple(value["key_columns"]),
+        )
 
     def case_collisions(self) -> list[tuple[str, str]]:
         """Column names equal but for case (``x`` and ``X``): PostgreSQL keeps both, a
@@ -180,8 +195,9 @@ class TableSchema:
 
     def struct(self) -> StructType:
         """Spark schema of the source columns (all nullable: old rows may lack new columns)."""
-        return StructType([StructField(c.name, c.spark_type, True, {"pg_type": c.pg_type})
-                           for c in self.columns])
+        return StructType(
+            [StructField(c.name, c.spark_type, True, {"pg_type": c.pg_type}) for c in self.columns]
+        )
 
 
 @dataclass
@@ -224,5 +240,10 @@ class SchemaRegistry:
                 columns[column.name] = column
         ordered = [columns.pop(c.name) for c in newest.columns]
         # Dropped columns go last, in the order they first appeared.
-        return TableSchema(newest.schema, newest.table, newest.version,
-                           tuple(ordered) + tuple(columns.values()), newest.key_columns)
+        return TableSchema(
+            newest.schema,
+            newest.table,
+            newest.version,
+            tuple(ordered) + tuple(columns.values()),
+            newest.key_columns,
+        )

@@ -34,56 +34,74 @@ class ConsumerSettings(ServiceSettings):
     kafka_options: dict[str, str] = Field(
         default_factory=dict,
         description="extra Kafka client settings without the 'kafka.' prefix "
-                    "(security.protocol, sasl.jaas.config ...)",
+        "(security.protocol, sasl.jaas.config ...)",
     )
     topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
     tables: list[str] | None = Field(
-        default=None, description="schema.table names to consume; every change topic when unset",
+        default=None,
+        description="schema.table names to consume; every change topic when unset",
     )
     warehouse: str = Field(description="root path of the Delta tables")
     checkpoint_dir: str = Field(description="Structured Streaming checkpoint of this job")
     status_path: Path | None = Field(
-        default=None, description="JSON status file rewritten after every batch",
+        default=None,
+        description="JSON status file rewritten after every batch",
     )
-    trigger_interval_s: float = Field(default=10.0, ge=0,
-                                      description="micro-batch interval; 0 = as fast as possible")
+    trigger_interval_s: float = Field(
+        default=10.0, ge=0, description="micro-batch interval; 0 = as fast as possible"
+    )
     max_offsets_per_trigger: int | None = Field(
-        default=None, ge=1, description="cap on records per micro-batch (all topics together)",
+        default=None,
+        ge=1,
+        description="cap on records per micro-batch (all topics together)",
     )
     starting_offsets: Literal["earliest", "latest"] = Field(
-        default="earliest", description="where a job without checkpoint starts",
+        default="earliest",
+        description="where a job without checkpoint starts",
     )
     spark_master: str | None = Field(
-        default=None, description="e.g. local[2]; unset under spark-submit (it sets the master)",
+        default=None,
+        description="e.g. local[2]; unset under spark-submit (it sets the master)",
     )
-    spark_conf: dict[str, str] = Field(default_factory=dict,
-                                       description="extra Spark settings for the session")
+    spark_conf: dict[str, str] = Field(
+        default_factory=dict, description="extra Spark settings for the session"
+    )
     jars_dir: Path | None = Field(
-        default=None, description="folder of the Kafka source and Delta jars; the bootstrap "
-                                  "cache when unset (spark-submit --jars may provide them)",
+        default=None,
+        description="folder of the Kafka source and Delta jars; the bootstrap "
+        "cache when unset (spark-submit --jars may provide them)",
     )
     shuffle_partitions: int = Field(default=4, ge=1)
     stop_grace_s: float = Field(
-        default=60.0, ge=0, description="on SIGTERM, how long a running batch may take to "
+        default=60.0,
+        ge=0,
+        description="on SIGTERM, how long a running batch may take to "
         "finish; then it is abandoned (and replayed on the next start). The Helm chart "
         "gives the pod this plus 30 s to stop the JVM",
     )
     housekeeping_interval_s: float = Field(
-        default=3600.0, ge=0, description="how often the job compacts (OPTIMIZE) and "
+        default=3600.0,
+        ge=0,
+        description="how often the job compacts (OPTIMIZE) and "
         "vacuums its Delta tables and trims tombstones, between batches; 0 = never",
     )
     vacuum_retention_hours: float = Field(
-        default=168.0, ge=0, description="VACUUM keeps the files of the versions this many "
+        default=168.0,
+        ge=0,
+        description="VACUUM keeps the files of the versions this many "
         "hours back (time travel and slow readers need them)",
     )
     tombstone_retention_hours: float = Field(
-        default=168.0, ge=0, description="a deleted key's tombstone is dropped once the "
+        default=168.0,
+        ge=0,
+        description="a deleted key's tombstone is dropped once the "
         "table's newest change is this much later: no record older than the delete may "
         "arrive after that (Kafka's delete.retention.ms has the same meaning)",
     )
     http_host: str = HTTP_HOST
-    http_port: int = Field(default=9189, ge=0, le=65535,
-                           description="/healthz /readyz /metrics; 0 disables the server")
+    http_port: int = Field(
+        default=9189, ge=0, le=65535, description="/healthz /readyz /metrics; 0 disables the server"
+    )
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

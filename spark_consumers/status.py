@@ -54,8 +54,13 @@ class Status:
     housekeeping: Upkeep | None = None
     updated_at: float = field(default_factory=time.time)
 
-    def record_batch(self, batch_id: int, counts: dict[str, TableCounts],
-                     seconds: float, timings: BatchTimings | None = None) -> None:
+    def record_batch(
+        self,
+        batch_id: int,
+        counts: dict[str, TableCounts],
+        seconds: float,
+        timings: BatchTimings | None = None,
+    ) -> None:
         self.batches += 1
         self.last_batch_id = batch_id
         self.last_batch_seconds = round(seconds, 3)
@@ -66,11 +71,16 @@ class Status:
             total.quarantined += batch.quarantined
             total.stopped = batch.stopped or total.stopped
         self.updated_at = time.time()
-        log_event(log, logging.INFO, "batch applied", batch_id=batch_id,
-                  seconds=self.last_batch_seconds,
-                  tables={t: _counts(c) for t, c in counts.items()},
-                  phases=self.last_batch_timings.phases,
-                  merges=self.last_batch_timings.merges)
+        log_event(
+            log,
+            logging.INFO,
+            "batch applied",
+            batch_id=batch_id,
+            seconds=self.last_batch_seconds,
+            tables={t: _counts(c) for t, c in counts.items()},
+            phases=self.last_batch_timings.phases,
+            merges=self.last_batch_timings.merges,
+        )
 
     @property
     def quarantined(self) -> int:
@@ -133,8 +143,11 @@ def _offsets(value: Any) -> dict[str, dict[str, int]]:
             return {}
     if not isinstance(value, dict):
         return {}
-    return {topic: {str(p): int(o) for p, o in parts.items()}
-            for topic, parts in value.items() if isinstance(parts, dict)}
+    return {
+        topic: {str(p): int(o) for p, o in parts.items()}
+        for topic, parts in value.items()
+        if isinstance(parts, dict)
+    }
 
 
 def lag_from_progress(progress: dict[str, Any]) -> dict[str, int]:
@@ -145,6 +158,5 @@ def lag_from_progress(progress: dict[str, Any]) -> dict[str, int]:
         latest = _offsets(source.get("latestOffset"))
         for topic, parts in latest.items():
             done = end.get(topic, {})
-            lag[topic] = sum(max(0, offset - done.get(part, 0))
-                             for part, offset in parts.items())
+            lag[topic] = sum(max(0, offset - done.get(part, 0)) for part, offset in parts.items())
     return lag

@@ -49,30 +49,54 @@ class SynthTable:
 
     def schema_record(self) -> Record:
         value = {
-            "schema": self.schema, "table": self.table, "version": self.version,
-            "relation_oid": 16384, "replica_identity": "d",
-            "columns": [{"name": c.name, "type": c.pg_type, "type_oid": c.type_oid,
-                         "type_modifier": c.type_modifier, "nullable": c.nullable,
-                         "key": c.key, **({"dimensions": c.dimensions}
-                                          if c.dimensions > 1 else {})}
-                        for c in self.columns],
-            "key_columns": self.key_columns, "ts_ms": int(time.time() * 1000),
+            "schema": self.schema,
+            "table": self.table,
+            "version": self.version,
+            "relation_oid": 16384,
+            "replica_identity": "d",
+            "columns": [
+                {
+                    "name": c.name,
+                    "type": c.pg_type,
+                    "type_oid": c.type_oid,
+                    "type_modifier": c.type_modifier,
+                    "nullable": c.nullable,
+                    "key": c.key,
+                    **({"dimensions": c.dimensions} if c.dimensions > 1 else {}),
+                }
+                for c in self.columns
+            ],
+            "key_columns": self.key_columns,
+            "ts_ms": int(time.time() * 1000),
         }
         key = {"schema": self.schema, "table": self.table, "version": self.version}
         return f"{self.prefix}.schema", _dumps(key).encode(), _dumps(value).encode()
 
-    def change(self, op: str, row: Mapping[str, Any] | None, commit_lsn: int,
-               total_order: int, tx_id: int | None = None, ts_ms: int = 1_700_000_000_000,
-               before: Mapping[str, Any] | None = None) -> list[Record]:
+    def change(
+        self,
+        op: str,
+        row: Mapping[str, Any] | None,
+        commit_lsn: int,
+        total_order: int,
+        tx_id: int | None = None,
+        ts_ms: int = 1_700_000_000_000,
+        before: Mapping[str, Any] | None = None,
+    ) -> list[Record]:
         """The record(s) of one change; a delete brings its tombstone along.
 
         ``row`` is the after image (c/u/r) or the old key/row (d); None for a truncate.
         """
         source = {
-            "connector": CONNECTOR, "version": "0.1.0", "name": self.prefix, "db": "postgres",
-            "schema": self.schema, "table": self.table,
-            "txId": tx_id if op != "r" else None, "lsn": commit_lsn - 8,
-            "commit_lsn": commit_lsn, "ts_ms": ts_ms,
+            "connector": CONNECTOR,
+            "version": "0.1.0",
+            "name": self.prefix,
+            "db": "postgres",
+            "schema": self.schema,
+            "table": self.table,
+            "txId": tx_id if op != "r" else None,
+            "lsn": commit_lsn - 8,
+            "commit_lsn": commit_lsn,
+            "ts_ms": ts_ms,
             "snapshot": "true" if op == "r" else "false",
             "sequence": _dumps([str(commit_lsn), str(commit_lsn - 8)]),
             "schema_version": self.version,
@@ -81,9 +105,14 @@ class SynthTable:
         value = {
             "before": image if op == "d" else (dict(before) if before is not None else None),
             "after": image if op in ("c", "u", "r") else None,
-            "source": source, "op": op, "ts_ms": int(time.time() * 1000),
-            "transaction": {"id": f"{tx_id}:{commit_lsn}", "total_order": total_order,
-                            "data_collection_order": total_order},
+            "source": source,
+            "op": op,
+            "ts_ms": int(time.time() * 1000),
+            "transaction": {
+                "id": f"{tx_id}:{commit_lsn}",
+                "total_order": total_order,
+                "data_collection_order": total_order,
+            },
         }
         if op == "t":
             return [(self.topic, None, _dumps(value).encode())]
@@ -103,25 +132,36 @@ class TransactionalWriter:
         from confluent_kafka import Producer
 
         self.bootstrap = bootstrap
-        self.producer = Producer({
-            "bootstrap.servers": bootstrap, "transactional.id": transactional_id,
-            "enable.idempotence": True, "linger.ms": 20, "partitioner": "murmur2_random",
-            "queue.buffering.max.messages": 1_000_000,
-        })
+        self.producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "transactional.id": transactional_id,
+                "enable.idempotence": True,
+                "linger.ms": 20,
+                "partitioner": "murmur2_random",
+                "queue.buffering.max.messages": 1_000_000,
+            }
+        )
         self.producer.init_transactions(30)
 
-    def create_topics(self, topics: Iterable[str], compacted: Iterable[str] = (),
-                      partitions: int = 1) -> None:
+    def create_topics(
+        self, topics: Iterable[str], compacted: Iterable[str] = (), partitions: int = 1
+    ) -> None:
         """Create ``topics`` with ``partitions`` partitions, ``compacted`` with one
         (existing ones are left alone)."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         compact = set(compacted)
-        wanted = [NewTopic(t, num_partitions=1 if t in compact else partitions,
-                           replication_factor=1,
-                           config={"cleanup.policy": "compact"} if t in compact else {})
-                  for t in {*topics, *compact}]
+        wanted = [
+            NewTopic(
+                t,
+                num_partitions=1 if t in compact else partitions,
+                replication_factor=1,
+                config={"cleanup.policy": "compact"} if t in compact else {},
+            )
+            for t in {*topics, *compact}
+        ]
         for future in admin.create_topics(wanted).values():
             try:
                 future.result(30)

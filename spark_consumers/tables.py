@@ -47,17 +47,19 @@ _HISTORY_META = [
     StructField(s.VALID_FROM, LongType()),
     StructField(s.VALID_TO, LongType()),
 ]
-DEAD_LETTER_SCHEMA = StructType([
-    StructField("table", StringType()),
-    StructField("topic", StringType()),
-    StructField("partition", IntegerType()),
-    StructField("offset", LongType()),
-    StructField("key_text", StringType()),
-    StructField("value_text", StringType()),
-    StructField("reason", StringType()),
-    StructField("batch_id", LongType()),
-    StructField("quarantined_at", TimestampType()),
-])
+DEAD_LETTER_SCHEMA = StructType(
+    [
+        StructField("table", StringType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("key_text", StringType()),
+        StructField("value_text", StringType()),
+        StructField("reason", StringType()),
+        StructField("batch_id", LongType()),
+        StructField("quarantined_at", TimestampType()),
+    ]
+)
 IS_TRUNCATE = "_cdc_truncate"
 
 
@@ -70,8 +72,11 @@ class TablePaths:
 
 def table_paths(warehouse: str, table: str) -> TablePaths:
     root = warehouse.rstrip("/")
-    return TablePaths(current=f"{root}/current/{table}", history=f"{root}/history/{table}",
-                      tombstones=f"{root}/_tombstones/{table}")
+    return TablePaths(
+        current=f"{root}/current/{table}",
+        history=f"{root}/history/{table}",
+        tombstones=f"{root}/_tombstones/{table}",
+    )
 
 
 def dead_letter_path(warehouse: str) -> str:
@@ -89,15 +94,24 @@ def history_struct(table: s.TableSchema) -> StructType:
 def tombstone_struct(table: s.TableSchema) -> StructType:
     keys = [f for f in table.struct().fields if f.name in table.key_columns]
     # The commit time says when a tombstone may be trimmed (housekeeping.py).
-    return StructType([*keys, *_POSITION, StructField(s.COMMIT_TS, TimestampType()),
-                       StructField(IS_TRUNCATE, BooleanType())])
+    return StructType(
+        [
+            *keys,
+            *_POSITION,
+            StructField(s.COMMIT_TS, TimestampType()),
+            StructField(IS_TRUNCATE, BooleanType()),
+        ]
+    )
 
 
 # Characters Delta refuses in column names unless the table maps names to physical ones.
 _UNMAPPED_INVALID = frozenset(" ,;{}()\n\t=")
 # Column mapping by name: reader version 2, writer version 5 (Delta protocol).
-_COLUMN_MAPPING = {"delta.columnMapping.mode": "name", "delta.minReaderVersion": "2",
-                   "delta.minWriterVersion": "5"}
+_COLUMN_MAPPING = {
+    "delta.columnMapping.mode": "name",
+    "delta.minReaderVersion": "2",
+    "delta.minWriterVersion": "5",
+}
 
 
 def needs_column_mapping(struct: StructType) -> bool:
@@ -114,15 +128,22 @@ def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructTy
     mapped = needs_column_mapping(wanted)
     if not DeltaTable.isDeltaTable(spark, path):
         builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(wanted)
-        for key, value in (_COLUMN_MAPPING.items() if mapped else ()):
+        for key, value in _COLUMN_MAPPING.items() if mapped else ():
             builder = builder.property(key, value)
         builder.execute()
-        log_event(log, logging.INFO, "created delta table", path=path,
-                  columns=len(wanted.fields), column_mapping=mapped)
+        log_event(
+            log,
+            logging.INFO,
+            "created delta table",
+            path=path,
+            columns=len(wanted.fields),
+            column_mapping=mapped,
+        )
         return wanted
     table = DeltaTable.forPath(spark, path)
-    if mapped and table.detail().first()["properties"].get(  # type: ignore[index]
-            "delta.columnMapping.mode", "none") == "none":
+    detail = table.detail().first()
+    assert detail is not None  # a Delta table's detail is one row
+    if mapped and detail["properties"].get("delta.columnMapping.mode", "none") == "none":
         settings = ", ".join(f"'{k}' = '{v}'" for k, v in _COLUMN_MAPPING.items())
         spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({settings})")
         log_event(log, logging.INFO, "column mapping enabled", path=path)
@@ -131,16 +152,20 @@ def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructTy
     missing = [f for f in wanted.fields if f.name not in have]
     for field in wanted.fields:
         if field.name in have and have[field.name] != field.dataType:
-            log_event(log, logging.WARNING, "column type changed at the source; keeping the "
-                      "delta type", path=path, column=field.name,
-                      delta_type=have[field.name].simpleString(),
-                      source_type=field.dataType.simpleString())
+            log_event(
+                log,
+                logging.WARNING,
+                "column type changed at the source; keeping the delta type",
+                path=path,
+                column=field.name,
+                delta_type=have[field.name].simpleString(),
+                source_type=field.dataType.simpleString(),
+            )
     if not missing:
         return existing
     ddl = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
     spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({ddl})")
-    log_event(log, logging.INFO, "added columns", path=path,
-              columns=[f.name for f in missing])
+    log_event(log, logging.INFO, "added columns", path=path, columns=[f.name for f in missing])
     return DeltaTable.forPath(spark, path).toDF().schema
 
 

@@ -16,9 +16,18 @@ from dataclasses import dataclass, field
 from delta.tables import DeltaTable
 
 # The operationMetrics of a MERGE commit worth a line: time and what was written.
-_MERGE_METRICS = ("executionTimeMs", "materializeSourceTimeMs", "scanTimeMs", "rewriteTimeMs",
-                  "numSourceRows", "numTargetRowsInserted", "numTargetRowsUpdated",
-                  "numTargetRowsDeleted", "numTargetFilesAdded", "numTargetFilesRemoved")
+_MERGE_METRICS = (
+    "executionTimeMs",
+    "materializeSourceTimeMs",
+    "scanTimeMs",
+    "rewriteTimeMs",
+    "numSourceRows",
+    "numTargetRowsInserted",
+    "numTargetRowsUpdated",
+    "numTargetRowsDeleted",
+    "numTargetFilesAdded",
+    "numTargetFilesRemoved",
+)
 
 
 @dataclass

@@ -30,7 +30,8 @@ KEEP = os.environ.get("SLOTBRIDGE_KEEP_STACK") == "1"
 # Child processes - the `slotbridge` console script above all - must run this checkout's
 # code: an editable install in a virtualenv shared between checkouts points at another one.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -105,9 +106,13 @@ def oldest_kafka() -> Iterator[Kafka]:
     root = Path(tempfile.mkdtemp(prefix="slotbridge-kafka-"))
     os.chmod(root, 0o755)
     port, controller_port = free_ports(2)
-    broker = Kafka(root, port, controller_port,
-                   bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_OLDEST_SET),
-                   new_cluster_id())
+    broker = Kafka(
+        root,
+        port,
+        controller_port,
+        bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_OLDEST_SET),
+        new_cluster_id(),
+    )
     try:
         try:
             broker.start()
@@ -126,7 +131,11 @@ def spark() -> Iterator[Any]:
     from spark_consumers.job import build_session
     from spark_consumers.settings import ConsumerSettings
 
-    settings = ConsumerSettings(kafka_bootstrap="unused:9", warehouse="/unused",
-                                checkpoint_dir="/unused", spark_master="local[2]",
-                                shuffle_partitions=2)
+    settings = ConsumerSettings(
+        kafka_bootstrap="unused:9",
+        warehouse="/unused",
+        checkpoint_dir="/unused",
+        spark_master="local[2]",
+        shuffle_partitions=2,
+    )
     yield build_session(settings)

@@ -73,10 +73,14 @@ SpoolFactory = Callable[[str], Spool]
 
 
 class Assembler:
-    def __init__(self, decode: Callable[[bytes], m.Message], new_spool: SpoolFactory,
-                 on_prepared: Callable[[str, int], None] = lambda gid, lsn: None,
-                 on_rolled_back: Callable[[str], None] = lambda gid: None,
-                 max_change_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        decode: Callable[[bytes], m.Message],
+        new_spool: SpoolFactory,
+        on_prepared: Callable[[str, int], None] = lambda gid, lsn: None,
+        on_rolled_back: Callable[[str], None] = lambda gid: None,
+        max_change_bytes: int | None = None,
+    ) -> None:
         """``on_prepared``/``on_rolled_back`` tell the confirm tracker which PREPAREs must
         hold back the slot's confirmed position until they are published or dropped. A
         row change over ``max_change_bytes`` is spooled as an ``OVERSIZED`` stand-in."""
@@ -133,8 +137,17 @@ class Assembler:
                 if entry is None:
                     # Its content went by before our start position: the caller decides
                     # (already published, or a gap it must refuse to paper over).
-                    return Transaction(0, commit_lsn, end_lsn, ts, self._new_spool(f"gid-{gid}"),
-                                       False, frozenset(), gid, None)
+                    return Transaction(
+                        0,
+                        commit_lsn,
+                        end_lsn,
+                        ts,
+                        self._new_spool(f"gid-{gid}"),
+                        False,
+                        frozenset(),
+                        gid,
+                        None,
+                    )
                 txn, prepare_lsn = entry
                 sealed = self._seal(txn, commit_lsn, end_lsn, ts)
                 sealed.gid, sealed.prepare_lsn = gid, prepare_lsn
@@ -169,8 +182,11 @@ class Assembler:
                 self._orphans.append((lsn, payload))
                 return
             raise AssemblyError(f"change message {chr(payload[0])!r} outside a transaction")
-        if self._max_change is not None and len(payload) > self._max_change \
-                and payload[0] in b"IUD":
+        if (
+            self._max_change is not None
+            and len(payload) > self._max_change
+            and payload[0] in b"IUD"
+        ):
             end = 9 if target.streamed else 5
             payload = bytes((OVERSIZED,)) + payload[1:end] + _SIZE.pack(len(payload))
         target.spool.append(lsn, payload)
@@ -179,18 +195,21 @@ class Assembler:
         if self._current is not None:
             raise AssemblyError(f"Begin of {xid} while {self._current.xid} is still open")
         self._current = self._adopt_orphans(
-            _Open(xid, self._new_spool(f"txn-{xid}"), False, set(), final_lsn, ts))
+            _Open(xid, self._new_spool(f"txn-{xid}"), False, set(), final_lsn, ts)
+        )
 
     def _start_stream(self, xid: int) -> _Open:
         txn = self._streams[xid] = self._adopt_orphans(
-            _Open(xid, self._new_spool(f"stream-{xid}"), True, set()))
+            _Open(xid, self._new_spool(f"stream-{xid}"), True, set())
+        )
         return txn
 
     def _adopt_orphans(self, txn: _Open) -> _Open:
         for lsn, payload in self._orphans:
             # A streamed transaction's payloads carry an xid; give orphans the top xid.
-            txn.spool.append(lsn, payload[:1] + _XID.pack(txn.xid) + payload[1:]
-                             if txn.streamed else payload)
+            txn.spool.append(
+                lsn, payload[:1] + _XID.pack(txn.xid) + payload[1:] if txn.streamed else payload
+            )
         self._orphans.clear()
         return txn
 
@@ -220,5 +239,6 @@ class Assembler:
 
     @staticmethod
     def _seal(txn: _Open, commit_lsn: int, end_lsn: int, ts: int) -> Transaction:
-        return Transaction(txn.xid, commit_lsn, end_lsn, ts, txn.spool, txn.streamed,
-                           frozenset(txn.aborted))
+        return Transaction(
+            txn.xid, commit_lsn, end_lsn, ts, txn.spool, txn.streamed, frozenset(txn.aborted)
+        )

@@ -136,16 +136,24 @@ class StreamWatch:
     def truncated(self, table: TableName, xid: int) -> None:
         self._tables[table].truncated_by.append(xid)
 
-    def fresh(self, table: TableName, snap: XidSnapshot, rows: Sequence[Row],
-              key_at: Sequence[int], xmins: Sequence[int] | None) -> list[Row] | None:
+    def fresh(
+        self,
+        table: TableName,
+        snap: XidSnapshot,
+        rows: Sequence[Row],
+        key_at: Sequence[int],
+        xmins: Sequence[int] | None,
+    ) -> list[Row] | None:
         """The rows of a chunk read in ``snap`` that the stream has not overtaken, or None
         if the chunk must be read again. Call it at the chunk's watermark.
 
         ``key_at``: positions of the key columns in a row (none: no key); ``xmins``: each
         row's inserting transaction, for chunks read by heap pages."""
         watch = self._tables[table]
-        if any(self._recent.get(xid, watch.since + 1) <= watch.since
-               for xid in (x & 0xFFFFFFFF for x in snap.xip)):
+        if any(
+            self._recent.get(xid, watch.since + 1) <= watch.since
+            for xid in (x & 0xFFFFFFFF for x in snap.xip)
+        ):
             # A transaction that committed before the watch began was running when the
             # chunk was read: its changes were published unwatched.
             return None
@@ -165,18 +173,21 @@ class StreamWatch:
         if not stale and not inserted:
             kept = list(rows)
         else:
-            kept = [row for i, row in enumerate(rows)
-                    if not (stale and tuple(row[j] for j in key_at) in stale)
-                    and not (inserted and xmins is not None and xmins[i] in inserted)]
+            kept = [
+                row
+                for i, row in enumerate(rows)
+                if not (stale and tuple(row[j] for j in key_at) in stale)
+                and not (inserted and xmins is not None and xmins[i] in inserted)
+            ]
         self._forget(watch, snap)
         return kept
-
 
     @staticmethod
     def _forget(watch: _Watch, snap: XidSnapshot) -> None:
         """Drop what every later chunk's snapshot sees too: later snapshots see all this
         one does, so such changes can make no later row stale. Inserting transactions stay:
         their rows may lie in chunks still to come."""
-        watch.keys = {k: xids for k, xids in watch.keys.items()
-                      if any(not snap.sees(xid) for xid in xids)}
+        watch.keys = {
+            k: xids for k, xids in watch.keys.items() if any(not snap.sees(xid) for xid in xids)
+        }
         watch.truncated_by = [x for x in watch.truncated_by if not snap.sees(x)]

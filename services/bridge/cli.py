@@ -14,9 +14,14 @@ from services.common.pg import SourceError
 from services.common.settings import SettingsError, load_settings
 
 _config_option = click.option(
-    "--config", "config", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    envvar="SLOTBRIDGE_CONFIG", help="YAML or TOML settings file (env SLOTBRIDGE_CONFIG); "
-    "SLOTBRIDGE_* environment variables override it.")
+    "--config",
+    "config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    envvar="SLOTBRIDGE_CONFIG",
+    help="YAML or TOML settings file (env SLOTBRIDGE_CONFIG); "
+    "SLOTBRIDGE_* environment variables override it.",
+)
 
 
 def _settings(config: Path | None) -> BridgeSettings:
@@ -62,14 +67,31 @@ def status(config: Path | None, as_json: bool) -> None:
 @_config_option
 @click.argument("table", required=False)
 @click.option("--where", default=None, help="Only the rows matching this SQL condition.")
-@click.option("--cancel", "cancel", default=None, metavar="ID|TABLE",
-              help="Cancel the snapshot of a request id or a table instead.")
+@click.option(
+    "--cancel",
+    "cancel",
+    default=None,
+    metavar="ID|TABLE",
+    help="Cancel the snapshot of a request id or a table instead.",
+)
 @click.option("--wait/--no-wait", default=True, help="Follow it until Kafka holds it all.")
-@click.option("--timeout", "timeout_s", type=float, default=0.0,
-              help="Give up waiting after this many seconds (0: never).")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=0.0,
+    help="Give up waiting after this many seconds (0: never).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def snapshot(config: Path | None, table: str | None, where: str | None, cancel: str | None,
-             wait: bool, timeout_s: float, as_json: bool) -> None:
+def snapshot(
+    config: Path | None,
+    table: str | None,
+    where: str | None,
+    cancel: str | None,
+    wait: bool,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
     """Snapshot TABLE again (or the rows matching --where) while the bridge streams."""
     settings = _settings(config)
     from services.bridge import ondemand
@@ -78,26 +100,46 @@ def snapshot(config: Path | None, table: str | None, where: str | None, cancel: 
     try:
         if cancel is not None:
             ondemand.cancel_snapshot(settings, cancel)
-            click.echo(json.dumps({"cancelled": cancel}) if as_json
-                       else f"cancel of {cancel} sent")
+            click.echo(json.dumps({"cancelled": cancel}) if as_json else f"cancel of {cancel} sent")
             return
         if table is None:
             raise click.UsageError("name a TABLE (or --cancel ID|TABLE)")
         request, lsn = ondemand.request_snapshot(settings, table, where)
         if not as_json:
-            click.echo(f"snapshot request {request} sent for {table}"
-                       + (f" where {where}" if where else ""))
+            click.echo(
+                f"snapshot request {request} sent for {table}"
+                + (f" where {where}" if where else "")
+            )
         finished = not wait or ondemand.wait_for(
-            settings, request, lsn, timeout_s,
-            lambda entry: None if as_json else click.echo(
-                f"  {entry.rows:,} rows in {entry.chunks} chunks" if entry is not None
-                else "  waiting for the bridge to reach the request", err=True))
+            settings,
+            request,
+            lsn,
+            timeout_s,
+            lambda entry: (
+                None
+                if as_json
+                else click.echo(
+                    f"  {entry.rows:,} rows in {entry.chunks} chunks"
+                    if entry is not None
+                    else "  waiting for the bridge to reach the request",
+                    err=True,
+                )
+            ),
+        )
     except (SourceError, ProgressError) as exc:
         click.echo(f"slotbridge: {exc}", err=True)
         sys.exit(1)
     if as_json:
-        click.echo(json.dumps({"request": request, "table": table, "where": where,
-                               "finished": finished if wait else None}))
+        click.echo(
+            json.dumps(
+                {
+                    "request": request,
+                    "table": table,
+                    "where": where,
+                    "finished": finished if wait else None,
+                }
+            )
+        )
     elif wait:
         click.echo("published" if finished else f"still running after {timeout_s:.0f}s")
     sys.exit(0 if finished else 3)
@@ -116,6 +158,8 @@ def _print_table(report: dict[str, Any]) -> None:
     for table, entry in snapshot.items():
         estimate = entry["rows_estimated"]
         eta = f", ETA {entry['eta_s']}s" if entry.get("eta_s") is not None else ""
-        click.echo(f"{'snapshot':<{width}}  {table}: {entry['state']}, {entry['rows_done']:,} of "
-                   f"{f'~{estimate:,}' if estimate is not None else 'unknown'} rows in "
-                   f"{entry['chunks_done']} chunks, {entry['rows_per_s']:,} rows/s{eta}")
+        click.echo(
+            f"{'snapshot':<{width}}  {table}: {entry['state']}, {entry['rows_done']:,} of "
+            f"{f'~{estimate:,}' if estimate is not None else 'unknown'} rows in "
+            f"{entry['chunks_done']} chunks, {entry['rows_per_s']:,} rows/s{eta}"
+        )

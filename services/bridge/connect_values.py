@@ -171,7 +171,7 @@ def _split_offset(text: str) -> tuple[str, int]:
         raise ValueError(f"no UTC offset in {text!r}")
     sign, h, m, s = match.groups()
     seconds = int(h) * 3600 + int(m or 0) * 60 + int(s or 0)
-    return text[:match.start()], -seconds if sign == "-" else seconds
+    return text[: match.start()], -seconds if sign == "-" else seconds
 
 
 def _iso_clock(micros_of_day: int, width: int | None) -> str:
@@ -183,7 +183,7 @@ def _iso_clock(micros_of_day: int, width: int | None) -> str:
     clock = f"{h:02d}:{mi:02d}:{s:02d}"
     if width is None:
         return clock + (f".{micros:06d}".rstrip("0") if micros else "")
-    return clock + (f".{micros:06d}"[:width + 1] if width else "")
+    return clock + (f".{micros:06d}"[: width + 1] if width else "")
 
 
 def _zoned_time(text: str) -> JsonValue:
@@ -206,8 +206,11 @@ def _zoned_timestamp(width: int) -> Converter:
         day, _, clock = body.partition(" ")
         y, m, d = day.split("-")
         year = 1 - int(y) if bc else int(y)
-        micros = (_days_from_civil(year, int(m), int(d)) * _US_PER_DAY + _time_micros(clock)
-                  - offset * 1_000_000)
+        micros = (
+            _days_from_civil(year, int(m), int(d)) * _US_PER_DAY
+            + _time_micros(clock)
+            - offset * 1_000_000
+        )
         days, of_day = divmod(micros, _US_PER_DAY)
         return f"{_civil_from_days(days)}T{_iso_clock(of_day, digits)}Z"
 
@@ -230,8 +233,10 @@ def _civil_from_days(days: int) -> str:
     return f"{'+' if year > 9999 else ''}{year:04d}-{month:02d}-{day:02d}"
 
 
-_ISO_INTERVAL = re.compile(r"P(?:(-?\d+)Y)?(?:(-?\d+)M)?(?:(-?\d+)D)?"
-                           r"(?:T(?:(-?\d+)H)?(?:(-?\d+)M)?(?:(-?[\d.]+)S)?)?")
+_ISO_INTERVAL = re.compile(
+    r"P(?:(-?\d+)Y)?(?:(-?\d+)M)?(?:(-?\d+)D)?"
+    r"(?:T(?:(-?\d+)H)?(?:(-?\d+)M)?(?:(-?[\d.]+)S)?)?"
+)
 
 
 def _micro_duration(text: str) -> JsonValue:
@@ -278,17 +283,26 @@ def _logical(kind: str, name: str, **extra: Any) -> Schema:
 
 _VARIABLE_DECIMAL: Schema = {
     "type": "struct",
-    "fields": [{"type": "int32", "optional": False, "field": "scale"},
-               {"type": "bytes", "optional": False, "field": "value"}],
-    "name": "io.debezium.data.VariableScaleDecimal", "version": 1,
-    "doc": "Variable scaled decimal"}
+    "fields": [
+        {"type": "int32", "optional": False, "field": "scale"},
+        {"type": "bytes", "optional": False, "field": "value"},
+    ],
+    "name": "io.debezium.data.VariableScaleDecimal",
+    "version": 1,
+    "doc": "Variable scaled decimal",
+}
 _POINT: Schema = {
     "type": "struct",
-    "fields": [{"type": "double", "optional": False, "field": "x"},
-               {"type": "double", "optional": False, "field": "y"},
-               {"type": "bytes", "optional": True, "field": "wkb"},
-               {"type": "int32", "optional": True, "field": "srid"}],
-    "name": "io.debezium.data.geometry.Point", "version": 1, "doc": "Geometry (POINT)"}
+    "fields": [
+        {"type": "double", "optional": False, "field": "x"},
+        {"type": "double", "optional": False, "field": "y"},
+        {"type": "bytes", "optional": True, "field": "wkb"},
+        {"type": "int32", "optional": True, "field": "srid"},
+    ],
+    "name": "io.debezium.data.geometry.Point",
+    "version": 1,
+    "doc": "Geometry (POINT)",
+}
 _STRING: Schema = {"type": "string"}
 
 # Types whose schema does not depend on the modifier: oid -> (schema, converter).
@@ -307,8 +321,10 @@ _FIXED: dict[int, tuple[Schema, Converter]] = {
     600: (_POINT, _point),
     700: ({"type": "float"}, float_or_text),
     701: ({"type": "double"}, float_or_text),
-    790: (_logical("bytes", "org.apache.kafka.connect.data.Decimal",
-                   parameters={"scale": "2"}), _money),
+    790: (
+        _logical("bytes", "org.apache.kafka.connect.data.Decimal", parameters={"scale": "2"}),
+        _money,
+    ),
     1042: (_STRING, _text),
     1043: (_STRING, _text),
     1082: (_logical("int32", "io.debezium.time.Date"), _date),
@@ -335,8 +351,11 @@ def _scalar(column: ColumnType) -> tuple[Schema, Converter]:
         if typmod < 0:
             return _VARIABLE_DECIMAL, _variable_decimal
         precision, scale = (typmod - 4) >> 16, (typmod - 4) & 0xFFFF
-        return _logical("bytes", "org.apache.kafka.connect.data.Decimal", parameters={
-            "scale": str(scale), "connect.decimal.precision": str(precision)}), _decimal(scale)
+        return _logical(
+            "bytes",
+            "org.apache.kafka.connect.data.Decimal",
+            parameters={"scale": str(scale), "connect.decimal.precision": str(precision)},
+        ), _decimal(scale)
     if oid == 1083:  # time: adaptive precision
         if _precision(typmod) <= 3:
             return _logical("int32", "io.debezium.time.Time"), _milli_time
@@ -346,11 +365,14 @@ def _scalar(column: ColumnType) -> tuple[Schema, Converter]:
             return _logical("int64", "io.debezium.time.Timestamp"), _milli_timestamp
         return _logical("int64", "io.debezium.time.MicroTimestamp"), _micro_timestamp
     if oid == 1184:
-        return (_logical("string", "io.debezium.time.ZonedTimestamp"),
-                _zoned_timestamp(_precision(typmod)))
+        return (
+            _logical("string", "io.debezium.time.ZonedTimestamp"),
+            _zoned_timestamp(_precision(typmod)),
+        )
     if column.enum_labels is not None:
-        return _logical("string", "io.debezium.data.Enum",
-                        parameters={"allowed": ",".join(column.enum_labels)}), _text
+        return _logical(
+            "string", "io.debezium.data.Enum", parameters={"allowed": ",".join(column.enum_labels)}
+        ), _text
     return _STRING, _text
 
 
@@ -360,8 +382,7 @@ def column_encoding(column: ColumnType) -> tuple[Schema, Converter]:
     if element is not None and column.type_oid not in _UNMAPPED_ARRAYS:
         # An array's modifier is its element's (numeric(10,2)[] keeps its scale).
         item, convert = _scalar(ColumnType(element, column.type_modifier))
-        return ({"type": "array", "items": {**item, "optional": True}},
-                _array(convert))
+        return ({"type": "array", "items": {**item, "optional": True}}, _array(convert))
     if column.enum_array:
         item, convert = _scalar(column)
         return {"type": "array", "items": {**item, "optional": True}}, _array(convert)

@@ -96,10 +96,15 @@ log = logging.getLogger(__name__)
 
 # Errors a new session can get past (the server or broker went away, a walsender of our
 # previous session still holds the slot ...). Everything else is fatal.
-TRANSIENT = (StreamError, SinkError, psycopg.OperationalError, KafkaException, AssemblyError,
-             ProgressError)
-FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError,
-         SourceRefused)
+TRANSIENT = (
+    StreamError,
+    SinkError,
+    psycopg.OperationalError,
+    KafkaException,
+    AssemblyError,
+    ProgressError,
+)
+FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError, SourceRefused)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _POLL_OPTIONS = "-c lock_timeout=1000"
@@ -117,8 +122,10 @@ class SlotBusy(SourceError):
     """
 
     def __init__(self, slot: str, holder: str, wait_s: float) -> None:
-        super().__init__(f"slot {slot} is in use by {holder}; waiting until it is released "
-                         f"(at most {wait_s:.0f}s)")
+        super().__init__(
+            f"slot {slot} is in use by {holder}; waiting until it is released "
+            f"(at most {wait_s:.0f}s)"
+        )
         self.slot = slot
         self.holder = holder
         self.wait_s = wait_s
@@ -162,14 +169,16 @@ class Bridge:
         self._book = SnapshotBook()  # this session's snapshots
         self._readers: list[ChunkReader] = []
         self.metrics = BridgeMetrics(settings.slot_name, self.spool_stats)
-        self.metrics.registry.register(SnapshotCollector(settings.slot_name,
-                                                         lambda: self._book.report()))
+        self.metrics.registry.register(
+            SnapshotCollector(settings.slot_name, lambda: self._book.report())
+        )
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
         self._sessions_streamed = 0
         self._dsn = with_password(
             settings.source_dsn,
-            settings.source_password.get_secret_value() if settings.source_password else None)
+            settings.source_password.get_secret_value() if settings.source_password else None,
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -183,9 +192,14 @@ class Bridge:
         server = None
         try:
             if self.settings.http_port:
-                server = HealthServer(self.settings.http_host, self.settings.http_port,
-                                      self._live, self._ready, self.metrics.registry,
-                                      {"/snapshot": lambda: self._book.report()}).start()
+                server = HealthServer(
+                    self.settings.http_host,
+                    self.settings.http_port,
+                    self._live,
+                    self._ready,
+                    self.metrics.registry,
+                    {"/snapshot": lambda: self._book.report()},
+                ).start()
             self._sessions()
             return 0
         except (SourceError, HttpServerError) as exc:
@@ -224,15 +238,21 @@ class Bridge:
                         f"{time.monotonic() - busy_since:.0f}s although this bridge holds its "
                         f"Kafka transactional id {self.settings.transactional_id}: something "
                         "other than a slotbridge streams it; stop that consumer or choose "
-                        "another slot_name") from None
+                        "another slot_name"
+                    ) from None
                 if not self._retryable(exc):
                     raise
                 wait_s = backoff.session_ended(self._sessions_streamed > streamed_before)
                 self.metrics.reconnects.inc()
                 self._health.error = one_line(exc)
-                log_event(log, logging.WARNING, "session ended, reconnecting",
-                          error=self._health.error, attempt=backoff.failures,
-                          retry_in_s=round(wait_s, 1))
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "session ended, reconnecting",
+                    error=self._health.error,
+                    attempt=backoff.failures,
+                    retry_in_s=round(wait_s, 1),
+                )
                 if self._stop.wait(wait_s):
                     return
 
@@ -275,8 +295,9 @@ class Bridge:
             sink = KafkaSink(s)
             sink.start()  # fences a killed predecessor; must precede reading progress
             sink.ensure_topics({s.progress_topic: True})
-            kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic,
-                                                 s.slot_name)
+            kafka_progress = read_kafka_progress(
+                kafka_client_config(s), s.progress_topic, s.slot_name
+            )
             # Progress before PostgreSQL: it decides which server of source_dsn may be used.
             server = open_server(self._dsn, kafka_progress, s.slot_name)
             sql, repl, system, identity = server.sql, server.repl, server.system, server.identity
@@ -284,13 +305,16 @@ class Bridge:
             origin = OriginStore(sql, s.origin_name)
 
             mark = high_water(origin.progress(), kafka_progress)
-            catalog = RelationCatalog(s.topic_prefix, lambda oid: table_facts(sql, oid),
-                                      self._known_versions(f"{s.topic_prefix}.schema"))
+            catalog = RelationCatalog(
+                s.topic_prefix,
+                lambda oid: table_facts(sql, oid),
+                self._known_versions(f"{s.topic_prefix}.schema"),
+            )
             if s.value_format == "debezium":
                 # Before anything was published there is no previous commit to name.
                 builder: EventBuilder = DebeziumEventBuilder(
-                    catalog, s.topic_prefix, system.dbname, s.max_row_bytes,
-                    mark or None)
+                    catalog, s.topic_prefix, system.dbname, s.max_row_bytes, mark or None
+                )
             else:
                 builder = EventBuilder(catalog, s.topic_prefix, system.dbname, s.max_row_bytes)
             sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
@@ -304,29 +328,51 @@ class Bridge:
             tracker = ConfirmTracker(0)
             queue = TxnQueue(_QUEUE_BYTES)
             replay = PgOutputDecoder(4, parallel_abort=parallel)
-            log_event(log, logging.INFO, "session starting", slot=s.slot_name,
-                      server=server.address,
-                      system=identity.system_identifier, timeline=identity.timeline,
-                      high_water=format_lsn(mark), snapshots=[
-                          f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)"
-                          for e in book.states()])
+            log_event(
+                log,
+                logging.INFO,
+                "session starting",
+                slot=s.slot_name,
+                server=server.address,
+                system=identity.system_identifier,
+                timeline=identity.timeline,
+                high_water=format_lsn(mark),
+                snapshots=[
+                    f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
+                ],
+            )
             publisher = Publisher(
-                settings=s, sink=sink, origin=origin, builder=builder, tracker=tracker,
-                identity=identity, high_water=mark, last_commit_lsn=last_commit, queue=queue,
+                settings=s,
+                sink=sink,
+                origin=origin,
+                builder=builder,
+                tracker=tracker,
+                identity=identity,
+                high_water=mark,
+                last_commit_lsn=last_commit,
+                queue=queue,
                 decode=lambda payload, streamed: replay.decode(payload, streamed),
-                metrics=self.metrics, book=book,
+                metrics=self.metrics,
+                book=book,
                 snapshot_added=s.snapshot_mode != "never"
                 and not publishes_all_tables(sql, s.publication_name),
-                published=lambda: {p.name for p in published_tables(sql, s.publication_name)})
+                published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
+            )
             control = PgOutputDecoder(4, parallel_abort=parallel)
             assembler = Assembler(
                 control.decode,
                 lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
-                on_prepared=tracker.prepared, on_rolled_back=tracker.finished,
-                max_change_bytes=max_change_bytes(s.max_row_bytes))
+                on_prepared=tracker.prepared,
+                on_rolled_back=tracker.finished,
+                max_change_bytes=max_change_bytes(s.max_row_bytes),
+            )
             publisher.start()
-            options = {"proto_version": "4", "publication_names": f'"{s.publication_name}"',
-                       "streaming": s.streaming, "messages": "true"}
+            options = {
+                "proto_version": "4",
+                "publication_names": f'"{s.publication_name}"',
+                "streaming": s.streaming,
+                "messages": "true",
+            }
             if s.two_phase:
                 options["two_phase"] = "on"
             with self._racing_for_slot(sql):
@@ -334,16 +380,16 @@ class Bridge:
             self._sessions_streamed += 1
             self._health.streaming, self._health.error = True, ""
             self.metrics.streaming.set(1)
-            log_event(log, logging.INFO, "streaming", slot=s.slot_name,
-                      publication=s.publication_name)
+            log_event(
+                log, logging.INFO, "streaming", slot=s.slot_name, publication=s.publication_name
+            )
             try:
                 # The loop's catalog polling has a connection of its own, which gives up
                 # on a lock rather than wait: DDL holding a published table's ACCESS
                 # EXCLUSIVE lock would otherwise stop the socket loop (no status to the
                 # server, nothing received, /healthz down) until it commits.
                 with connect(server.dsn, options=_POLL_OPTIONS) as poll:
-                    self._loop(poll, repl, assembler, queue, publisher, tracker, book,
-                               server.dsn)
+                    self._loop(poll, repl, assembler, queue, publisher, tracker, book, server.dsn)
             except StreamError as exc:
                 if f'publication "{s.publication_name}" does not exist' in str(exc):
                     raise publication_dropped(s) from None
@@ -352,9 +398,13 @@ class Bridge:
             publisher.stop()
             publisher.join(_STOP_GRACE_S)
             if publisher.is_alive():
-                log_event(log, logging.WARNING, "stopped before the publisher finished: its "
-                          "open batch is not committed and will be published at the next start",
-                          waited_s=2 * _STOP_GRACE_S)
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "stopped before the publisher finished: its "
+                    "open batch is not committed and will be published at the next start",
+                    waited_s=2 * _STOP_GRACE_S,
+                )
                 return
             if publisher.error is not None:
                 raise publisher.error
@@ -363,11 +413,19 @@ class Bridge:
             if s.snapshot_mode == "initial_only" and not book.tables():
                 repl.close()  # the stream holds the slot: a drop on it would be refused
                 drop_slot(server.dsn, s.slot_name)
-                log_event(log, logging.INFO, "initial_only: snapshot published, slot dropped",
-                          slot=s.slot_name)
+                log_event(
+                    log,
+                    logging.INFO,
+                    "initial_only: snapshot published, slot dropped",
+                    slot=s.slot_name,
+                )
                 return
-            log_event(log, logging.INFO, "stopped cleanly",
-                      confirmed=format_lsn(confirmed) if confirmed else "nothing this session")
+            log_event(
+                log,
+                logging.INFO,
+                "stopped cleanly",
+                confirmed=format_lsn(confirmed) if confirmed else "nothing this session",
+            )
         finally:
             self._book.close()
             for reader in self._readers:
@@ -387,9 +445,14 @@ class Bridge:
             if server is not None:
                 server.close()
 
-    def _ensure_slot(self, sql: psycopg.Connection[tuple[object, ...]],
-                     repl: ReplicationConnection, origin: OriginStore, dbname: str,
-                     kafka_progress: ProgressRecord | None) -> None:
+    def _ensure_slot(
+        self,
+        sql: psycopg.Connection[tuple[object, ...]],
+        repl: ReplicationConnection,
+        origin: OriginStore,
+        dbname: str,
+        kafka_progress: ProgressRecord | None,
+    ) -> None:
         """Create the slot (and the publication, and first the origin that marks the slot
         as ours) if needed. No snapshot is exported: snapshots are read in chunks while the
         slot streams."""
@@ -405,11 +468,19 @@ class Bridge:
             # The origin first: a crash between the two leaves an origin without a slot
             # (harmless), never a slot of ours without its mark.
             origin.ensure()
-            with self._known_wait(f"creating slot {s.slot_name}: waits until the source's "
-                                  "transactions open now have ended"):
+            with self._known_wait(
+                f"creating slot {s.slot_name}: waits until the source's "
+                "transactions open now have ended"
+            ):
                 created = repl.create_slot(s.slot_name, two_phase=s.two_phase)
-            log_event(log, logging.INFO, "created failover slot", slot=s.slot_name,
-                      consistent_point=format_lsn(created.consistent_point), db=dbname)
+            log_event(
+                log,
+                logging.INFO,
+                "created failover slot",
+                slot=s.slot_name,
+                consistent_point=format_lsn(created.consistent_point),
+                db=dbname,
+            )
             return
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
@@ -448,8 +519,12 @@ class Bridge:
         linger_s = timeout_ms / 1000 if timeout_ms > 0 else 60.0
         return SlotBusy(self.settings.slot_name, holder, linger_s + 2 * HEARTBEAT_S + 10)
 
-    def _snapshots(self, sql: psycopg.Connection[tuple[object, ...]],
-                   kafka_progress: ProgressRecord | None, mark: int) -> SnapshotBook:
+    def _snapshots(
+        self,
+        sql: psycopg.Connection[tuple[object, ...]],
+        kafka_progress: ProgressRecord | None,
+        mark: int,
+    ) -> SnapshotBook:
         """The snapshots to go on with (as far as Kafka says they got), or, on a slot that
         never published anything, the initial snapshot of every published table."""
         s = self.settings
@@ -459,19 +534,34 @@ class Bridge:
         if s.snapshot_mode != "never" and mark == 0:
             for table in published_tables(sql, s.publication_name):
                 book.add(table.name, "initial")
-            log_event(log, logging.INFO, "initial snapshot starting", slot=s.slot_name,
-                      tables=[f"{a}.{b}" for a, b in book.tables()])
+            log_event(
+                log,
+                logging.INFO,
+                "initial snapshot starting",
+                slot=s.slot_name,
+                tables=[f"{a}.{b}" for a, b in book.tables()],
+            )
         return book
 
     def _known_versions(self, schema_topic: str) -> dict[tuple[str, str], KnownVersion]:
         """Table versions already announced, so a restart reuses instead of re-minting."""
-        return known_versions(json.loads(value) for _key, value in
-                              read_topic(kafka_client_config(self.settings), schema_topic)
-                              if value is not None)
+        return known_versions(
+            json.loads(value)
+            for _key, value in read_topic(kafka_client_config(self.settings), schema_topic)
+            if value is not None
+        )
 
-    def _loop(self, poll: psycopg.Connection[tuple[object, ...]], repl: ReplicationConnection,
-              assembler: Assembler, queue: TxnQueue, publisher: Publisher,
-              tracker: ConfirmTracker, book: SnapshotBook, dsn: str) -> None:
+    def _loop(
+        self,
+        poll: psycopg.Connection[tuple[object, ...]],
+        repl: ReplicationConnection,
+        assembler: Assembler,
+        queue: TxnQueue,
+        publisher: Publisher,
+        tracker: ConfirmTracker,
+        book: SnapshotBook,
+        dsn: str,
+    ) -> None:
         s = self.settings
         received = 0  # highest WAL position seen
         queued_end = 0  # end LSN of the last sealed transaction handed to the publisher
@@ -522,15 +612,21 @@ class Bridge:
                     failpoint("after_slot_confirm")
                 sent, last_status = confirm, now
                 self.metrics.confirmed_lsn.set(confirm)
-            self.metrics.lag_bytes.set(max(0, received - tracker.published_lsn)
-                                       if tracker.published_lsn < queued_end else 0)
+            self.metrics.lag_bytes.set(
+                max(0, received - tracker.published_lsn)
+                if tracker.published_lsn < queued_end
+                else 0
+            )
             self.metrics.lag_seconds.set(
-                _lag_seconds(publisher.last_commit_ts) if tracker.published_lsn < queued_end
-                else 0)
+                _lag_seconds(publisher.last_commit_ts) if tracker.published_lsn < queued_end else 0
+            )
             if now >= next_stats:
                 self._slot_stats(poll)
-                missing = self._added_tables(poll, publisher, requested) \
-                    if publisher.snapshot_added else []
+                missing = (
+                    self._added_tables(poll, publisher, requested)
+                    if publisher.snapshot_added
+                    else []
+                )
                 if missing:
                     # Queued behind what was received so far: its place in the stream.
                     queue.put(SnapshotRequest(tuple(missing)))
@@ -540,36 +636,65 @@ class Bridge:
     def _start_readers(self, dsn: str, book: SnapshotBook) -> None:
         """Chunk readers, one connection each; they work on different tables."""
         s = self.settings
-        self._readers = [ChunkReader(f"chunk-reader-{n}", dsn, s.slot_name, s.publication_name,
-                                     book, s.snapshot_chunk_rows, s.snapshot_chunk_bytes)
-                         for n in range(s.snapshot_workers)]
+        self._readers = [
+            ChunkReader(
+                f"chunk-reader-{n}",
+                dsn,
+                s.slot_name,
+                s.publication_name,
+                book,
+                s.snapshot_chunk_rows,
+                s.snapshot_chunk_bytes,
+            )
+            for n in range(s.snapshot_workers)
+        ]
         for reader in self._readers:
             reader.start()
 
-    def _added_tables(self, poll: psycopg.Connection[tuple[object, ...]], publisher: Publisher,
-                      requested: set[TableName]) -> list[TableName]:
+    def _added_tables(
+        self,
+        poll: psycopg.Connection[tuple[object, ...]],
+        publisher: Publisher,
+        requested: set[TableName],
+    ) -> list[TableName]:
         """Published tables missing from Kafka that this session has not asked to snapshot
         yet; none this round if a table's lock is held (asked again next round)."""
         try:
             published = published_tables(poll, self.settings.publication_name)
         except psycopg.errors.LockNotAvailable:
-            log_event(log, logging.INFO, "publication check skipped: a published table is "
-                      "locked (DDL running?); checking again shortly")
+            log_event(
+                log,
+                logging.INFO,
+                "publication check skipped: a published table is "
+                "locked (DDL running?); checking again shortly",
+            )
             return []
-        return [p.name for p in published
-                if publisher.is_missing(p.name) and p.name not in requested]
+        return [
+            p.name for p in published if publisher.is_missing(p.name) and p.name not in requested
+        ]
 
     def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:
-        names = ("spill_txns", "spill_count", "spill_bytes", "stream_txns", "stream_count",
-                 "stream_bytes", "total_txns", "total_bytes")
+        names = (
+            "spill_txns",
+            "spill_count",
+            "spill_bytes",
+            "stream_txns",
+            "stream_count",
+            "stream_bytes",
+            "total_txns",
+            "total_bytes",
+        )
         with sql.cursor() as cur:
-            cur.execute(f"SELECT {', '.join(names)} FROM pg_stat_replication_slots "
-                        "WHERE slot_name = %s", (self.settings.slot_name,))
+            cur.execute(
+                f"SELECT {', '.join(names)} FROM pg_stat_replication_slots WHERE slot_name = %s",
+                (self.settings.slot_name,),
+            )
             row = cur.fetchone()
         if row is not None:
             for name, value in zip(names, row, strict=True):
                 self.metrics.slot_stats.labels(self.settings.slot_name, name).set(
-                    float(str(value or 0)))
+                    float(str(value or 0))
+                )
 
 
 def _lag_seconds(commit_ts_us: int) -> float:

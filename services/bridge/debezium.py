@@ -53,15 +53,24 @@ _dumps = orjson.dumps
 CONNECTOR = "postgresql"
 
 _SOURCE_SCHEMA: Schema = {
-    "type": "struct", "fields": [
+    "type": "struct",
+    "fields": [
         {"type": "string", "optional": False, "field": "version"},
         {"type": "string", "optional": False, "field": "connector"},
         {"type": "string", "optional": False, "field": "name"},
         {"type": "int64", "optional": False, "field": "ts_ms"},
-        {"type": "string", "optional": True, "name": "io.debezium.data.Enum", "version": 1,
-         "parameters": {"allowed": "true,first,first_in_data_collection,"
-                                   "last_in_data_collection,last,false,incremental"},
-         "default": "false", "field": "snapshot"},
+        {
+            "type": "string",
+            "optional": True,
+            "name": "io.debezium.data.Enum",
+            "version": 1,
+            "parameters": {
+                "allowed": "true,first,first_in_data_collection,"
+                "last_in_data_collection,last,false,incremental"
+            },
+            "default": "false",
+            "field": "snapshot",
+        },
         {"type": "string", "optional": False, "field": "db"},
         {"type": "string", "optional": True, "field": "sequence"},
         {"type": "int64", "optional": True, "field": "ts_us"},
@@ -72,68 +81,124 @@ _SOURCE_SCHEMA: Schema = {
         {"type": "int64", "optional": True, "field": "lsn"},
         {"type": "int64", "optional": True, "field": "xmin"},
         {"type": "string", "optional": True, "field": "origin"},
-        {"type": "int64", "optional": True, "field": "origin_lsn"}],
-    "optional": False, "name": "io.debezium.connector.postgresql.Source", "version": 1,
-    "field": "source"}
+        {"type": "int64", "optional": True, "field": "origin_lsn"},
+    ],
+    "optional": False,
+    "name": "io.debezium.connector.postgresql.Source",
+    "version": 1,
+    "field": "source",
+}
 _TRANSACTION_SCHEMA: Schema = {
-    "type": "struct", "fields": [
+    "type": "struct",
+    "fields": [
         {"type": "string", "optional": False, "field": "id"},
         {"type": "int64", "optional": False, "field": "total_order"},
-        {"type": "int64", "optional": False, "field": "data_collection_order"}],
-    "optional": True, "name": "event.block", "version": 1, "field": "transaction"}
-_TXN_KEY_SCHEMA = _dumps({
-    "type": "struct", "fields": [{"type": "string", "optional": False, "field": "id"}],
-    "optional": False, "name": "io.debezium.connector.common.TransactionMetadataKey",
-    "version": 1})
-_TXN_VALUE_SCHEMA = _dumps({
-    "type": "struct", "fields": [
-        {"type": "string", "optional": False, "field": "status"},
-        {"type": "string", "optional": False, "field": "id"},
-        {"type": "int64", "optional": True, "field": "event_count"},
-        {"type": "array", "items": {
-            "type": "struct", "fields": [
-                {"type": "string", "optional": False, "field": "data_collection"},
-                {"type": "int64", "optional": False, "field": "event_count"}],
-            "optional": True, "name": "event.collection", "version": 1},
-         "optional": True, "field": "data_collections"},
-        {"type": "int64", "optional": False, "field": "ts_ms"}],
-    "optional": False, "name": "io.debezium.connector.common.TransactionMetadataValue",
-    "version": 1})
+        {"type": "int64", "optional": False, "field": "data_collection_order"},
+    ],
+    "optional": True,
+    "name": "event.block",
+    "version": 1,
+    "field": "transaction",
+}
+_TXN_KEY_SCHEMA = _dumps(
+    {
+        "type": "struct",
+        "fields": [{"type": "string", "optional": False, "field": "id"}],
+        "optional": False,
+        "name": "io.debezium.connector.common.TransactionMetadataKey",
+        "version": 1,
+    }
+)
+_TXN_VALUE_SCHEMA = _dumps(
+    {
+        "type": "struct",
+        "fields": [
+            {"type": "string", "optional": False, "field": "status"},
+            {"type": "string", "optional": False, "field": "id"},
+            {"type": "int64", "optional": True, "field": "event_count"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "struct",
+                    "fields": [
+                        {"type": "string", "optional": False, "field": "data_collection"},
+                        {"type": "int64", "optional": False, "field": "event_count"},
+                    ],
+                    "optional": True,
+                    "name": "event.collection",
+                    "version": 1,
+                },
+                "optional": True,
+                "field": "data_collections",
+            },
+            {"type": "int64", "optional": False, "field": "ts_ms"},
+        ],
+        "optional": False,
+        "name": "io.debezium.connector.common.TransactionMetadataValue",
+        "version": 1,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectShape:
     """One relation version's serialised Connect schemas."""
 
-    key_head: bytes    # b'{"schema":<key schema>,"payload":'
+    key_head: bytes  # b'{"schema":<key schema>,"payload":'
     value_head: bytes  # b'{"schema":<envelope schema>,"payload":{"before":'
 
 
-def connect_schemas(name: str, columns: Sequence[tuple[str, Schema, bool]],
-                    key: Sequence[str]) -> tuple[Schema, Schema]:
+def connect_schemas(
+    name: str, columns: Sequence[tuple[str, Schema, bool]], key: Sequence[str]
+) -> tuple[Schema, Schema]:
     """The key schema and the envelope schema of a table, named after its topic ``name``;
     ``columns`` are (name, schema, nullable)."""
-    fields = {n: {**schema, "optional": nullable, "field": n}
-              for n, schema, nullable in columns}
+    fields = {n: {**schema, "optional": nullable, "field": n} for n, schema, nullable in columns}
     # Connect prints a field's keys in its own order: type, fields/items, optional, name...
     ordered = {n: _connect_order(f) for n, f in fields.items()}
-    key_schema = {"type": "struct", "fields": [ordered[n] for n in key], "optional": False,
-                  "name": f"{name}.Key"}
-    row = {"type": "struct", "fields": list(ordered.values()), "optional": True,
-           "name": f"{name}.Value"}
-    envelope = {"type": "struct", "fields": [
-        {**row, "field": "before"}, {**row, "field": "after"}, _SOURCE_SCHEMA,
-        _TRANSACTION_SCHEMA,
-        {"type": "string", "optional": False, "field": "op"},
-        {"type": "int64", "optional": True, "field": "ts_ms"},
-        {"type": "int64", "optional": True, "field": "ts_us"},
-        {"type": "int64", "optional": True, "field": "ts_ns"}],
-        "optional": False, "name": f"{name}.Envelope", "version": 2}
+    key_schema = {
+        "type": "struct",
+        "fields": [ordered[n] for n in key],
+        "optional": False,
+        "name": f"{name}.Key",
+    }
+    row = {
+        "type": "struct",
+        "fields": list(ordered.values()),
+        "optional": True,
+        "name": f"{name}.Value",
+    }
+    envelope = {
+        "type": "struct",
+        "fields": [
+            {**row, "field": "before"},
+            {**row, "field": "after"},
+            _SOURCE_SCHEMA,
+            _TRANSACTION_SCHEMA,
+            {"type": "string", "optional": False, "field": "op"},
+            {"type": "int64", "optional": True, "field": "ts_ms"},
+            {"type": "int64", "optional": True, "field": "ts_us"},
+            {"type": "int64", "optional": True, "field": "ts_ns"},
+        ],
+        "optional": False,
+        "name": f"{name}.Envelope",
+        "version": 2,
+    }
     return key_schema, envelope
 
 
-_ORDER = ("type", "fields", "items", "optional", "name", "version", "doc", "parameters",
-          "default", "field")
+_ORDER = (
+    "type",
+    "fields",
+    "items",
+    "optional",
+    "name",
+    "version",
+    "doc",
+    "parameters",
+    "default",
+    "field",
+)
 
 
 def _connect_order(schema: Schema) -> Schema:
@@ -148,9 +213,12 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
     columns = []
     for c in rel.columns:
         fact = facts.columns.get(c.name) if facts is not None else None
-        kind = ColumnType(c.type_oid, c.type_modifier,
-                          fact.enum_labels if fact is not None else None,
-                          fact.enum_array if fact is not None else False)
+        kind = ColumnType(
+            c.type_oid,
+            c.type_modifier,
+            fact.enum_labels if fact is not None else None,
+            fact.enum_array if fact is not None else False,
+        )
         schema, convert = column_encoding(kind)
         converters.append(convert)
         placeholders.append(placeholder(kind))
@@ -158,15 +226,22 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
     key_schema, envelope = connect_schemas(info.topic, columns, info.key_names)
     info.converters = tuple(converters)
     info.placeholders = tuple(placeholders)
-    info.encoded = ConnectShape(b'{"schema":%b,"payload":' % _dumps(key_schema),
-                                b'{"schema":%b,"payload":{"before":' % _dumps(envelope))
+    info.encoded = ConnectShape(
+        b'{"schema":%b,"payload":' % _dumps(key_schema),
+        b'{"schema":%b,"payload":{"before":' % _dumps(envelope),
+    )
 
 
 def run_id(now_ms: int, random: bytes) -> str:
     """A UUID version 7 (what the connector's runId header holds), from a time and 10
     random bytes."""
-    value = (now_ms << 80) | (0x7 << 76) | (int.from_bytes(random[:2], "big") & 0xFFF) << 64 \
-        | 0b10 << 62 | (int.from_bytes(random[2:10], "big") & ((1 << 62) - 1))
+    value = (
+        (now_ms << 80)
+        | (0x7 << 76)
+        | (int.from_bytes(random[:2], "big") & 0xFFF) << 64
+        | 0b10 << 62
+        | (int.from_bytes(random[2:10], "big") & ((1 << 62) - 1))
+    )
     hexed = f"{value:032x}"
     return f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:]}"
 
@@ -174,10 +249,12 @@ def run_id(now_ms: int, random: bytes) -> str:
 def context_headers(topic_prefix: str, run: str) -> Headers:
     """The ``__debezium.context.*`` headers of every change record (SimpleHeaderConverter:
     the strings' UTF-8 bytes)."""
-    return [("__debezium.context.connectorLogicalName", topic_prefix.encode()),
-            ("__debezium.context.taskId", b"0"),
-            ("__debezium.context.connectorName", CONNECTOR.encode()),
-            ("__debezium.context.runId", run.encode())]
+    return [
+        ("__debezium.context.connectorLogicalName", topic_prefix.encode()),
+        ("__debezium.context.taskId", b"0"),
+        ("__debezium.context.connectorName", CONNECTOR.encode()),
+        ("__debezium.context.runId", run.encode()),
+    ]
 
 
 class DebeziumEventBuilder(EventBuilder):
@@ -185,32 +262,54 @@ class DebeziumEventBuilder(EventBuilder):
 
     key_change_op = "c"
 
-    def __init__(self, catalog: RelationCatalog, topic_prefix: str, db: str,
-                 max_record_bytes: int, last_end_lsn: int | None) -> None:
+    def __init__(
+        self,
+        catalog: RelationCatalog,
+        topic_prefix: str,
+        db: str,
+        max_record_bytes: int,
+        last_end_lsn: int | None,
+    ) -> None:
         catalog.encoder = encode_relation
         super().__init__(catalog, topic_prefix, db, max_record_bytes)
-        self.headers = context_headers(topic_prefix,
-                                       run_id(int(time.time() * 1000), os.urandom(10)))
+        self.headers = context_headers(
+            topic_prefix, run_id(int(time.time() * 1000), os.urandom(10))
+        )
         # The end of the last published transaction: source.sequence's first element (null
         # before the first one, as for a connector without an offset).
         self.last_end_lsn = last_end_lsn
         self._commit_ts = 0
 
-    def transaction(self, xid: int, commit_lsn: int, commit_ts: int,
-                    changes: Iterator[tuple[int, m.Message]],
-                    snapshot: str = "false", end_lsn: int | None = None) -> Iterator[Record]:
+    def transaction(
+        self,
+        xid: int,
+        commit_lsn: int,
+        commit_ts: int,
+        changes: Iterator[tuple[int, m.Message]],
+        snapshot: str = "false",
+        end_lsn: int | None = None,
+    ) -> Iterator[Record]:
         # source.ts_us needs the commit time in microseconds; _value gets milliseconds.
         self._commit_ts = commit_ts
         yield from super().transaction(xid, commit_lsn, commit_ts, changes, snapshot, end_lsn)
         self.last_end_lsn = end_lsn
 
-    def _transaction_record(self, status: str, txid: str, ts_ms: int, total: int | None,
-                            per_table: dict[str, int] | None) -> Record:
+    def _transaction_record(
+        self,
+        status: str,
+        txid: str,
+        ts_ms: int,
+        total: int | None,
+        per_table: dict[str, int] | None,
+    ) -> Record:
         # Debezium writes no context headers on its transaction topic.
         value = _transaction_value(status, txid, ts_ms, total, per_table)
-        return (self.transaction_topic,
-                b'{"schema":%b,"payload":{"id":%b}}' % (_TXN_KEY_SCHEMA, _dumps(txid)),
-                b'{"schema":%b,"payload":%b}' % (_TXN_VALUE_SCHEMA, value), None)
+        return (
+            self.transaction_topic,
+            b'{"schema":%b,"payload":{"id":%b}}' % (_TXN_KEY_SCHEMA, _dumps(txid)),
+            b'{"schema":%b,"payload":%b}' % (_TXN_VALUE_SCHEMA, value),
+            None,
+        )
 
     def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
         if not info.key_names:
@@ -218,49 +317,100 @@ class DebeziumEventBuilder(EventBuilder):
         shape: ConnectShape = info.encoded
         return shape.key_head + _dumps({n: row[n] for n in info.key_names}) + b"}"
 
-    def _key_change_headers(self, info: RelationInfo, old: m.TupleData, new: m.TupleData,
-                            ) -> tuple[Headers | None, Headers | None]:
+    def _key_change_headers(
+        self,
+        info: RelationInfo,
+        old: m.TupleData,
+        new: m.TupleData,
+    ) -> tuple[Headers | None, Headers | None]:
         # The other key's payload, as SimpleHeaderConverter prints a Struct.
         headers = self.headers or []
-        return ([("__debezium.newkey", _dumps(_key_row(info, new))), *headers],
-                [("__debezium.oldkey", _dumps(_key_row(info, old))), *headers])
+        return (
+            [("__debezium.newkey", _dumps(_key_row(info, new))), *headers],
+            [("__debezium.oldkey", _dumps(_key_row(info, old))), *headers],
+        )
 
-    def _source_pieces(self, info: RelationInfo, xid: int | None, commit_ts: int,
-                       snapshot: str) -> tuple[bytes, bytes]:
+    def _source_pieces(
+        self, info: RelationInfo, xid: int | None, commit_ts: int, snapshot: str
+    ) -> tuple[bytes, bytes]:
         """The ``source`` block around its sequence's LSN and its ``lsn``, constant for a
         relation in one transaction."""
         us = commit_ts + m.PG_EPOCH_UNIX_US
         prev = "null" if self.last_end_lsn is None else f'\\"{self.last_end_lsn}\\"'
-        head = (f',"source":{{"version":"{VERSION}","connector":"{CONNECTOR}","name":'
-                f'{_dumps(self.topic_prefix).decode()},"ts_ms":{us // 1000},'
-                f'"snapshot":"{snapshot}","db":{_dumps(self.db).decode()},'
-                f'"sequence":"[{prev},\\"').encode()
-        middle = (f'\\"]","ts_us":{us},"ts_ns":{us * 1000},"schema":'
-                  f'{_dumps(info.schema).decode()},"table":{_dumps(info.table).decode()},'
-                  f'"txId":{"null" if xid is None else xid},"lsn":').encode()
+        head = (
+            f',"source":{{"version":"{VERSION}","connector":"{CONNECTOR}","name":'
+            f'{_dumps(self.topic_prefix).decode()},"ts_ms":{us // 1000},'
+            f'"snapshot":"{snapshot}","db":{_dumps(self.db).decode()},'
+            f'"sequence":"[{prev},\\"'
+        ).encode()
+        middle = (
+            f'\\"]","ts_us":{us},"ts_ns":{us * 1000},"schema":'
+            f'{_dumps(info.schema).decode()},"table":{_dumps(info.table).decode()},'
+            f'"txId":{"null" if xid is None else xid},"lsn":'
+        ).encode()
         return head, middle
 
-    def _value(self, info: RelationInfo, templates: dict[int, tuple[bytes, bytes]], xid: int,
-               commit_lsn: int, ts_ms: int, snapshot: str, now_ms: int, lsn: int, op: str,
-               before: dict[str, JsonValue] | None, after: dict[str, JsonValue] | None,
-               txid: str, total: int, order: int) -> bytes:
+    def _value(
+        self,
+        info: RelationInfo,
+        templates: dict[int, tuple[bytes, bytes]],
+        xid: int,
+        commit_lsn: int,
+        ts_ms: int,
+        snapshot: str,
+        now_ms: int,
+        lsn: int,
+        op: str,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue] | None,
+        txid: str,
+        total: int,
+        order: int,
+    ) -> bytes:
         head, middle = templates.get(info.oid) or templates.setdefault(
-            info.oid, self._source_pieces(info, xid if snapshot == "false" else None,
-                                          self._commit_ts, snapshot))
-        return self._envelope(info, head, middle, lsn, op, before, after,
-                              b'{"id":"%b","total_order":%d,"data_collection_order":%d}' % (
-                                  txid.encode(), total, order))
+            info.oid,
+            self._source_pieces(
+                info, xid if snapshot == "false" else None, self._commit_ts, snapshot
+            ),
+        )
+        return self._envelope(
+            info,
+            head,
+            middle,
+            lsn,
+            op,
+            before,
+            after,
+            b'{"id":"%b","total_order":%d,"data_collection_order":%d}'
+            % (txid.encode(), total, order),
+        )
 
-    def _envelope(self, info: RelationInfo, head: bytes, middle: bytes, lsn: int, op: str,
-                  before: dict[str, JsonValue] | None, after: dict[str, JsonValue] | None,
-                  transaction: bytes) -> bytes:
+    def _envelope(
+        self,
+        info: RelationInfo,
+        head: bytes,
+        middle: bytes,
+        lsn: int,
+        op: str,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue] | None,
+        transaction: bytes,
+    ) -> bytes:
         now = time.time_ns()
-        out = b"".join((
-            info.encoded.value_head, self._full(info, before), b',"after":',
-            self._full(info, after), head, b"%d" % lsn, middle,
-            b'%d,"xmin":null,"origin":null,"origin_lsn":null},"transaction":%b,"op":"%b",'
-            b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}}' % (
-                lsn, transaction, op.encode(), now // 1_000_000, now // 1000, now)))
+        out = b"".join(
+            (
+                info.encoded.value_head,
+                self._full(info, before),
+                b',"after":',
+                self._full(info, after),
+                head,
+                b"%d" % lsn,
+                middle,
+                b'%d,"xmin":null,"origin":null,"origin_lsn":null},"transaction":%b,"op":"%b",'
+                b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}}'
+                % (lsn, transaction, op.encode(), now // 1_000_000, now // 1000, now),
+            )
+        )
         if len(out) > self.max_record_bytes:
             raise self._too_large(info, lsn, len(out))
         return out
@@ -275,14 +425,23 @@ class DebeziumEventBuilder(EventBuilder):
             row = {n: row.get(n) for n in info.names}
         return _dumps(row)
 
-    def snapshot_rows(self, info: RelationInfo, rows: Iterable[Sequence[str | None]],
-                      commit_lsn: int, commit_ts: int, lsn: int) -> Iterator[Record]:
+    def snapshot_rows(
+        self,
+        info: RelationInfo,
+        rows: Iterable[Sequence[str | None]],
+        commit_lsn: int,
+        commit_ts: int,
+        lsn: int,
+    ) -> Iterator[Record]:
         if not info.published:
             yield self._schema_record(info)
         head, middle = self._source_pieces(info, None, commit_ts, "true")
         topic, headers, key_of = info.topic, self.headers, self._key_of
         for values in rows:
             row = _whole_row(info, values)
-            yield topic, key_of(info, row), self._envelope(
-                info, head, middle, lsn, "r", None, row, b"null"), headers
-
+            yield (
+                topic,
+                key_of(info, row),
+                self._envelope(info, head, middle, lsn, "r", None, row, b"null"),
+                headers,
+            )

@@ -54,10 +54,25 @@ _TWO_PHASE_TYPES = b"bPKrp"  # protocol 3
 Handler = Callable[[bytes, bool], m.Message]
 
 _NAMES = {
-    "B": "Begin", "C": "Commit", "O": "Origin", "R": "Relation", "Y": "Type", "I": "Insert",
-    "U": "Update", "D": "Delete", "T": "Truncate", "M": "Message", "S": "Stream Start",
-    "E": "Stream Stop", "c": "Stream Commit", "A": "Stream Abort", "b": "Begin Prepare",
-    "P": "Prepare", "K": "Commit Prepared", "r": "Rollback Prepared", "p": "Stream Prepare",
+    "B": "Begin",
+    "C": "Commit",
+    "O": "Origin",
+    "R": "Relation",
+    "Y": "Type",
+    "I": "Insert",
+    "U": "Update",
+    "D": "Delete",
+    "T": "Truncate",
+    "M": "Message",
+    "S": "Stream Start",
+    "E": "Stream Stop",
+    "c": "Stream Commit",
+    "A": "Stream Abort",
+    "b": "Begin Prepare",
+    "P": "Prepare",
+    "K": "Commit Prepared",
+    "r": "Rollback Prepared",
+    "p": "Stream Prepare",
 }
 
 
@@ -98,8 +113,10 @@ def _tuple(buf: bytes, pos: int) -> tuple[m.TupleData, int]:
             values[i] = m.UNCHANGED_TOAST
             pos += 1
         elif kind == 98:  # 'b' binary
-            raise DecodeError(f"binary column value at offset {pos}: the bridge asks for text "
-                              "format (binary 'false'), so the session is misconfigured")
+            raise DecodeError(
+                f"binary column value at offset {pos}: the bridge asks for text "
+                "format (binary 'false'), so the session is misconfigured"
+            )
         else:
             raise DecodeError(f"unknown column kind {bytes([kind])!r} at offset {pos}")
     return values, pos
@@ -108,8 +125,9 @@ def _tuple(buf: bytes, pos: int) -> tuple[m.TupleData, int]:
 def _overrun(buf: bytes, pos: int) -> DecodeError:
     # Slicing past the end does not fail in Python, so a truncated last column shows
     # up only as an end offset beyond the payload.
-    return DecodeError(f"{_NAMES[chr(buf[0])]} message ends at offset {pos}, "
-                       f"payload has {len(buf)} bytes")
+    return DecodeError(
+        f"{_NAMES[chr(buf[0])]} message ends at offset {pos}, payload has {len(buf)} bytes"
+    )
 
 
 def _end(buf: bytes, pos: int, msg: m.Message) -> m.Message:
@@ -161,11 +179,12 @@ def _type(buf: bytes, streamed: bool) -> m.Message:
 
 
 def _unexpected(buf: bytes, pos: int, wanted: str) -> DecodeError:
-    return DecodeError(f"expected {wanted} at offset {pos}, found {buf[pos:pos + 1]!r}")
+    return DecodeError(f"expected {wanted} at offset {pos}, found {buf[pos : pos + 1]!r}")
 
 
 # Insert, Update and Delete are the row changes: they check markers and the end offset
 # inline rather than through helpers, since a call costs as much as a column.
+
 
 def _insert(buf: bytes, streamed: bool) -> m.Message:
     if streamed:
@@ -225,7 +244,7 @@ def _message(buf: bytes, streamed: bool) -> m.Message:
     prefix, pos = _cstring(buf, pos + 9)
     size = _u32(buf, pos)[0]
     pos += 4
-    content = buf[pos:pos + size]
+    content = buf[pos : pos + size]
     return _end(buf, pos + size, m.LogicalMessage(xid, bool(flags & 1), lsn, prefix, content))
 
 
@@ -260,11 +279,15 @@ def _prepare_like(cls: Callable[[int, int, int, int, int, str], m.Message]) -> H
 
 
 def _rollback_prepared(buf: bytes, streamed: bool) -> m.Message:
-    flags, prepare_end, rollback_end, prepare_ts, rollback_ts, xid = (
-        _ROLLBACK_PREPARED.unpack_from(buf, 1))
+    flags, prepare_end, rollback_end, prepare_ts, rollback_ts, xid = _ROLLBACK_PREPARED.unpack_from(
+        buf, 1
+    )
     gid, pos = _cstring(buf, 1 + _ROLLBACK_PREPARED.size)
-    return _end(buf, pos, m.RollbackPrepared(flags, prepare_end, rollback_end, prepare_ts,
-                                             rollback_ts, xid, gid))
+    return _end(
+        buf,
+        pos,
+        m.RollbackPrepared(flags, prepare_end, rollback_end, prepare_ts, rollback_ts, xid, gid),
+    )
 
 
 _HANDLERS: dict[int, Handler] = {
@@ -310,8 +333,9 @@ class PgOutputDecoder:
             handlers[ord("A")] = _stream_abort_parallel if self.parallel_abort else _stream_abort
         self._handlers = handlers
 
-    def decode(self, payload: bytes | bytearray | memoryview,
-               streamed: bool | None = None) -> m.Message:
+    def decode(
+        self, payload: bytes | bytearray | memoryview, streamed: bool | None = None
+    ) -> m.Message:
         """One message payload (after the XLogData header) -> its dataclass.
 
         ``streamed``: whether the payload came from inside a streamed block; ``None``
@@ -337,8 +361,10 @@ class PgOutputDecoder:
         name = _NAMES.get(kind.decode("latin-1"))
         if name is None:
             return DecodeError(f"unknown pgoutput message type {kind!r} at offset 0")
-        return DecodeError(f"{name} message {kind!r} at offset 0 is not part of pgoutput "
-                           f"protocol version {self.proto_version}")
+        return DecodeError(
+            f"{name} message {kind!r} at offset 0 is not part of pgoutput "
+            f"protocol version {self.proto_version}"
+        )
 
     def _stream_start(self, buf: bytes, streamed: bool) -> m.Message:
         xid, first = _STREAM_START.unpack_from(buf, 1)

@@ -118,14 +118,20 @@ class RelationCatalog:
     encoder: RelationEncoder | None = None
 
     def apply(self, rel: m.Relation) -> RelationInfo:
-        fingerprint = _fingerprint(rel.replica_identity, (
-            (c.name, c.type_oid, c.type_modifier, c.is_key) for c in rel.columns))
+        fingerprint = _fingerprint(
+            rel.replica_identity,
+            ((c.name, c.type_oid, c.type_modifier, c.is_key) for c in rel.columns),
+        )
         name = (rel.namespace, rel.name)
         known = self.known.get(name)
         current = self.by_oid.get(rel.oid)
         if known is not None and known.fingerprint == fingerprint:
-            if current is not None and current.version == known.version \
-                    and current.schema == rel.namespace and current.table == rel.name:
+            if (
+                current is not None
+                and current.version == known.version
+                and current.schema == rel.namespace
+                and current.table == rel.name
+            ):
                 return current
             version, published = known.version, True
         else:
@@ -155,51 +161,65 @@ class RelationCatalog:
                 "type_oid": c.type_oid,
                 "type_modifier": c.type_modifier,
                 "nullable": fact.nullable if fact else True,
-                "key": c.is_key if rel.replica_identity != "f" else c.name in
-                [names[i] for i in key_idx],
+                "key": c.is_key
+                if rel.replica_identity != "f"
+                else c.name in [names[i] for i in key_idx],
             }
             if fact is not None and fact.dimensions > 1:
                 column["dimensions"] = fact.dimensions
             columns.append(column)
         record = {
-            "schema": rel.namespace, "table": rel.name, "version": version,
-            "relation_oid": rel.oid, "replica_identity": rel.replica_identity,
-            "columns": columns, "key_columns": [names[i] for i in key_idx],
+            "schema": rel.namespace,
+            "table": rel.name,
+            "version": version,
+            "relation_oid": rel.oid,
+            "replica_identity": rel.replica_identity,
+            "columns": columns,
+            "key_columns": [names[i] for i in key_idx],
             "ts_ms": int(time.time() * 1000),
         }
         info = RelationInfo(
-            oid=rel.oid, schema=rel.namespace, table=rel.name,
-            topic=table_topic(self.topic_prefix, rel.namespace, rel.name), version=version,
-            names=names, converters=tuple(converter_for(c.type_oid) for c in rel.columns),
-            key_idx=key_idx, key_names=tuple(names[i] for i in key_idx),
-            replica_identity=rel.replica_identity, schema_record=record,
+            oid=rel.oid,
+            schema=rel.namespace,
+            table=rel.name,
+            topic=table_topic(self.topic_prefix, rel.namespace, rel.name),
+            version=version,
+            names=names,
+            converters=tuple(converter_for(c.type_oid) for c in rel.columns),
+            key_idx=key_idx,
+            key_names=tuple(names[i] for i in key_idx),
+            replica_identity=rel.replica_identity,
+            schema_record=record,
             placeholders=(TOAST_PLACEHOLDER,) * len(names),
-            json_names=tuple(n for n, c in zip(names, rel.columns, strict=True)
-                             if c.type_oid in _JSON_OIDS),
+            json_names=tuple(
+                n for n, c in zip(names, rel.columns, strict=True) if c.type_oid in _JSON_OIDS
+            ),
         )
         if self.encoder is not None:
             self.encoder(info, rel, facts)
         return info
 
 
-def _fingerprint(identity: str,
-                 columns: Iterable[tuple[str, int, int, bool]]) -> tuple[Any, ...]:
+def _fingerprint(identity: str, columns: Iterable[tuple[str, int, int, bool]]) -> tuple[Any, ...]:
     """What makes a table version: its replica identity and (name, type, typmod, key flag)
     per column, as a Relation message gives them."""
     return (identity, *columns)
 
 
-def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, str],
-                                                                     KnownVersion]:
+def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, str], KnownVersion]:
     """The newest version per table among schema records (``RelationCatalog.known``)."""
     known: dict[tuple[str, str], KnownVersion] = {}
     for rec in schema_records:
         ident = rec["replica_identity"]
         # A Relation message flags every column as key under REPLICA IDENTITY FULL; the
         # record flags the primary key instead.
-        fingerprint = _fingerprint(ident, (
-            (c["name"], c["type_oid"], c["type_modifier"], ident == "f" or c["key"])
-            for c in rec["columns"]))
+        fingerprint = _fingerprint(
+            ident,
+            (
+                (c["name"], c["type_oid"], c["type_modifier"], ident == "f" or c["key"])
+                for c in rec["columns"]
+            ),
+        )
         name = (rec["schema"], rec["table"])
         if name not in known or known[name].version < rec["version"]:
             known[name] = KnownVersion(rec["version"], fingerprint)
@@ -208,8 +228,10 @@ def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, 
 
 # The bridge aligns the topics' max.message.bytes and its producer with max_row_bytes
 # itself; the brokers' socket.request.max.bytes bounds it (checked at start).
-_TOO_LARGE_REMEDY = ("raise max_row_bytes (below the brokers' socket.request.max.bytes) or "
-                     "stop publishing that column")
+_TOO_LARGE_REMEDY = (
+    "raise max_row_bytes (below the brokers' socket.request.max.bytes) or "
+    "stop publishing that column"
+)
 
 # Kafka record headers, as confluent-kafka takes them.
 Headers = list[tuple[str, str | bytes | None]]
@@ -221,8 +243,9 @@ Record = tuple[str, bytes | None, bytes | None, Headers | None]
 class EventBuilder:
     """Turns decoded messages of one sealed transaction into Kafka records."""
 
-    def __init__(self, catalog: RelationCatalog, topic_prefix: str, db: str,
-                 max_record_bytes: int) -> None:
+    def __init__(
+        self, catalog: RelationCatalog, topic_prefix: str, db: str, max_record_bytes: int
+    ) -> None:
         self.catalog = catalog
         self.topic_prefix = topic_prefix
         self.db = db
@@ -237,9 +260,15 @@ class EventBuilder:
     # ``before``) in Debezium's records.
     key_change_op = "u"
 
-    def transaction(self, xid: int, commit_lsn: int, commit_ts: int,
-                    changes: Iterator[tuple[int, m.Message]],
-                    snapshot: str = "false", end_lsn: int | None = None) -> Iterator[Record]:
+    def transaction(
+        self,
+        xid: int,
+        commit_lsn: int,
+        commit_ts: int,
+        changes: Iterator[tuple[int, m.Message]],
+        snapshot: str = "false",
+        end_lsn: int | None = None,
+    ) -> Iterator[Record]:
         """Records for one transaction: BEGIN, schema versions as needed, changes, END.
 
         ``end_lsn`` (the end of its commit record) is what the Debezium format's next
@@ -264,10 +293,27 @@ class EventBuilder:
                 # An insert has no unchanged-TOAST value: its key is already in the row,
                 # converted once.
                 row = _whole_row(info, msg.new)  # type: ignore[arg-type]
-                yield info.topic, key_of(info, row), self._value(
-                    info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
-                    "r" if snapshot != "false" else "c", None, row, txid, total,
-                    order), headers
+                yield (
+                    info.topic,
+                    key_of(info, row),
+                    self._value(
+                        info,
+                        templates,
+                        xid,
+                        commit_lsn,
+                        ts_ms,
+                        snapshot,
+                        now_ms,
+                        lsn,
+                        "r" if snapshot != "false" else "c",
+                        None,
+                        row,
+                        txid,
+                        total,
+                        order,
+                    ),
+                    headers,
+                )
                 continue
             if isinstance(msg, m.Relation):
                 info = catalog.apply(msg)
@@ -282,16 +328,42 @@ class EventBuilder:
                     info = catalog.by_oid[oid]
                     total += 1
                     order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-                    value = self._value(info, templates, xid, commit_lsn, ts_ms, snapshot,
-                                        now_ms, lsn, "t", None, None, txid, total, order)
+                    value = self._value(
+                        info,
+                        templates,
+                        xid,
+                        commit_lsn,
+                        ts_ms,
+                        snapshot,
+                        now_ms,
+                        lsn,
+                        "t",
+                        None,
+                        None,
+                        txid,
+                        total,
+                        order,
+                    )
                     yield info.topic, None, value, headers
                 continue
             if isinstance(msg, m.LogicalMessage):
                 total += 1
-                yield self.message_topic, _dumps({"prefix": msg.prefix}), _dumps({
-                    "prefix": msg.prefix, "content": base64.b64encode(msg.content).decode(),
-                    "transactional": msg.transactional, "lsn": lsn, "txId": xid,
-                    "commit_lsn": commit_lsn, "ts_ms": ts_ms}), None
+                yield (
+                    self.message_topic,
+                    _dumps({"prefix": msg.prefix}),
+                    _dumps(
+                        {
+                            "prefix": msg.prefix,
+                            "content": base64.b64encode(msg.content).decode(),
+                            "transactional": msg.transactional,
+                            "lsn": lsn,
+                            "txId": xid,
+                            "commit_lsn": commit_lsn,
+                            "ts_ms": ts_ms,
+                        }
+                    ),
+                    None,
+                )
                 continue
             info = catalog.by_oid[msg.relation_oid]  # type: ignore[union-attr]
             total += 1
@@ -299,10 +371,14 @@ class EventBuilder:
             if isinstance(msg, m.Update):
                 before = None
                 if msg.old is not None:
-                    before = (_key_row(info, msg.old) if msg.old_is_key_only
-                              else _row(info, msg.old, None, info.placeholders))
-                after = _row(info, msg.new, msg.old if not msg.old_is_key_only else None,
-                             info.placeholders)
+                    before = (
+                        _key_row(info, msg.old)
+                        if msg.old_is_key_only
+                        else _row(info, msg.old, None, info.placeholders)
+                    )
+                after = _row(
+                    info, msg.new, msg.old if not msg.old_is_key_only else None, info.placeholders
+                )
                 key = key_of(info, _key_row(info, msg.new))
                 if msg.old is not None and msg.old_is_key_only:
                     old_key = key_of(info, _key_row(info, msg.old))
@@ -310,46 +386,133 @@ class EventBuilder:
                         # The key changed: consumers of a compacted topic must forget the
                         # old key, so publish a delete + tombstone for it first (Debezium
                         # does the same).
-                        old_headers, new_headers = self._key_change_headers(info, msg.old,
-                                                                            msg.new)
-                        yield info.topic, old_key, self._value(
-                            info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
-                            "d", before, None, txid, total, order), old_headers
+                        old_headers, new_headers = self._key_change_headers(info, msg.old, msg.new)
+                        yield (
+                            info.topic,
+                            old_key,
+                            self._value(
+                                info,
+                                templates,
+                                xid,
+                                commit_lsn,
+                                ts_ms,
+                                snapshot,
+                                now_ms,
+                                lsn,
+                                "d",
+                                before,
+                                None,
+                                txid,
+                                total,
+                                order,
+                            ),
+                            old_headers,
+                        )
                         yield info.topic, old_key, None, old_headers
                         op = self.key_change_op
                         if op == "c":  # Debezium counts the delete and the create apart
                             total += 1
                             order = per_table[info.topic] = order + 1
-                        yield info.topic, key, self._value(
-                            info, templates, xid, commit_lsn, ts_ms, snapshot, now_ms, lsn,
-                            op, before if op == "u" else None, after, txid, total,
-                            order), new_headers
+                        yield (
+                            info.topic,
+                            key,
+                            self._value(
+                                info,
+                                templates,
+                                xid,
+                                commit_lsn,
+                                ts_ms,
+                                snapshot,
+                                now_ms,
+                                lsn,
+                                op,
+                                before if op == "u" else None,
+                                after,
+                                txid,
+                                total,
+                                order,
+                            ),
+                            new_headers,
+                        )
                         continue
-                yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
-                                                   snapshot, now_ms, lsn, "u", before, after,
-                                                   txid, total, order), headers
+                yield (
+                    info.topic,
+                    key,
+                    self._value(
+                        info,
+                        templates,
+                        xid,
+                        commit_lsn,
+                        ts_ms,
+                        snapshot,
+                        now_ms,
+                        lsn,
+                        "u",
+                        before,
+                        after,
+                        txid,
+                        total,
+                        order,
+                    ),
+                    headers,
+                )
             elif isinstance(msg, m.Delete):
-                before = (_key_row(info, msg.old) if msg.old_is_key_only
-                          else _row(info, msg.old, None, info.placeholders))
+                before = (
+                    _key_row(info, msg.old)
+                    if msg.old_is_key_only
+                    else _row(info, msg.old, None, info.placeholders)
+                )
                 key = key_of(info, _key_row(info, msg.old))
-                yield info.topic, key, self._value(info, templates, xid, commit_lsn, ts_ms,
-                                                   snapshot, now_ms, lsn, "d", before, None,
-                                                   txid, total, order), headers
+                yield (
+                    info.topic,
+                    key,
+                    self._value(
+                        info,
+                        templates,
+                        xid,
+                        commit_lsn,
+                        ts_ms,
+                        snapshot,
+                        now_ms,
+                        lsn,
+                        "d",
+                        before,
+                        None,
+                        txid,
+                        total,
+                        order,
+                    ),
+                    headers,
+                )
                 yield info.topic, key, None, headers
         yield self._transaction_record("END", txid, ts_ms, total, per_table)
 
-    def _transaction_record(self, status: str, txid: str, ts_ms: int, total: int | None,
-                            per_table: dict[str, int] | None) -> Record:
+    def _transaction_record(
+        self,
+        status: str,
+        txid: str,
+        ts_ms: int,
+        total: int | None,
+        per_table: dict[str, int] | None,
+    ) -> Record:
         """A BEGIN (``total`` None) or END record of the transaction topic."""
-        return (self.transaction_topic, _dumps({"id": txid}),
-                _transaction_value(status, txid, ts_ms, total, per_table), None)
+        return (
+            self.transaction_topic,
+            _dumps({"id": txid}),
+            _transaction_value(status, txid, ts_ms, total, per_table),
+            None,
+        )
 
     def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
         """The record key of a row holding (at least) the key columns."""
         return _dumps({n: row[n] for n in info.key_names}) if info.key_names else None
 
-    def _key_change_headers(self, info: RelationInfo, old: m.TupleData, new: m.TupleData,
-                            ) -> tuple[Headers | None, Headers | None]:
+    def _key_change_headers(
+        self,
+        info: RelationInfo,
+        old: m.TupleData,
+        new: m.TupleData,
+    ) -> tuple[Headers | None, Headers | None]:
         """Headers of the delete + tombstone of the old key, and of the new key's record."""
         return self.headers, self.headers
 
@@ -361,15 +524,22 @@ class EventBuilder:
         raise RowTooLarge(
             f"a change of {name} at LSN {format_lsn(lsn)} is {size} bytes in the replication "
             f"stream, so its record is over the limit of {self.max_record_bytes} "
-            f"(max_row_bytes); refused before building it; {_TOO_LARGE_REMEDY}")
+            f"(max_row_bytes); refused before building it; {_TOO_LARGE_REMEDY}"
+        )
 
     def _schema_record(self, info: RelationInfo) -> Record:
         info.published = True
         key = _dumps({"schema": info.schema, "table": info.table, "version": info.version})
         return self.schema_topic, key, _dumps(info.schema_record), None
 
-    def snapshot_rows(self, info: RelationInfo, rows: Iterable[Sequence[str | None]],
-                      commit_lsn: int, commit_ts: int, lsn: int) -> Iterator[Record]:
+    def snapshot_rows(
+        self,
+        info: RelationInfo,
+        rows: Iterable[Sequence[str | None]],
+        commit_lsn: int,
+        commit_ts: int,
+        lsn: int,
+    ) -> Iterator[Record]:
         """Records (op ``r``) of the rows one snapshot chunk read, in their text form.
 
         They sit at the chunk's watermark: ``lsn`` is its message, ``commit_lsn`` its
@@ -382,8 +552,16 @@ class EventBuilder:
             yield self._schema_record(info)
         ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
         head, tail = self._source(info, None, commit_lsn, ts_ms, b"true")
-        rest = _VALUE_REST % (head, lsn, tail, commit_lsn, lsn, b"r", int(time.time() * 1000),
-                              f"0:{commit_lsn}".encode())
+        rest = _VALUE_REST % (
+            head,
+            lsn,
+            tail,
+            commit_lsn,
+            lsn,
+            b"r",
+            int(time.time() * 1000),
+            f"0:{commit_lsn}".encode(),
+        )
         topic, key_names, limit = info.topic, info.key_names, self.max_record_bytes
         for n, values in enumerate(rows, 1):
             row = _whole_row(info, values)
@@ -392,33 +570,74 @@ class EventBuilder:
                 value = _with_json_nulls(value, info, None, row)
             if len(value) > limit:
                 raise self._too_large(info, lsn, len(value))
-            yield (topic, _dumps({k: row[k] for k in key_names}) if key_names else None, value,
-                   None)
+            yield (
+                topic,
+                _dumps({k: row[k] for k in key_names}) if key_names else None,
+                value,
+                None,
+            )
 
-    def _source(self, info: RelationInfo, xid: int | None, commit_lsn: int, ts_ms: int,
-                snapshot: bytes) -> tuple[bytes, bytes]:
+    def _source(
+        self, info: RelationInfo, xid: int | None, commit_lsn: int, ts_ms: int, snapshot: bytes
+    ) -> tuple[bytes, bytes]:
         """The ``source`` block before and after its ``lsn``: the same for every change of
         a relation in one transaction."""
-        head = _dumps({"connector": CONNECTOR, "version": VERSION, "name": self.topic_prefix,
-                       "db": self.db, "schema": info.schema, "table": info.table,
-                       "txId": xid})[:-1]
+        head = _dumps(
+            {
+                "connector": CONNECTOR,
+                "version": VERSION,
+                "name": self.topic_prefix,
+                "db": self.db,
+                "schema": info.schema,
+                "table": info.table,
+                "txId": xid,
+            }
+        )[:-1]
         tail = b',"commit_lsn":%d,"ts_ms":%d,"snapshot":"%b","schema_version":%d' % (
-            commit_lsn, ts_ms, snapshot, info.version)
+            commit_lsn,
+            ts_ms,
+            snapshot,
+            info.version,
+        )
         return head, tail
 
-    def _value(self, info: RelationInfo, templates: dict[int, tuple[bytes, bytes]], xid: int,
-               commit_lsn: int, ts_ms: int, snapshot: str, now_ms: int, lsn: int, op: str,
-               before: dict[str, JsonValue] | None, after: dict[str, JsonValue] | None,
-               txid: str, total: int, order: int) -> bytes:
+    def _value(
+        self,
+        info: RelationInfo,
+        templates: dict[int, tuple[bytes, bytes]],
+        xid: int,
+        commit_lsn: int,
+        ts_ms: int,
+        snapshot: str,
+        now_ms: int,
+        lsn: int,
+        op: str,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue] | None,
+        txid: str,
+        total: int,
+        order: int,
+    ) -> bytes:
         pieces = templates.get(info.oid)
         if pieces is None:
             pieces = templates[info.oid] = self._source(
-                info, xid if snapshot == "false" else None, commit_lsn, ts_ms, snapshot.encode())
+                info, xid if snapshot == "false" else None, commit_lsn, ts_ms, snapshot.encode()
+            )
         head, tail = pieces
-        out = _VALUE % (_dumps(before) if before is not None else b"null",
-                        _dumps(after) if after is not None else b"null",
-                        head, lsn, tail, commit_lsn, lsn, op.encode(), now_ms, txid.encode(),
-                        total, order)
+        out = _VALUE % (
+            _dumps(before) if before is not None else b"null",
+            _dumps(after) if after is not None else b"null",
+            head,
+            lsn,
+            tail,
+            commit_lsn,
+            lsn,
+            op.encode(),
+            now_ms,
+            txid.encode(),
+            total,
+            order,
+        )
         if info.json_names:
             out = _with_json_nulls(out, info, before, after)
         if len(out) > self.max_record_bytes:
@@ -429,12 +648,15 @@ class EventBuilder:
         return RowTooLarge(
             f"a change of {info.schema}.{info.table} at LSN {format_lsn(lsn)} is "
             f"{size} bytes, over the limit of {self.max_record_bytes} (max_row_bytes); "
-            f"{_TOO_LARGE_REMEDY}")
+            f"{_TOO_LARGE_REMEDY}"
+        )
 
 
 # A change record's value, cut where a snapshot chunk's records differ from one another.
-_VALUE_REST = (b',"source":%b,"lsn":%d%b,"sequence":"[\\"%d\\",\\"%d\\"]"},'
-               b'"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":')
+_VALUE_REST = (
+    b',"source":%b,"lsn":%d%b,"sequence":"[\\"%d\\",\\"%d\\"]"},'
+    b'"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":'
+)
 _VALUE_END = b'%d,"data_collection_order":%d}}'
 _VALUE = b'{"before":%b,"after":%b' + _VALUE_REST + _VALUE_END
 _SNAPSHOT_VALUE = b'{"before":null,"after":%b%b' + _VALUE_END
@@ -443,8 +665,12 @@ _SNAPSHOT_VALUE = b'{"before":null,"after":%b%b' + _VALUE_END
 _JSON_OIDS = frozenset((114, 3802))
 
 
-def _with_json_nulls(value: bytes, info: RelationInfo, before: dict[str, JsonValue] | None,
-                     after: dict[str, JsonValue] | None) -> bytes:
+def _with_json_nulls(
+    value: bytes,
+    info: RelationInfo,
+    before: dict[str, JsonValue] | None,
+    after: dict[str, JsonValue] | None,
+) -> bytes:
     """``value`` with ``"json_nulls": {"before": [...], "after": [...]}`` naming the json
     and jsonb columns whose value is JSON ``null`` (embedded, it reads like SQL NULL);
     ``value`` unchanged when there is none, the usual case."""
@@ -459,23 +685,42 @@ def _with_json_nulls(value: bytes, info: RelationInfo, before: dict[str, JsonVal
     return value[:-1] + b',"json_nulls":' + _dumps(nulls) + b"}"
 
 
-def _transaction_value(status: str, txid: str, ts_ms: int, total: int | None,
-                       per_table: dict[str, int] | None) -> bytes:
-    collections = None if per_table is None else [
-        {"data_collection": topic.split(".", 1)[1], "event_count": n}
-        for topic, n in per_table.items()]
-    return _dumps({"status": status, "id": txid, "event_count": total,
-                   "data_collections": collections, "ts_ms": ts_ms})
+def _transaction_value(
+    status: str, txid: str, ts_ms: int, total: int | None, per_table: dict[str, int] | None
+) -> bytes:
+    collections = (
+        None
+        if per_table is None
+        else [
+            {"data_collection": topic.split(".", 1)[1], "event_count": n}
+            for topic, n in per_table.items()
+        ]
+    )
+    return _dumps(
+        {
+            "status": status,
+            "id": txid,
+            "event_count": total,
+            "data_collections": collections,
+            "ts_ms": ts_ms,
+        }
+    )
 
 
 def _whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:
     """A row with every value sent (no unchanged TOAST): an insert's, a snapshot's."""
-    return {name: None if v is None else conv(v)
-            for name, conv, v in zip(info.names, info.converters, values, strict=False)}
+    return {
+        name: None if v is None else conv(v)
+        for name, conv, v in zip(info.names, info.converters, values, strict=False)
+    }
 
 
-def _row(info: RelationInfo, tup: m.TupleData, old: m.TupleData | None,
-         placeholders: tuple[JsonValue, ...]) -> dict[str, JsonValue]:
+def _row(
+    info: RelationInfo,
+    tup: m.TupleData,
+    old: m.TupleData | None,
+    placeholders: tuple[JsonValue, ...],
+) -> dict[str, JsonValue]:
     row: dict[str, JsonValue] = {}
     for i, (name, conv, value) in enumerate(zip(info.names, info.converters, tup, strict=False)):
         if value is None:

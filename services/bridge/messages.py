@@ -202,7 +202,23 @@ class StreamPrepare:
 
 
 Message = (
-    Begin | Commit | Origin | Relation | TypeMsg | Insert | Update | Delete | Truncate
-    | LogicalMessage | StreamStart | StreamStop | StreamCommit | StreamAbort
-    | BeginPrepare | Prepare | CommitPrepared | RollbackPrepared | StreamPrepare
+    Begin
+    | Commit
+    | Origin
+    | Relation
+    | TypeMsg
+    | Insert
+    | Update
+    | Delete
+    | Truncate
+    | LogicalMessage
+    | StreamStart
+    | StreamStop
+    | StreamCommit
+    | StreamAbort
+    | BeginPrepare
+    | Prepare
+    | CommitPrepared
+    | RollbackPrepared
+    | StreamPrepare
 )

@@ -36,32 +36,47 @@ def _table(name: str) -> tuple[str, str]:
     return (schema, table) if dot else ("public", name)
 
 
-def request_snapshot(settings: BridgeSettings, table: str,
-                     where: str | None) -> tuple[str, int]:
+def request_snapshot(settings: BridgeSettings, table: str, where: str | None) -> tuple[str, int]:
     """Check the request, send it; returns its id and its place in the WAL."""
     name = _table(table)
     with connect(_dsn(settings)) as conn:
         if name not in {p.name for p in published_tables(conn, settings.publication_name)}:
-            raise SourceRefused(f"table {name[0]}.{name[1]} is not in publication "
-                                f"{settings.publication_name}; add it there first")
+            raise SourceRefused(
+                f"table {name[0]}.{name[1]} is not in publication "
+                f"{settings.publication_name}; add it there first"
+            )
         if where is not None:
             try:
-                conn.execute(sql.SQL("EXPLAIN SELECT 1 FROM {} WHERE ({})").format(
-                    sql.Identifier(*name), sql.SQL(where)))
+                conn.execute(
+                    sql.SQL("EXPLAIN SELECT 1 FROM {} WHERE ({})").format(
+                        sql.Identifier(*name), sql.SQL(where)
+                    )
+                )
             except psycopg.Error as exc:
-                raise SourceRefused(f"--where {where!r} does not work on {name[0]}.{name[1]}: "
-                                    f"{exc.diag.message_primary}") from None
-        progress = read_kafka_progress(kafka_client_config(settings), settings.progress_topic,
-                                       settings.slot_name)
-        busy = next((e for e in progress.snapshots if (e.schema_, e.table) == name), None) \
-            if progress is not None else None
+                raise SourceRefused(
+                    f"--where {where!r} does not work on {name[0]}.{name[1]}: "
+                    f"{exc.diag.message_primary}"
+                ) from None
+        progress = read_kafka_progress(
+            kafka_client_config(settings), settings.progress_topic, settings.slot_name
+        )
+        busy = (
+            next((e for e in progress.snapshots if (e.schema_, e.table) == name), None)
+            if progress is not None
+            else None
+        )
         if busy is not None:
-            raise SourceRefused(f"table {name[0]}.{name[1]} is being snapshotted already "
-                                f"(request {busy.id}, {busy.rows:,} rows so far); wait for it "
-                                f"or cancel it with --cancel {busy.id}")
+            raise SourceRefused(
+                f"table {name[0]}.{name[1]} is being snapshotted already "
+                f"(request {busy.id}, {busy.rows:,} rows so far); wait for it "
+                f"or cancel it with --cancel {busy.id}"
+            )
         request = uuid.uuid4().hex[:12]
-        lsn = _signal(conn, settings, {"snapshot": {"table": f"{name[0]}.{name[1]}",
-                                                    "where": where, "id": request}})
+        lsn = _signal(
+            conn,
+            settings,
+            {"snapshot": {"table": f"{name[0]}.{name[1]}", "where": where, "id": request}},
+        )
     return request, lsn
 
 
@@ -71,31 +86,45 @@ def cancel_snapshot(settings: BridgeSettings, what: str) -> None:
         _signal(conn, settings, {"cancel": what})
 
 
-def _signal(conn: psycopg.Connection[tuple[object, ...]], settings: BridgeSettings,
-            body: dict[str, object]) -> int:
+def _signal(
+    conn: psycopg.Connection[tuple[object, ...]], settings: BridgeSettings, body: dict[str, object]
+) -> int:
     try:
-        row = conn.execute("SELECT pg_logical_emit_message(true, %s, %s)::text",
-                           (SIGNAL, json.dumps({"slot": settings.slot_name, **body}))).fetchone()
+        row = conn.execute(
+            "SELECT pg_logical_emit_message(true, %s, %s)::text",
+            (SIGNAL, json.dumps({"slot": settings.slot_name, **body})),
+        ).fetchone()
         assert row is not None
         return parse_lsn(str(row[0]))
     except psycopg.errors.InsufficientPrivilege:
-        raise SourceRefused(f"role {conn.info.user} may not call pg_logical_emit_message; use "
-                            "the bridge's role") from None
+        raise SourceRefused(
+            f"role {conn.info.user} may not call pg_logical_emit_message; use the bridge's role"
+        ) from None
 
 
-def wait_for(settings: BridgeSettings, request: str, lsn: int, timeout_s: float,
-             report: Callable[[TableSnapshot | None], None], poll_s: float = 2.0) -> bool:
+def wait_for(
+    settings: BridgeSettings,
+    request: str,
+    lsn: int,
+    timeout_s: float,
+    report: Callable[[TableSnapshot | None], None],
+    poll_s: float = 2.0,
+) -> bool:
     """Until Kafka holds the request's last chunk (True) or ``timeout_s`` passed (False;
     0 waits for ever). The request was acted on once the published position passed
     ``lsn``; it is finished once its entry left the progress record. ``report`` gets the
     entry on every poll (None until the bridge reached the request)."""
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
     while True:
-        progress = read_kafka_progress(kafka_client_config(settings), settings.progress_topic,
-                                       settings.slot_name)
+        progress = read_kafka_progress(
+            kafka_client_config(settings), settings.progress_topic, settings.slot_name
+        )
         reached = progress is not None and progress.end_lsn >= lsn
-        entry = next((e for e in progress.snapshots if e.id == request), None) \
-            if progress is not None else None
+        entry = (
+            next((e for e in progress.snapshots if e.id == request), None)
+            if progress is not None
+            else None
+        )
         if reached and entry is None:
             return True
         report(entry)

@@ -54,8 +54,9 @@ class IdentityError(ProgressError):
     moves on to another server instead.
     """
 
-    def __init__(self, problem: str, remedy: str, server: ServerIdentity,
-                 published: ProgressRecord) -> None:
+    def __init__(
+        self, problem: str, remedy: str, server: ServerIdentity, published: ProgressRecord
+    ) -> None:
         super().__init__(f"{problem}; {remedy}")
         self.problem = problem
         self.server = server
@@ -76,12 +77,17 @@ def check_identity(server: ServerIdentity, kafka: ProgressRecord | None, slot: s
             f"slot {slot}'s published progress came from PostgreSQL system "
             f"{kafka.system_identifier}, but this server is system {server.system_identifier}",
             "point source_dsn at the right cluster (or use another slot_name/progress_topic)",
-            server, kafka)
+            server,
+            kafka,
+        )
     if server.timeline < kafka.timeline:
         raise IdentityError(
             f"server is on timeline {server.timeline} but slot {slot} already published from "
             f"timeline {kafka.timeline}: this looks like an old primary after a failover",
-            "point source_dsn at the current primary", server, kafka)
+            "point source_dsn at the current primary",
+            server,
+            kafka,
+        )
 
 
 class OriginStore:
@@ -113,16 +119,20 @@ class OriginStore:
         """The recorded position; 0 while the origin does not exist."""
         if not self.exists():
             return 0
-        value = self._call("pg_replication_origin_progress", "text, boolean", "%s, true",
-                           (self.name,))
+        value = self._call(
+            "pg_replication_origin_progress", "text, boolean", "%s, true", (self.name,)
+        )
         return parse_lsn(str(value)) if value else 0
 
     def advance(self, lsn: int) -> None:
-        self._call("pg_replication_origin_advance", "text, pg_lsn", "%s, %s::pg_lsn",
-                   (self.name, format_lsn(lsn)))
+        self._call(
+            "pg_replication_origin_advance",
+            "text, pg_lsn",
+            "%s, %s::pg_lsn",
+            (self.name, format_lsn(lsn)),
+        )
 
-    def _call(self, function: str, signature: str, args: str,
-              params: tuple[object, ...]) -> object:
+    def _call(self, function: str, signature: str, args: str, params: tuple[object, ...]) -> object:
         try:
             with self._conn.cursor() as cur:
                 cur.execute(f"SELECT {function}({args})", params)
@@ -130,18 +140,21 @@ class OriginStore:
         except psycopg.errors.InsufficientPrivilege:
             raise SourceRefused(
                 f"the bridge's role may not call {function}; as a superuser run GRANT EXECUTE "
-                f"ON FUNCTION {function}({signature}) TO {self._conn.info.user}") from None
+                f"ON FUNCTION {function}({signature}) TO {self._conn.info.user}"
+            ) from None
         return row[0] if row else None
 
 
 def _consumer(client_config: dict[str, object]) -> Consumer:
-    return Consumer({
-        **client_config,
-        "group.id": f"slotbridge-reader-{uuid.uuid4()}",
-        "isolation.level": "read_committed",
-        "enable.auto.commit": False,
-        "enable.partition.eof": True,
-    })
+    return Consumer(
+        {
+            **client_config,
+            "group.id": f"slotbridge-reader-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
 
 
 def _bounds(consumer: Consumer, topic: str, timeout_s: float) -> tuple[int, int] | None:
@@ -151,8 +164,7 @@ def _bounds(consumer: Consumer, topic: str, timeout_s: float) -> tuple[int, int]
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0),
-                                                       timeout=timeout_s)
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout_s)
             return int(low), int(high)
         except KafkaException:
             # A partition that just got its leader answers "not leader" for a moment.
@@ -161,8 +173,9 @@ def _bounds(consumer: Consumer, topic: str, timeout_s: float) -> tuple[int, int]
             time.sleep(0.2)
 
 
-def _scan(consumer: Consumer, topic: str, start: int, end: int,
-          timeout_s: float) -> Iterator[tuple[bytes | None, bytes | None]]:
+def _scan(
+    consumer: Consumer, topic: str, start: int, end: int, timeout_s: float
+) -> Iterator[tuple[bytes | None, bytes | None]]:
     """Committed (key, value) pairs of partition 0 from ``start`` up to ``end``."""
     consumer.assign([TopicPartition(topic, 0, start if start > 0 else OFFSET_BEGINNING)])
     deadline = time.monotonic() + timeout_s
@@ -182,8 +195,9 @@ def _scan(consumer: Consumer, topic: str, start: int, end: int,
     raise ProgressError(f"timed out reading topic {topic}")
 
 
-def read_kafka_progress(client_config: dict[str, object], topic: str, slot: str,
-                        timeout_s: float = 30.0) -> ProgressRecord | None:
+def read_kafka_progress(
+    client_config: dict[str, object], topic: str, slot: str, timeout_s: float = 30.0
+) -> ProgressRecord | None:
     """The last committed progress record for ``slot``, or None if there is none.
 
     Reads backwards in growing windows from the end of the (single-partition) topic, so
@@ -215,8 +229,9 @@ def read_kafka_progress(client_config: dict[str, object], topic: str, slot: str,
         consumer.close()
 
 
-def read_topic(client_config: dict[str, object], topic: str,
-               timeout_s: float = 60.0) -> list[tuple[bytes | None, bytes | None]]:
+def read_topic(
+    client_config: dict[str, object], topic: str, timeout_s: float = 60.0
+) -> list[tuple[bytes | None, bytes | None]]:
     """Every committed record of a small single-partition topic (the schema topic)."""
     consumer = _consumer(client_config)
     try:
@@ -234,14 +249,24 @@ def progress_key(slot: str) -> bytes:
     return json.dumps({"slot": slot}).encode()
 
 
-def progress_value(slot: str, end_lsn: int, commit_lsn: int, identity: ServerIdentity,
-                   snapshots: Sequence[TableSnapshot] = ()) -> bytes:
-    return json.dumps({
-        "slot": slot, "end_lsn": end_lsn, "commit_lsn": commit_lsn,
-        "system_identifier": identity.system_identifier, "timeline": identity.timeline,
-        "ts_ms": int(time.time() * 1000),
-        "snapshots": [snap.model_dump(by_alias=True) for snap in snapshots],
-    }).encode()
+def progress_value(
+    slot: str,
+    end_lsn: int,
+    commit_lsn: int,
+    identity: ServerIdentity,
+    snapshots: Sequence[TableSnapshot] = (),
+) -> bytes:
+    return json.dumps(
+        {
+            "slot": slot,
+            "end_lsn": end_lsn,
+            "commit_lsn": commit_lsn,
+            "system_identifier": identity.system_identifier,
+            "timeline": identity.timeline,
+            "ts_ms": int(time.time() * 1000),
+            "snapshots": [snap.model_dump(by_alias=True) for snap in snapshots],
+        }
+    ).encode()
 
 
 class ConfirmTracker:

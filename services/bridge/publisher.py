@@ -124,11 +124,24 @@ _MESSAGE = 0x4D  # 'M'
 
 
 class Publisher(threading.Thread):
-    def __init__(self, *, settings: BridgeSettings, sink: KafkaSink, origin: OriginStore,
-                 builder: EventBuilder, tracker: ConfirmTracker, identity: ServerIdentity,
-                 high_water: int, last_commit_lsn: int, queue: TxnQueue, decode: Decode,
-                 metrics: BridgeMetrics, book: SnapshotBook, snapshot_added: bool,
-                 published: Callable[[], set[TableName]]) -> None:
+    def __init__(
+        self,
+        *,
+        settings: BridgeSettings,
+        sink: KafkaSink,
+        origin: OriginStore,
+        builder: EventBuilder,
+        tracker: ConfirmTracker,
+        identity: ServerIdentity,
+        high_water: int,
+        last_commit_lsn: int,
+        queue: TxnQueue,
+        decode: Decode,
+        metrics: BridgeMetrics,
+        book: SnapshotBook,
+        snapshot_added: bool,
+        published: Callable[[], set[TableName]],
+    ) -> None:
         """``snapshot_added``: whether tables missing from Kafka get a snapshot (not with
         ``snapshot_mode: never``, nor for a FOR ALL TABLES publication, whose new tables
         stream from their creation)."""
@@ -198,8 +211,11 @@ class Publisher(threading.Thread):
                 self._watch.committed(item.xid)
             if batch is not None:
                 age = time.monotonic() - batch.started
-                if (batch.events >= self._settings.batch_max_events or age >= max_s
-                        or (age >= linger_s and self._queue.empty)):
+                if (
+                    batch.events >= self._settings.batch_max_events
+                    or age >= max_s
+                    or (age >= linger_s and self._queue.empty)
+                ):
                     self._commit(batch)
                     batch = None
             if batch is None and time.monotonic() - self._committed_at >= HEARTBEAT_S:
@@ -216,7 +232,8 @@ class Publisher(threading.Thread):
                 raise GapError(
                     f"COMMIT PREPARED '{txn.gid}' arrived without its PREPARE content, past "
                     "the published position: refusing to skip it; check the slot's two_phase "
-                    "history and re-snapshot the affected tables")
+                    "history and re-snapshot the affected tables"
+                )
             return False
         # The server sends a relation's description once per session, possibly inside a
         # transaction we skip; later transactions rely on it, so learn it anyway.
@@ -234,8 +251,11 @@ class Publisher(threading.Thread):
 
     def is_missing(self, table: TableName) -> bool:
         """Published, not in Kafka, and no snapshot of it under way (any thread may ask)."""
-        return (self.snapshot_added and table not in self._builder.catalog.known
-                and not self._book.covers(table))
+        return (
+            self.snapshot_added
+            and table not in self._builder.catalog.known
+            and not self._book.covers(table)
+        )
 
     def _snapshot_if_missing(self, table: TableName) -> None:
         if self.is_missing(table):
@@ -246,19 +266,24 @@ class Publisher(threading.Thread):
         under_way = self._book.add(table, request, where)
         if under_way is not None:
             if under_way != request:
-                log_event(log, logging.WARNING, "snapshot request ignored: the table's "
-                          "snapshot is under way; cancel that one first", table=name,
-                          request=request, under_way=under_way)
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "snapshot request ignored: the table's "
+                    "snapshot is under way; cancel that one first",
+                    table=name,
+                    request=request,
+                    under_way=under_way,
+                )
             return
         self._watch.watch(table)
-        log_event(log, logging.INFO, "snapshot requested", table=name, request=request,
-                  where=where)
+        log_event(log, logging.INFO, "snapshot requested", table=name, request=request, where=where)
 
     def _control(self, txn: Transaction, batch: _Batch) -> bool:
         """Whether ``txn`` holds nothing but a message of ours; acts on it if so."""
         if txn.spool.count != 1:
             return False
-        (lsn, payload), = txn.spool
+        ((lsn, payload),) = txn.spool
         if payload[0] != _MESSAGE:
             return False
         msg = self._decode(payload, txn.streamed)
@@ -268,8 +293,13 @@ class Publisher(threading.Thread):
         try:
             body = json.loads(msg.content)
         except ValueError:
-            log_event(log, logging.WARNING, "ignored a malformed message of ours",
-                      prefix=msg.prefix, lsn=lsn)
+            log_event(
+                log,
+                logging.WARNING,
+                "ignored a malformed message of ours",
+                prefix=msg.prefix,
+                lsn=lsn,
+            )
             return True
         if not isinstance(body, dict) or body.get("slot") != self._settings.slot_name:
             return True  # another bridge's, on the same database
@@ -281,13 +311,19 @@ class Publisher(threading.Thread):
             request = body["snapshot"]
             schema, _, name = str(request.get("table", "")).partition(".")
             where = request.get("where")
-            self._start_snapshot((schema, name), str(request.get("id")),
-                                 str(where) if where is not None else None)
+            self._start_snapshot(
+                (schema, name), str(request.get("id")), str(where) if where is not None else None
+            )
         elif body.get("cancel") is not None:
             for table in self._book.cancel(str(body["cancel"])):
                 self._watch.unwatch(table)
-                log_event(log, logging.INFO, "snapshot cancelled",
-                          table=f"{table[0]}.{table[1]}", request=body["cancel"])
+                log_event(
+                    log,
+                    logging.INFO,
+                    "snapshot cancelled",
+                    table=f"{table[0]}.{table[1]}",
+                    request=body["cancel"],
+                )
         return True
 
     def _publish_chunk(self, chunk: Chunk, txn: Transaction, lsn: int) -> int:
@@ -295,26 +331,38 @@ class Publisher(threading.Thread):
         catalog = self._builder.catalog
         stream_shape = catalog.by_oid.get(chunk.relation.oid)
         info = catalog.apply(chunk.relation)
-        rows = self._watch.fresh(chunk.table, chunk.snapshot, chunk.rows, info.key_idx,
-                                 chunk.xmins)
+        rows = self._watch.fresh(chunk.table, chunk.snapshot, chunk.rows, info.key_idx, chunk.xmins)
         name = f"{chunk.table[0]}.{chunk.table[1]}"
         if rows is None:
-            log_event(log, logging.INFO, "snapshot chunk read again: a transaction committed "
-                      "before the snapshot was requested was still running", table=name)
+            log_event(
+                log,
+                logging.INFO,
+                "snapshot chunk read again: a transaction committed "
+                "before the snapshot was requested was still running",
+                table=name,
+            )
             self._restore(stream_shape)
             self._book.again(chunk)
             return 0
-        count = self._produce(self._builder.snapshot_rows(info, rows, txn.commit_lsn,
-                                                          txn.commit_ts, lsn))
+        count = self._produce(
+            self._builder.snapshot_rows(info, rows, txn.commit_lsn, txn.commit_ts, lsn)
+        )
         # The stream's own description stays in force for its changes: pgoutput does not
         # send it again.
         self._restore(stream_shape)
         if self._book.advance(chunk, len(rows)):
             self._watch.unwatch(chunk.table)
             done = self._book.report()["tables"][name]
-            log_event(log, logging.INFO, "snapshot of table published", table=name,
-                      rows=done["rows_done"], chunks=done["chunks_done"],
-                      seconds=done["seconds"], rows_per_s=done["rows_per_s"])
+            log_event(
+                log,
+                logging.INFO,
+                "snapshot of table published",
+                table=name,
+                rows=done["rows_done"],
+                chunks=done["chunks_done"],
+                seconds=done["seconds"],
+                rows_per_s=done["rows_per_s"],
+            )
         failpoint("after_chunk")
         return count
 
@@ -327,9 +375,11 @@ class Publisher(threading.Thread):
 
     def _publish(self, txn: Transaction) -> int:
         try:
-            count = self._produce(self._builder.transaction(
-                txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn),
-                end_lsn=txn.end_lsn))
+            count = self._produce(
+                self._builder.transaction(
+                    txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn), end_lsn=txn.end_lsn
+                )
+            )
         finally:
             txn.spool.discard()
         if txn.gid is not None:
@@ -390,8 +440,12 @@ class Publisher(threading.Thread):
         if isinstance(msg, m.Insert):
             watch.inserted(name, xid)
             if at:
-                watch.changed(name, xid, tuple(msg.new[i] for i in at),  # type: ignore[misc]
-                              insert=True)
+                watch.changed(
+                    name,
+                    xid,
+                    tuple(msg.new[i] for i in at),  # type: ignore[misc]
+                    insert=True,
+                )
             return
         if at:
             for tup in (msg.old, getattr(msg, "new", None)):
@@ -403,10 +457,17 @@ class Publisher(threading.Thread):
         end_lsn = last.end_lsn if last is not None else self.high_water
         if last is not None:
             self._last_commit_lsn = last.commit_lsn
-        self._sink.produce(self._settings.progress_topic, progress_key(self._settings.slot_name),
-                           progress_value(self._settings.slot_name, end_lsn,
-                                          self._last_commit_lsn, self._identity,
-                                          self._book.states()))
+        self._sink.produce(
+            self._settings.progress_topic,
+            progress_key(self._settings.slot_name),
+            progress_value(
+                self._settings.slot_name,
+                end_lsn,
+                self._last_commit_lsn,
+                self._identity,
+                self._book.states(),
+            ),
+        )
         failpoint("before_kafka_commit")
         seconds = self._sink.commit()
         visible = now_pg_us()
@@ -429,5 +490,11 @@ class Publisher(threading.Thread):
         for table in self._watch.tables():
             if not self._book.covers(table):  # a reader gave it up
                 self._watch.unwatch(table)
-        log_event(log, logging.DEBUG, "batch committed", events=batch.events,
-                  end_lsn=end_lsn, kafka_commit_s=round(seconds, 4))
+        log_event(
+            log,
+            logging.DEBUG,
+            "batch committed",
+            events=batch.events,
+            end_lsn=end_lsn,
+            kafka_commit_s=round(seconds, 4),
+        )

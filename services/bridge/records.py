@@ -44,10 +44,13 @@ class Source(_Strict):
     table: str
     txId: int | None = Field(description="source transaction id; null in a snapshot")
     lsn: int | None = Field(description="WAL position of the change")
-    commit_lsn: int | None = Field(description=(
-        "WAL position of the transaction's commit; in a snapshot record (op r), the commit "
-        "of the watermark transaction that closed its chunk: it sorts after every change its "
-        "rows contain and before every change they do not"))
+    commit_lsn: int | None = Field(
+        description=(
+            "WAL position of the transaction's commit; in a snapshot record (op r), the commit "
+            "of the watermark transaction that closed its chunk: it sorts after every change its "
+            "rows contain and before every change they do not"
+        )
+    )
     ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
     snapshot: Literal["true", "last", "false"]
     sequence: str = Field(description='JSON array ["<commit_lsn>","<lsn>"] (Debezium style)')
@@ -89,14 +92,17 @@ class ChangeValue(_Strict):
     ts_ms: int = Field(description="when the bridge built the record, ms since epoch")
     transaction: TransactionBlock | None
     json_nulls: JsonNulls | None = Field(
-        default=None, description="json/jsonb columns holding JSON null (embedded, it reads "
-        "like SQL NULL); absent when there is none")
+        default=None,
+        description="json/jsonb columns holding JSON null (embedded, it reads "
+        "like SQL NULL); absent when there is none",
+    )
 
 
 class DataCollection(_Strict):
     data_collection: str = Field(
         description="the table as its change topic names it: ``{schema}.{table}``, each name "
-                    "mapped if Kafka would refuse it (see ChangeValue)")
+        "mapped if Kafka would refuse it (see ChangeValue)"
+    )
     event_count: int
 
 
@@ -118,8 +124,10 @@ class ColumnSchema(_Strict):
     nullable: bool
     key: bool
     dimensions: int | None = Field(
-        default=None, description="an array column's declared dimensions (int[][]: 2), when "
-        "more than one; PostgreSQL does not enforce them")
+        default=None,
+        description="an array column's declared dimensions (int[][]: 2), when "
+        "more than one; PostgreSQL does not enforce them",
+    )
 
 
 class TableSchemaRecord(_Strict):
@@ -151,8 +159,7 @@ class TableSnapshot(_Strict):
     table: str
     id: str = Field(description="the request: 'initial', 'added', or an on-demand request id")
     where: str | None = Field(default=None, description="the on-demand condition, SQL")
-    cursor: list[str | None] | None = Field(
-        default=None, description="null before the first chunk")
+    cursor: list[str | None] | None = Field(default=None, description="null before the first chunk")
     chunks: int = 0
     rows: int = Field(default=0, description="rows published so far")
     started_ms: int
@@ -194,8 +201,10 @@ def json_schema(model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema(by_alias=True)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     if model is ChangeValue:
-        schema["description"] = (schema.get("description", "") + "\n\nUnchanged TOAST marker: "
-                                 f"a column value equal to \"{TOAST_PLACEHOLDER}\".").strip()
+        schema["description"] = (
+            schema.get("description", "") + "\n\nUnchanged TOAST marker: "
+            f'a column value equal to "{TOAST_PLACEHOLDER}".'
+        ).strip()
     return schema
 
 

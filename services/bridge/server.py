@@ -73,8 +73,13 @@ def open_server(source_dsn: str, published: ProgressRecord | None, slot: str) ->
             if len(dsns) == 1:
                 raise
             # A down or read-only server is what a multi-host DSN is for: no warning.
-            log_event(log, logging.INFO, "source_dsn: server not used", server=server_address(dsn),
-                      reason=one_line(exc))
+            log_event(
+                log,
+                logging.INFO,
+                "source_dsn: server not used",
+                server=server_address(dsn),
+                reason=one_line(exc),
+            )
             passed_over.append(f"{server_address(dsn)}: {one_line(exc)}")
             continue
         try:
@@ -83,13 +88,20 @@ def open_server(source_dsn: str, published: ProgressRecord | None, slot: str) ->
             server.close()
             if len(dsns) == 1:
                 raise
-            log_event(log, logging.WARNING, f"source_dsn: skipping {server.address}: "
-                      f"{exc.problem}", server=server.address,
-                      system=exc.server.system_identifier, timeline=exc.server.timeline,
-                      published_system=exc.published.system_identifier,
-                      published_timeline=exc.published.timeline)
+            log_event(
+                log,
+                logging.WARNING,
+                f"source_dsn: skipping {server.address}: {exc.problem}",
+                server=server.address,
+                system=exc.server.system_identifier,
+                timeline=exc.server.timeline,
+                published_system=exc.published.system_identifier,
+                published_timeline=exc.published.timeline,
+            )
             passed_over.append(f"{server.address}: {exc.problem}")
             continue
         return server
-    raise SourceError(f"no server in source_dsn can be used ({'; '.join(passed_over)}); "
-                      "start the current primary or point source_dsn at it")
+    raise SourceError(
+        f"no server in source_dsn can be used ({'; '.join(passed_over)}); "
+        "start the current primary or point source_dsn at it"
+    )

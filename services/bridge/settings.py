@@ -42,22 +42,40 @@ class BridgeSettings(ServiceSettings):
     slot_name: str = "slotbridge"
     publication_name: str = "slotbridge"
     tables: list[str] | None = Field(
-        default=None, description="schema.table names to publish; all tables when unset",
+        default=None,
+        description="schema.table names to publish; all tables when unset",
     )
     create_publication: bool = True
     streaming: Literal["parallel", "on", "off"] = "parallel"
     two_phase: bool = True
     snapshot_mode: Literal["initial", "never", "initial_only"] = "initial"
-    snapshot_workers: int = Field(default=2, ge=1, le=16, description=(
-        "chunk readers, one connection each; each reads a different table; chunks read and "
-        "waiting to be published are held up to this many, besides those being read"))
-    snapshot_chunk_rows: int = Field(default=20_000, ge=1, description=(
-        "rows per snapshot chunk (one watermark, one progress step)"))
-    snapshot_stall_s: float = Field(default=600.0, gt=0, description=(
-        "/healthz fails when snapshots are under way and no chunk was read or published "
-        "for this long"))
-    snapshot_chunk_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, description=(
-        "a chunk ends early past this much row text, which bounds a reader's memory"))
+    snapshot_workers: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description=(
+            "chunk readers, one connection each; each reads a different table; chunks read and "
+            "waiting to be published are held up to this many, besides those being read"
+        ),
+    )
+    snapshot_chunk_rows: int = Field(
+        default=20_000,
+        ge=1,
+        description=("rows per snapshot chunk (one watermark, one progress step)"),
+    )
+    snapshot_stall_s: float = Field(
+        default=600.0,
+        gt=0,
+        description=(
+            "/healthz fails when snapshots are under way and no chunk was read or published "
+            "for this long"
+        ),
+    )
+    snapshot_chunk_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        description=("a chunk ends early past this much row text, which bounds a reader's memory"),
+    )
 
     kafka_bootstrap: str = Field(description="Kafka bootstrap servers, host:port[,host:port]")
     kafka_config: dict[str, str] = Field(
@@ -66,18 +84,27 @@ class BridgeSettings(ServiceSettings):
     )
     kafka_sasl_password: SecretStr | None = None
     topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
-    value_format: Literal["slotbridge", "debezium"] = Field(default="slotbridge", description=(
-        "slotbridge: typed JSON values; debezium: the keys, values and headers Debezium's "
-        "PostgreSQL connector writes with its defaults through Kafka Connect's JsonConverter "
-        "(schemas.enable=true), for consumers built for Debezium"))
+    value_format: Literal["slotbridge", "debezium"] = Field(
+        default="slotbridge",
+        description=(
+            "slotbridge: typed JSON values; debezium: the keys, values and headers Debezium's "
+            "PostgreSQL connector writes with its defaults through Kafka Connect's JsonConverter "
+            "(schemas.enable=true), for consumers built for Debezium"
+        ),
+    )
     progress_topic: str = "__slotbridge_progress"
     topic_partitions: int = Field(default=1, ge=1)
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")
     kafka_transaction_timeout_ms: int = Field(default=300_000, ge=1_000)
-    kafka_transactional_id: str | None = Field(default=None, min_length=1, description=(
-        "the slot's Kafka transactional.id (default slotbridge-<slot_name>); bridges of "
-        "different databases on one Kafka cluster need different ones, or each start of one "
-        "fences the other. The Helm chart sets slotbridge.<namespace>.<release>.<slot>"))
+    kafka_transactional_id: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "the slot's Kafka transactional.id (default slotbridge-<slot_name>); bridges of "
+            "different databases on one Kafka cluster need different ones, or each start of one "
+            "fences the other. The Helm chart sets slotbridge.<namespace>.<release>.<slot>"
+        ),
+    )
 
     spool_dir: Path = Field(
         default_factory=lambda: _user_cache() / "slotbridge" / "spool",
@@ -85,21 +112,36 @@ class BridgeSettings(ServiceSettings):
         "0700, refused if other users can write to it); default ~/.cache/slotbridge/spool",
     )
     spool_memory_bytes: int = Field(
-        default=8 * 1024 * 1024, ge=0,
+        default=8 * 1024 * 1024,
+        ge=0,
         description="bytes of one transaction kept in memory before it spills to spool_dir",
     )
-    batch_max_events: int = Field(default=20_000, ge=1, description=(
-        "a Kafka transaction is committed once it holds this many change records"))
-    batch_max_ms: int = Field(default=200, ge=1, description=(
-        "a Kafka transaction is committed once it has been open this long, also while source "
-        "transactions keep arriving (a backlog)"))
-    batch_linger_ms: int = Field(default=0, ge=0, description=(
-        "when no further source transaction is ready, a Kafka transaction is committed once "
-        "it has been open this long: 0 commits a quiet stream's transactions at once; "
-        "batch_max_ms or more batches by time alone"))
+    batch_max_events: int = Field(
+        default=20_000,
+        ge=1,
+        description=("a Kafka transaction is committed once it holds this many change records"),
+    )
+    batch_max_ms: int = Field(
+        default=200,
+        ge=1,
+        description=(
+            "a Kafka transaction is committed once it has been open this long, also while source "
+            "transactions keep arriving (a backlog)"
+        ),
+    )
+    batch_linger_ms: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "when no further source transaction is ready, a Kafka transaction is committed once "
+            "it has been open this long: 0 commits a quiet stream's transactions at once; "
+            "batch_max_ms or more batches by time alone"
+        ),
+    )
     status_interval_s: float = Field(default=10.0, gt=0)
     max_row_bytes: int = Field(
-        default=8 * 1024 * 1024, ge=1024,
+        default=8 * 1024 * 1024,
+        ge=1024,
         description="a change record larger than this stops the bridge with a clear error;"
         " topics the bridge creates accept records this large (max.message.bytes)",
     )
@@ -128,8 +170,10 @@ class BridgeSettings(ServiceSettings):
     def _not_empty(cls, value: list[str] | None) -> list[str] | None:
         if value == []:
             # An empty list once meant "all tables" by accident; say which one is meant.
-            raise ValueError("an empty list publishes no table; omit tables to publish all "
-                             "tables, or list schema.table names")
+            raise ValueError(
+                "an empty list publishes no table; omit tables to publish all "
+                "tables, or list schema.table names"
+            )
         return value
 
     @property

@@ -49,23 +49,32 @@ class KafkaRefused(SinkError):
 RECORD_SLACK = 65_536
 # Codes with which Kafka refuses to create a topic for good (bad or colliding name,
 # authorization, policy, impossible settings).
-_TOPIC_REFUSALS = frozenset({
-    KafkaError.TOPIC_EXCEPTION, KafkaError.TOPIC_AUTHORIZATION_FAILED,
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.POLICY_VIOLATION,
-    KafkaError.INVALID_CONFIG, KafkaError.INVALID_REPLICATION_FACTOR,
-    KafkaError.INVALID_PARTITIONS})
+_TOPIC_REFUSALS = frozenset(
+    {
+        KafkaError.TOPIC_EXCEPTION,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.POLICY_VIOLATION,
+        KafkaError.INVALID_CONFIG,
+        KafkaError.INVALID_REPLICATION_FACTOR,
+        KafkaError.INVALID_PARTITIONS,
+    }
+)
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _REACH_S = 10.0
-_SECURITY_HINT = "kafka_bootstrap and the security settings in kafka_config " \
-                 "(security.protocol, sasl.*, ssl.*)"
+_SECURITY_HINT = (
+    "kafka_bootstrap and the security settings in kafka_config (security.protocol, sasl.*, ssl.*)"
+)
 
 
 def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
     """Connection settings shared by the producer, admin and progress consumer."""
     # librdkafka's own log lines go through Python logging (structured, level-filtered).
-    config: dict[str, Any] = {"bootstrap.servers": settings.kafka_bootstrap,
-                              "logger": KafkaLog(logging.getLogger("kafka"))}
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "logger": KafkaLog(logging.getLogger("kafka")),
+    }
     config.update(settings.kafka_config)
     if settings.kafka_sasl_password is not None:
         config["sasl.password"] = settings.kafka_sasl_password.get_secret_value()
@@ -124,26 +133,28 @@ class KafkaSink:
         except KafkaUnreachable as exc:
             raise SinkError(str(exc)) from None
         self._admin = AdminClient(base)
-        self._producer = Producer({
-            **base,
-            "transactional.id": settings.transactional_id,
-            "transaction.timeout.ms": settings.kafka_transaction_timeout_ms,
-            "enable.idempotence": True,
-            "acks": "all",
-            "partitioner": "murmur2_random",
-            "linger.ms": 5,
-            "batch.size": 1_000_000,
-            "compression.type": "lz4",
-            # Bounded producer memory: produce() blocks (we poll) instead of growing.
-            "queue.buffering.max.messages": 200_000,
-            "queue.buffering.max.kbytes": 262_144,
-            "message.max.bytes": max(self.record_limit, 1_000_000),
-            # A Python callback per record costs a sixth of the hot path; failures are what
-            # we need to hear of. A flush that leaves nothing queued and reported no failure
-            # proves every record of the transaction was delivered.
-            "on_delivery": self._delivered,
-            "delivery.report.only.error": True,
-        })
+        self._producer = Producer(
+            {
+                **base,
+                "transactional.id": settings.transactional_id,
+                "transaction.timeout.ms": settings.kafka_transaction_timeout_ms,
+                "enable.idempotence": True,
+                "acks": "all",
+                "partitioner": "murmur2_random",
+                "linger.ms": 5,
+                "batch.size": 1_000_000,
+                "compression.type": "lz4",
+                # Bounded producer memory: produce() blocks (we poll) instead of growing.
+                "queue.buffering.max.messages": 200_000,
+                "queue.buffering.max.kbytes": 262_144,
+                "message.max.bytes": max(self.record_limit, 1_000_000),
+                # A Python callback per record costs a sixth of the hot path; failures are what
+                # we need to hear of. A flush that leaves nothing queued and reported no failure
+                # proves every record of the transaction was delivered.
+                "on_delivery": self._delivered,
+                "delivery.report.only.error": True,
+            }
+        )
         # Topics written this session: created, or their record limit checked.
         self._ready: set[str] = set()
         self._partitions: dict[str, int] = {}  # partition count per existing topic
@@ -166,8 +177,10 @@ class KafkaSink:
         try:
             self._producer.init_transactions(timeout_s)
         except KafkaException as exc:
-            raise SinkError(f"cannot start Kafka transactions at {self._settings.kafka_bootstrap}:"
-                            f" {explain(exc)}") from None
+            raise SinkError(
+                f"cannot start Kafka transactions at {self._settings.kafka_bootstrap}:"
+                f" {explain(exc)}"
+            ) from None
         self._learn(metadata.topics)
 
     def _check_request_limit(self, brokers: list[int]) -> None:
@@ -175,15 +188,18 @@ class KafkaSink:
         socket.request.max.bytes, without an error the producer could report: the bridge
         would retry forever, silently. Refuse a max_row_bytes that no broker can take."""
         for broker, value in self._below_record_limit(
-                ResourceType.BROKER, [str(b) for b in brokers], "socket.request.max.bytes"):
+            ResourceType.BROKER, [str(b) for b in brokers], "socket.request.max.bytes"
+        ):
             raise KafkaRefused(
                 f"max_row_bytes={self._settings.max_row_bytes} is more than broker {broker} "
                 f"takes in one request (socket.request.max.bytes={value}, which must exceed "
                 f"max_row_bytes by {RECORD_SLACK}): lower max_row_bytes to "
-                f"{value - RECORD_SLACK} or raise socket.request.max.bytes on every broker")
+                f"{value - RECORD_SLACK} or raise socket.request.max.bytes on every broker"
+            )
 
-    def _below_record_limit(self, kind: ResourceType, names: list[str],
-                            setting: str) -> list[tuple[str, int]]:
+    def _below_record_limit(
+        self, kind: ResourceType, names: list[str], setting: str
+    ) -> list[tuple[str, int]]:
         """The brokers or topics whose ``setting`` is below ``record_limit``, with its value.
         One that cannot be read (no DESCRIBE_CONFIGS right) is only warned of: the broker
         still refuses a record too large, and the sink reports that in one line."""
@@ -193,9 +209,13 @@ class KafkaSink:
             try:
                 entry = future.result(timeout=30).get(setting)
             except KafkaException as exc:
-                log_event(log, logging.WARNING, f"cannot read {setting}; records up to "
-                          "max_row_bytes may be refused", resource=resource.name,
-                          error=explain(exc))
+                log_event(
+                    log,
+                    logging.WARNING,
+                    f"cannot read {setting}; records up to max_row_bytes may be refused",
+                    resource=resource.name,
+                    error=explain(exc),
+                )
                 continue
             if entry is not None and int(entry.value) < self.record_limit:
                 below.append((resource.name, int(entry.value)))
@@ -233,10 +253,15 @@ class KafkaSink:
     def _create(self, topics: dict[str, bool]) -> list[str]:
         """Create the topics; returns those that someone else created meanwhile."""
         size = {"max.message.bytes": str(self.record_limit)}
-        new = [NewTopic(t, num_partitions=1 if compacted else self._settings.topic_partitions,
-                        replication_factor=self._settings.topic_replication_factor,
-                        config={"cleanup.policy": "compact", **size} if compacted else size)
-               for t, compacted in topics.items()]
+        new = [
+            NewTopic(
+                t,
+                num_partitions=1 if compacted else self._settings.topic_partitions,
+                replication_factor=self._settings.topic_replication_factor,
+                config={"cleanup.policy": "compact", **size} if compacted else size,
+            )
+            for t, compacted in topics.items()
+        ]
         raced = []
         for topic, future in self._admin.create_topics(new, operation_timeout=30).items():
             try:
@@ -247,9 +272,11 @@ class KafkaSink:
                 if code == KafkaError.TOPIC_ALREADY_EXISTS:
                     raced.append(topic)
                 elif code in _TOPIC_REFUSALS:
-                    raise KafkaRefused(f"Kafka refuses to create topic {topic}: {explain(exc)};"
-                                       " rename the table or leave it out of the publication"
-                                       " (tables)") from None
+                    raise KafkaRefused(
+                        f"Kafka refuses to create topic {topic}: {explain(exc)};"
+                        " rename the table or leave it out of the publication"
+                        " (tables)"
+                    ) from None
                 else:
                     raise SinkError(f"cannot create topic {topic}: {explain(exc)}") from None
         return raced
@@ -259,11 +286,16 @@ class KafkaSink:
         created under a smaller max_row_bytes keeps its old limit otherwise, and the broker
         refuses the first larger record)."""
         want = str(self.record_limit)
-        for topic, old in self._below_record_limit(ResourceType.TOPIC, topics,
-                                                   "max.message.bytes"):
-            change = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
-                ConfigEntry("max.message.bytes", want,
-                            incremental_operation=AlterConfigOpType.SET)])
+        for topic, old in self._below_record_limit(ResourceType.TOPIC, topics, "max.message.bytes"):
+            change = ConfigResource(
+                ResourceType.TOPIC,
+                topic,
+                incremental_configs=[
+                    ConfigEntry(
+                        "max.message.bytes", want, incremental_operation=AlterConfigOpType.SET
+                    )
+                ],
+            )
             try:
                 self._admin.incremental_alter_configs([change])[change].result(timeout=30)
             except KafkaException as exc:
@@ -271,9 +303,16 @@ class KafkaSink:
                     f"topic {topic} takes records of at most {old} bytes (max.message.bytes), "
                     f"less than max_row_bytes={self._settings.max_row_bytes} needs, and raising"
                     f" it failed ({explain(exc)}): set max.message.bytes={want} on topic "
-                    f"{topic} or lower max_row_bytes") from None
-            log_event(log, logging.INFO, "raised the topic's max.message.bytes for "
-                      "max_row_bytes", topic=topic, was=old, now=want)
+                    f"{topic} or lower max_row_bytes"
+                ) from None
+            log_event(
+                log,
+                logging.INFO,
+                "raised the topic's max.message.bytes for max_row_bytes",
+                topic=topic,
+                was=old,
+                now=want,
+            )
 
     def _wait_for_leaders(self, topics: list[str], timeout_s: float = 30.0) -> None:
         # A new topic answers "not leader" until its partitions have one; reading or
@@ -282,13 +321,19 @@ class KafkaSink:
         deadline = time.monotonic() + timeout_s
         while True:
             meta = self._admin.list_topics(timeout=timeout_s).topics
-            if all(t in meta and meta[t].partitions
-                   and all(p.leader >= 0 for p in meta[t].partitions.values()) for t in topics):
+            if all(
+                t in meta
+                and meta[t].partitions
+                and all(p.leader >= 0 for p in meta[t].partitions.values())
+                for t in topics
+            ):
                 self._learn({t: meta[t] for t in topics})
                 return
             if time.monotonic() > deadline:
-                raise SinkError(f"topics {', '.join(topics)} have no partition leader after "
-                                f"{timeout_s:.0f}s; check the Kafka brokers")
+                raise SinkError(
+                    f"topics {', '.join(topics)} have no partition leader after "
+                    f"{timeout_s:.0f}s; check the Kafka brokers"
+                )
             time.sleep(0.2)
 
     def begin(self) -> None:
@@ -301,8 +346,13 @@ class KafkaSink:
         self._in_txn = True
         self._began = time.monotonic()
 
-    def produce(self, topic: str, key: bytes | None, value: bytes | None,
-                headers: list[tuple[str, str | bytes | None]] | None = None) -> None:
+    def produce(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, str | bytes | None]] | None = None,
+    ) -> None:
         if self._failure is not None:
             raise self._classify(self._failure, "Kafka delivery failed: ")
         try:
@@ -313,8 +363,9 @@ class KafkaSink:
                 first = self._first.is_new(topic, partition)
             while True:
                 try:
-                    self._producer.produce(topic, value=value, key=key, partition=partition,
-                                           headers=headers)
+                    self._producer.produce(
+                        topic, value=value, key=key, partition=partition, headers=headers
+                    )
                     break
                 except BufferError:
                     # The local queue is full: let librdkafka send, then try again.
@@ -327,9 +378,13 @@ class KafkaSink:
             # while a fatal producer error is pending.
             raise self._classify(exc, record=(topic, len(value or b""))) from None
 
-    def produce_all(self, records: Iterable[tuple[str, bytes | None, bytes | None,
-                                                  list[tuple[str, str | bytes | None]] | None]],
-                    compacted: Container[str]) -> int:
+    def produce_all(
+        self,
+        records: Iterable[
+            tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
+        ],
+        compacted: Container[str],
+    ) -> int:
         """``produce`` each record, creating topics it does not know yet (``compacted``:
         those to create compacted); returns how many. The publisher's path: a record for a
         topic whose every partition is proven goes straight to librdkafka, positionally,
@@ -363,8 +418,9 @@ class KafkaSink:
             raise self._classify(self._failure, "Kafka delivery failed: ")
         if undelivered:
             # Never commit a transaction we cannot prove whole.
-            raise SinkError(f"{undelivered} records of this transaction were not delivered "
-                            "in time; aborting it")
+            raise SinkError(
+                f"{undelivered} records of this transaction were not delivered in time; aborting it"
+            )
 
     def commit(self) -> float:
         """Commit the open transaction; returns the seconds it took."""
@@ -386,8 +442,7 @@ class KafkaSink:
         try:
             self._producer.abort_transaction(10)
         except KafkaException as exc:
-            log_event(log, logging.WARNING, "abort of Kafka transaction failed",
-                      error=explain(exc))
+            log_event(log, logging.WARNING, "abort of Kafka transaction failed", error=explain(exc))
 
     def prove_not_fenced(self) -> None:
         """Commit a transaction that holds only a consumer-group offset; FencedError if a
@@ -399,15 +454,16 @@ class KafkaSink:
         in Kafka's internal offsets topic, in no topic anybody reads.
         """
         if self._fence_group is None:
-            self._fence_group = Consumer({
-                **kafka_client_config(self._settings),
-                "group.id": self._settings.fence_group})
+            self._fence_group = Consumer(
+                {**kafka_client_config(self._settings), "group.id": self._settings.fence_group}
+            )
         group = self._fence_group.consumer_group_metadata()
         timeout_s = self._settings.kafka_transaction_timeout_ms / 1000
         self.begin()
         try:
             self._producer.send_offsets_to_transaction(
-                [TopicPartition(self._settings.progress_topic, 0, 0)], group, timeout_s)
+                [TopicPartition(self._settings.progress_topic, 0, 0)], group, timeout_s
+            )
         except (KafkaException, SystemError) as exc:
             raise self._classify(exc) from None
         self.commit()
@@ -421,8 +477,9 @@ class KafkaSink:
         try:
             self._producer.flush(5)
         except (KafkaException, SystemError) as exc:
-            log_event(log, logging.WARNING, "Kafka producer did not close cleanly",
-                      error=explain(exc))
+            log_event(
+                log, logging.WARNING, "Kafka producer did not close cleanly", error=explain(exc)
+            )
 
     def _delivered(self, err: KafkaError | None, msg: Any) -> None:
         # After one record fails, the producer purges those queued behind it and may
@@ -431,8 +488,12 @@ class KafkaSink:
             self._failure = err
             self._failed_record = (msg.topic(), len(msg.value() or b""))
 
-    def _classify(self, exc: KafkaException | KafkaError | SystemError,
-                  what: str = "Kafka: ", record: tuple[str, int] | None = None) -> SinkError:
+    def _classify(
+        self,
+        exc: KafkaException | KafkaError | SystemError,
+        what: str = "Kafka: ",
+        record: tuple[str, int] | None = None,
+    ) -> SinkError:
         timeout_ms = self._settings.kafka_transaction_timeout_ms
         age = time.monotonic() - self._began
         if self._in_txn and age * 1000 > timeout_ms:
@@ -441,7 +502,8 @@ class KafkaSink:
             return SinkError(
                 f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
                 f"({timeout_ms} ms), and the broker aborted it; raise kafka_transaction_timeout_ms"
-                " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large")
+                " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large"
+            )
         # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
         # bridge would reconnect and fence the bridge that fenced it, in turn.
         err = cause(exc)
@@ -451,11 +513,15 @@ class KafkaSink:
                 f"{what}{err.name()}: Kafka refused a record of {size} bytes for topic {topic} "
                 f"as too large: its max.message.bytes (the brokers' message.max.bytes if it "
                 f"has none) must be at least {self.record_limit} for max_row_bytes="
-                f"{self._settings.max_row_bytes}; set it, or lower max_row_bytes")
+                f"{self._settings.max_row_bytes}; set it, or lower max_row_bytes"
+            )
         if isinstance(err, KafkaError) and err.code() in (
-                KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
-                KafkaError.INVALID_PRODUCER_EPOCH):
+            KafkaError._FENCED,
+            KafkaError.PRODUCER_FENCED,
+            KafkaError.INVALID_PRODUCER_EPOCH,
+        ):
             return FencedError(
                 f"another bridge took over slot {self._settings.slot_name} "
-                f"(transactional id {self._settings.transactional_id}); this one stops")
+                f"(transactional id {self._settings.transactional_id}); this one stops"
+            )
         return SinkError(f"{what}{explain(err)}")

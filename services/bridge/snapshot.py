@@ -150,17 +150,24 @@ class SnapshotBook:
             entry = self._entries.get(table)
             if entry is not None:
                 return entry.state.id
-            self._entries[table] = _Entry.of(TableSnapshot(
-                schema=table[0], table=table[1], id=request_id, where=where,
-                started_ms=int(time.time() * 1000)))
+            self._entries[table] = _Entry.of(
+                TableSnapshot(
+                    schema=table[0],
+                    table=table[1],
+                    id=request_id,
+                    where=where,
+                    started_ms=int(time.time() * 1000),
+                )
+            )
             self._cond.notify_all()
             return None
 
     def cancel(self, request: str) -> list[TableName]:
         """Cancel the snapshots of a request id or a ``schema.table``."""
         with self._cond:
-            gone = [t for t, e in self._entries.items()
-                    if request in (e.state.id, f"{t[0]}.{t[1]}")]
+            gone = [
+                t for t, e in self._entries.items() if request in (e.state.id, f"{t[0]}.{t[1]}")
+            ]
             for table in gone:
                 self._finish(table, "cancelled")
             return gone
@@ -187,8 +194,7 @@ class SnapshotBook:
             for _ in range(2):
                 if len(self._chunks) < self._held:
                     for entry in self._entries.values():
-                        if not (entry.claimed or entry.read_all
-                                or len(entry.in_flight) >= _AHEAD):
+                        if not (entry.claimed or entry.read_all or len(entry.in_flight) >= _AHEAD):
                             entry.claimed = True
                             return entry.state.model_copy(update={"cursor": entry.read_from})
                 if self._closed:
@@ -252,8 +258,11 @@ class SnapshotBook:
         with self._cond:
             entry = self._entries[chunk.table]
             state = entry.state
-            state.cursor, state.chunks, state.rows = (chunk.cursor, state.chunks + 1,
-                                                     state.rows + published)
+            state.cursor, state.chunks, state.rows = (
+                chunk.cursor,
+                state.chunks + 1,
+                state.rows + published,
+            )
             entry.in_flight.remove(chunk.token)
             self.last_progress = time.monotonic()
             if chunk.last:
@@ -292,11 +301,17 @@ class SnapshotBook:
         seconds = time.monotonic() - entry.started
         rate = (state.rows - entry.rows_at_start) / seconds if seconds > 0 else 0.0
         left = entry.estimate - state.rows if entry.estimate is not None else None
-        return {"state": "reading", "request": state.id, "where": state.where,
-                "chunks_done": state.chunks, "rows_done": state.rows,
-                "rows_estimated": entry.estimate, "seconds": round(seconds, 1),
-                "rows_per_s": round(rate),
-                "eta_s": round(left / rate) if left is not None and left > 0 and rate else None}
+        return {
+            "state": "reading",
+            "request": state.id,
+            "where": state.where,
+            "chunks_done": state.chunks,
+            "rows_done": state.rows,
+            "rows_estimated": entry.estimate,
+            "seconds": round(seconds, 1),
+            "rows_per_s": round(rate),
+            "eta_s": round(left / rate) if left is not None and left > 0 and rate else None,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,8 +328,16 @@ class _Shape:
 class ChunkReader(threading.Thread):
     """Reads chunks of the book's tables, one at a time, each closed by its watermark."""
 
-    def __init__(self, name: str, dsn: str, slot: str, publication: str, book: SnapshotBook,
-                 chunk_rows: int, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        dsn: str,
+        slot: str,
+        publication: str,
+        book: SnapshotBook,
+        chunk_rows: int,
+        chunk_bytes: int,
+    ) -> None:
         super().__init__(name=name, daemon=True)
         self._dsn = dsn
         self._slot = slot
@@ -362,24 +385,30 @@ class ChunkReader(threading.Thread):
             chunk = self._read(conn, state)
         except psycopg.errors.LockNotAvailable:
             conn.rollback()
-            log_event(log, logging.INFO, "snapshot chunk waits for a lock on its table (DDL "
-                      "running?)", table=name)
+            log_event(
+                log,
+                logging.INFO,
+                "snapshot chunk waits for a lock on its table (DDL running?)",
+                table=name,
+            )
             return
         except psycopg.errors.InsufficientPrivilege as exc:
             conn.rollback()
-            raise SourceRefused(f"cannot read table {name} for the snapshot: "
-                              f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the "
-                              "bridge's role, or remove the table from the publication") from None
+            raise SourceRefused(
+                f"cannot read table {name} for the snapshot: "
+                f"{exc.diag.message_primary}; GRANT SELECT ON {name} TO the "
+                "bridge's role, or remove the table from the publication"
+            ) from None
         except psycopg.Error as exc:
             # Checked by `slotbridge snapshot`, an on-demand condition can still fail on
             # some row (a division by zero): that request ends, the bridge goes on.
             conn.rollback()
             if state.where is None or isinstance(exc, psycopg.OperationalError):
                 raise
-            reason = (f"its condition {state.where!r} fails: "
-                      f"{exc.diag.message_primary or exc}")
-            log_event(log, logging.ERROR, f"snapshot of {name} abandoned: {reason}",
-                      request=state.id)
+            reason = f"its condition {state.where!r} fails: {exc.diag.message_primary or exc}"
+            log_event(
+                log, logging.ERROR, f"snapshot of {name} abandoned: {reason}", request=state.id
+            )
             self._book.fail(table, reason)
             return
         if chunk is None:  # no longer published, or gone
@@ -391,15 +420,18 @@ class ChunkReader(threading.Thread):
             return
         try:
             failpoint("before_watermark")
-            conn.execute("SELECT pg_logical_emit_message(true, %s, %s)",
-                         (WATERMARK, json.dumps({"slot": self._slot, "chunk": chunk.token})))
+            conn.execute(
+                "SELECT pg_logical_emit_message(true, %s, %s)",
+                (WATERMARK, json.dumps({"slot": self._slot, "chunk": chunk.token})),
+            )
             conn.commit()
         except BaseException:
             self._book.withdraw(chunk)
             raise
 
-    def _read(self, conn: psycopg.Connection[tuple[object, ...]],
-              state: TableSnapshot) -> Chunk | None:
+    def _read(
+        self, conn: psycopg.Connection[tuple[object, ...]], state: TableSnapshot
+    ) -> Chunk | None:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
         schema, table = state.schema_, state.table
@@ -410,8 +442,10 @@ class ChunkReader(threading.Thread):
             conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(ident))
         except psycopg.errors.UndefinedTable:
             return None
-        published = next((p for p in published_tables(conn, self._publication)
-                          if p.name == (schema, table)), None)
+        published = next(
+            (p for p in published_tables(conn, self._publication) if p.name == (schema, table)),
+            None,
+        )
         if published is None:
             return None
         shape = _shape(conn, published)
@@ -432,27 +466,37 @@ class ChunkReader(threading.Thread):
             index = {c.name: i for i, c in enumerate(shape.relation.columns)}
             key_at = [index[n] for n in shape.key_names]
             if state.cursor is not None:
-                terms.append(sql.SQL("({}) > ({})").format(
-                    sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
-                    sql.SQL(", ").join(sql.SQL("CAST({} AS {})").format(sql.Placeholder(),
-                                                                         sql.SQL(t))
-                                       for t in shape.key_types)))
+                terms.append(
+                    sql.SQL("({}) > ({})").format(
+                        sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
+                        sql.SQL(", ").join(
+                            sql.SQL("CAST({} AS {})").format(sql.Placeholder(), sql.SQL(t))
+                            for t in shape.key_types
+                        ),
+                    )
+                )
                 params.extend(state.cursor)
             query = sql.SQL("SELECT {} FROM {}{} ORDER BY {} LIMIT {}").format(
-                sql.SQL(", ").join(columns), ident, _where(terms),
+                sql.SQL(", ").join(columns),
+                ident,
+                _where(terms),
                 sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
-                sql.Literal(self._chunk_rows))
+                sql.Literal(self._chunk_rows),
+            )
         else:
             start = int(state.cursor[0] or 0) if state.cursor is not None else 0
-            pages = max(1, round(self._chunk_rows * shape.pages / shape.estimate)
-                        if shape.estimate else 1_024)
+            pages = max(
+                1,
+                round(self._chunk_rows * shape.pages / shape.estimate) if shape.estimate else 1_024,
+            )
             stop = start + pages
             if not shape.partitioned:
                 terms.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)")))
                 if stop < shape.pages:
                     terms.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({stop},0)")))
             query = sql.SQL("SELECT ctid::text, xmin::text, {} FROM {}{}").format(
-                sql.SQL(", ").join(columns), ident, _where(terms))
+                sql.SQL(", ").join(columns), ident, _where(terms)
+            )
             if not shape.partitioned:
                 # A cut by bytes resumes at the next page, so pages must come in order: a
                 # TID range scan returns them so, a (synchronised) seq scan may not.
@@ -484,12 +528,22 @@ class ChunkReader(threading.Thread):
             rows = [r[2:] for r in rows]
             last = not cut and (shape.partitioned or stop >= shape.pages)
             cursor = [str(stop)]
-        return Chunk(token, (schema, table), shape.relation, rows, keyed, xmins,
-                     shape.snapshot, state.cursor, cursor, last, shape.estimate)
+        return Chunk(
+            token,
+            (schema, table),
+            shape.relation,
+            rows,
+            keyed,
+            xmins,
+            shape.snapshot,
+            state.cursor,
+            cursor,
+            last,
+            shape.estimate,
+        )
 
 
-def _finish_page(cur: psycopg.ServerCursor[list[str | None]],
-                 rows: list[list[str | None]]) -> int:
+def _finish_page(cur: psycopg.ServerCursor[list[str | None]], rows: list[list[str | None]]) -> int:
     """Reads on to the end of the heap page of the last row read, so the next chunk can
     start at the next page; returns the page. Rows are ``[ctid, xmin, ...]``."""
     page = _page(rows[-1][0])
@@ -497,8 +551,10 @@ def _finish_page(cur: psycopg.ServerCursor[list[str | None]],
         for at, row in enumerate(batch):
             row_page = _page(row[0])
             if row_page < page:
-                raise RuntimeError(f"heap pages read out of order ({row_page} after {page}):"
-                                   " a snapshot chunk would skip rows")
+                raise RuntimeError(
+                    f"heap pages read out of order ({row_page} after {page}):"
+                    " a snapshot chunk would skip rows"
+                )
             if row_page > page:
                 rows.extend(batch[:at])
                 return page
@@ -532,8 +588,10 @@ def _shape(conn: psycopg.Connection[tuple[object, ...]], published: PublishedTab
     with conn.cursor() as cur:
         cur.execute(_COLUMNS_SQL, (schema, table, published.columns))
         rows = cur.fetchall()
-    columns = tuple(m.Column(str(name), int(str(oid)), int(str(mod)), bool(key))
-                    for name, oid, mod, key, *_ in rows)
+    columns = tuple(
+        m.Column(str(name), int(str(oid)), int(str(mod)), bool(key))
+        for name, oid, mod, key, *_ in rows
+    )
     first = rows[0]
     rel_oid, ident, kind = int(str(first[6])), str(first[7]), str(first[8])
     estimate, pages, snapshot = int(str(first[9])), int(str(first[10])), str(first[11])
@@ -545,7 +603,12 @@ def _shape(conn: psycopg.Connection[tuple[object, ...]], published: PublishedTab
         key = [(str(r[0]), str(r[5])) for r in rows if r[3]]
     else:
         key = []
-    return _Shape(m.Relation(None, rel_oid, schema, table, ident, columns),
-                  tuple(n for n, _ in key), tuple(t for _, t in key), kind == "p",
-                  estimate if estimate >= 0 else None, pages, XidSnapshot.parse(snapshot))
-
+    return _Shape(
+        m.Relation(None, rel_oid, schema, table, ident, columns),
+        tuple(n for n, _ in key),
+        tuple(t for _, t in key),
+        kind == "p",
+        estimate if estimate >= 0 else None,
+        pages,
+        XidSnapshot.parse(snapshot),
+    )

@@ -36,26 +36,36 @@ class SlotState:
 def preflight(conn: Conn, settings: BridgeSettings) -> None:
     """Refuse a source that cannot work: wal_level, role, publication tables."""
     with conn.cursor() as cur:
-        cur.execute("SELECT current_setting('wal_level'),"
-                    " current_setting('server_version_num')::int, rolreplication OR rolsuper"
-                    " FROM pg_roles WHERE rolname = current_user")
+        cur.execute(
+            "SELECT current_setting('wal_level'),"
+            " current_setting('server_version_num')::int, rolreplication OR rolsuper"
+            " FROM pg_roles WHERE rolname = current_user"
+        )
         row = cur.fetchone()
     assert row is not None
     wal_level, version, can_replicate = row
     if int(str(version)) < 170000:
-        raise SourceError(f"the source runs PostgreSQL {int(str(version)) // 10000}; slotbridge "
-                          "needs 17 or newer (failover slots)")
+        raise SourceError(
+            f"the source runs PostgreSQL {int(str(version)) // 10000}; slotbridge "
+            "needs 17 or newer (failover slots)"
+        )
     if wal_level != "logical":
-        raise SourceError(f"wal_level is '{wal_level}' on the source; set wal_level = logical "
-                          "(ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL")
+        raise SourceError(
+            f"wal_level is '{wal_level}' on the source; set wal_level = logical "
+            "(ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        )
     if not can_replicate:
-        raise SourceError("the bridge's role lacks the REPLICATION attribute; run "
-                          "ALTER ROLE <role> REPLICATION (a superuser is not needed)")
+        raise SourceError(
+            "the bridge's role lacks the REPLICATION attribute; run "
+            "ALTER ROLE <role> REPLICATION (a superuser is not needed)"
+        )
     if settings.tables:
         missing = _missing_tables(conn, settings.tables)
         if missing:
-            raise SourceError(f"configured table(s) not found on the source: {', '.join(missing)};"
-                              " fix 'tables' in the settings or create them")
+            raise SourceError(
+                f"configured table(s) not found on the source: {', '.join(missing)};"
+                " fix 'tables' in the settings or create them"
+            )
 
 
 def _missing_tables(conn: Conn, tables: list[str]) -> list[str]:
@@ -63,9 +73,11 @@ def _missing_tables(conn: Conn, tables: list[str]) -> list[str]:
     with conn.cursor() as cur:
         for name in tables:
             schema, table = name.split(".")
-            cur.execute("SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-                        " WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r','p')",
-                        (schema, table))
+            cur.execute(
+                "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r','p')",
+                (schema, table),
+            )
             if cur.fetchone() is None:
                 missing.append(name)
     return missing
@@ -88,13 +100,15 @@ def ensure_publication(conn: Conn, settings: BridgeSettings, slot_is_new: bool) 
         if not slot_is_new:
             raise publication_dropped(settings)
         if not settings.create_publication:
-            raise SourceRefused(f"publication {name} does not exist on the source; create it "
-                                "(CREATE PUBLICATION ...) or set create_publication: true")
+            raise SourceRefused(
+                f"publication {name} does not exist on the source; create it "
+                "(CREATE PUBLICATION ...) or set create_publication: true"
+            )
         if settings.tables:
-            targets = sql.SQL(", ").join(
-                sql.Identifier(*t.split(".")) for t in settings.tables)
-            stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name),
-                                                                         targets)
+            targets = sql.SQL(", ").join(sql.Identifier(*t.split(".")) for t in settings.tables)
+            stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(name), targets
+            )
             who = "the tables' owner"
         else:
             stmt = sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name))
@@ -104,11 +118,14 @@ def ensure_publication(conn: Conn, settings: BridgeSettings, slot_is_new: bool) 
         except (psycopg.errors.DuplicateObject, psycopg.errors.UniqueViolation):
             return  # another bridge starting on the slot created it since we looked
         except psycopg.errors.InsufficientPrivilege as exc:
-            raise SourceRefused(f"cannot create publication {name}: {exc.diag.message_primary};"
-                                f" have {who} run {stmt.as_string(conn)} before starting the "
-                                "bridge") from None
-    log_event(log, logging.INFO, "created publication", publication=name,
-              tables=settings.tables or "ALL")
+            raise SourceRefused(
+                f"cannot create publication {name}: {exc.diag.message_primary};"
+                f" have {who} run {stmt.as_string(conn)} before starting the "
+                "bridge"
+            ) from None
+    log_event(
+        log, logging.INFO, "created publication", publication=name, tables=settings.tables or "ALL"
+    )
 
 
 def publication_dropped(settings: BridgeSettings) -> SourceRefused:
@@ -117,7 +134,8 @@ def publication_dropped(settings: BridgeSettings) -> SourceRefused:
         f"publication {name} was dropped while slot {slot} streamed it; recreating it cannot "
         "help (pgoutput reads it as of each change's WAL position): drop the slot (SELECT "
         f"pg_drop_replication_slot('{slot}')) and restart the bridge to start over with a "
-        "new slot and snapshot")
+        "new slot and snapshot"
+    )
 
 
 def _check_coverage(conn: Conn, settings: BridgeSettings) -> None:
@@ -145,13 +163,16 @@ def _check_coverage(conn: Conn, settings: BridgeSettings) -> None:
             "                 WHERE r.prpubid = p.oid AND r.prrelid = a.relid)"
             "      OR EXISTS (SELECT 1 FROM pg_publication_namespace pn"
             "                 WHERE pn.pnpubid = p.oid AND pn.pnnspid = ac.relnamespace))"
-            " ORDER BY 1", (settings.tables, name))
+            " ORDER BY 1",
+            (settings.tables, name),
+        )
         missing = [str(r[0]) for r in cur.fetchall()]
     if missing:
         raise SourceRefused(
             f"publication {name} exists but does not publish {', '.join(missing)} listed in "
             f"'tables'; run ALTER PUBLICATION {name} ADD TABLE {', '.join(missing)} (as the "
-            "tables' owner) or fix 'tables'")
+            "tables' owner) or fix 'tables'"
+        )
 
 
 def warn_keyless_tables(conn: Conn, publication: str) -> list[str]:
@@ -168,15 +189,19 @@ def warn_keyless_tables(conn: Conn, publication: str) -> list[str]:
             " WHERE p.pubname = %s AND c.relreplident IN ('d', 'n')"
             " AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid"
             "                 AND (i.indisprimary OR (c.relreplident = 'i' AND i.indisreplident)))",
-            (publication,))
+            (publication,),
+        )
         rows = cur.fetchall()
     keyless = [str(r[0]) for r in rows]
     for table in keyless:
-        log_event(log, logging.WARNING,
-                  f"table {table} has no primary key or replica identity: its inserts are "
-                  "published with a null key, and UPDATE/DELETE on it fail at the source; "
-                  f"add a primary key or ALTER TABLE {table} REPLICA IDENTITY FULL",
-                  table=table)
+        log_event(
+            log,
+            logging.WARNING,
+            f"table {table} has no primary key or replica identity: its inserts are "
+            "published with a null key, and UPDATE/DELETE on it fail at the source; "
+            f"add a primary key or ALTER TABLE {table} REPLICA IDENTITY FULL",
+            table=table,
+        )
     return keyless
 
 
@@ -193,12 +218,20 @@ class PublishedTable:
 def published_tables(conn: Conn, publication: str) -> list[PublishedTable]:
     """Every table the publication covers, as the connection (or its snapshot) sees it."""
     with conn.cursor() as cur:
-        cur.execute("SELECT schemaname, tablename, attnames, rowfilter FROM pg_publication_tables"
-                    " WHERE pubname = %s ORDER BY 1, 2", (publication,))
+        cur.execute(
+            "SELECT schemaname, tablename, attnames, rowfilter FROM pg_publication_tables"
+            " WHERE pubname = %s ORDER BY 1, 2",
+            (publication,),
+        )
         rows = cur.fetchall()
-    return [PublishedTable((str(schema), str(table)), [str(c) for c in cast(list[str], columns)],
-                           str(row_filter) if row_filter is not None else None)
-            for schema, table, columns, row_filter in rows]
+    return [
+        PublishedTable(
+            (str(schema), str(table)),
+            [str(c) for c in cast(list[str], columns)],
+            str(row_filter) if row_filter is not None else None,
+        )
+        for schema, table, columns, row_filter in rows
+    ]
 
 
 def publishes_all_tables(conn: Conn, publication: str) -> bool:
@@ -210,17 +243,23 @@ def publishes_all_tables(conn: Conn, publication: str) -> bool:
 
 def slot_state(conn: Conn, slot: str) -> SlotState | None:
     with conn.cursor() as cur:
-        cur.execute("SELECT plugin, failover, two_phase, active_pid, confirmed_flush_lsn::text,"
-                    " invalidation_reason FROM pg_replication_slots WHERE slot_name = %s",
-                    (slot,))
+        cur.execute(
+            "SELECT plugin, failover, two_phase, active_pid, confirmed_flush_lsn::text,"
+            " invalidation_reason FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        )
         row = cur.fetchone()
     if row is None:
         return None
     plugin, failover, two_phase, pid, confirmed, reason = row
-    return SlotState(str(plugin), bool(failover), bool(two_phase),
-                     int(str(pid)) if pid is not None else None,
-                     str(confirmed) if confirmed else None,
-                     str(reason) if reason else None)
+    return SlotState(
+        str(plugin),
+        bool(failover),
+        bool(two_phase),
+        int(str(pid)) if pid is not None else None,
+        str(confirmed) if confirmed else None,
+        str(reason) if reason else None,
+    )
 
 
 def check_slot(state: SlotState, settings: BridgeSettings, ours: bool) -> None:
@@ -231,18 +270,26 @@ def check_slot(state: SlotState, settings: BridgeSettings, ours: bool) -> None:
     standby through WAL ahead of the synced slot, so a slot of ours always has one.
     """
     slot = settings.slot_name
-    drop = (f"choose another slot_name, or drop the slot (SELECT pg_drop_replication_slot"
-            f"('{slot}')) if nothing uses it")
+    drop = (
+        f"choose another slot_name, or drop the slot (SELECT pg_drop_replication_slot"
+        f"('{slot}')) if nothing uses it"
+    )
     if state.plugin != "pgoutput":
-        raise SourceRefused(f"slot {slot} exists with plugin {state.plugin}: slotbridge did not "
-                            f"create it (it uses pgoutput); {drop}")
+        raise SourceRefused(
+            f"slot {slot} exists with plugin {state.plugin}: slotbridge did not "
+            f"create it (it uses pgoutput); {drop}"
+        )
     if not ours:
-        raise SourceRefused(f"slot {slot} (plugin pgoutput) exists but slotbridge did not create"
-                            f" it (no replication origin {settings.origin_name}, no published "
-                            f"progress); {drop}")
+        raise SourceRefused(
+            f"slot {slot} (plugin pgoutput) exists but slotbridge did not create"
+            f" it (no replication origin {settings.origin_name}, no published "
+            f"progress); {drop}"
+        )
     if state.invalidation_reason:
-        raise SourceRefused(f"slot {slot} is invalidated ({state.invalidation_reason}); changes "
-                          "were lost: drop and recreate it and re-snapshot the tables")
+        raise SourceRefused(
+            f"slot {slot} is invalidated ({state.invalidation_reason}); changes "
+            "were lost: drop and recreate it and re-snapshot the tables"
+        )
 
 
 def table_facts(conn: Conn, relation_oid: int) -> TableFacts | None:
@@ -257,15 +304,24 @@ def table_facts(conn: Conn, relation_oid: int) -> TableFacts | None:
             " t.typcategory = 'A', a.attndims"
             " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
             " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped",
-            (relation_oid,))
-        columns = {str(n): ColumnFacts(
-            str(t), bool(nullable), None if labels is None else tuple(cast(list[str], labels)),
-            bool(array) and labels is not None, cast(int, dims))
-            for n, t, nullable, labels, array, dims in cur}
+            (relation_oid,),
+        )
+        columns = {
+            str(n): ColumnFacts(
+                str(t),
+                bool(nullable),
+                None if labels is None else tuple(cast(list[str], labels)),
+                bool(array) and labels is not None,
+                cast(int, dims),
+            )
+            for n, t, nullable, labels, array, dims in cur
+        }
         cur.execute(
             "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
             " AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s AND i.indisprimary"
-            " ORDER BY array_position(i.indkey::int2[], a.attnum)", (relation_oid,))
+            " ORDER BY array_position(i.indkey::int2[], a.attnum)",
+            (relation_oid,),
+        )
         primary_key = tuple(str(r[0]) for r in cur)
     if not columns:
         return None

@@ -32,8 +32,11 @@ class SpoolError(Exception):
 
 
 def _failed(directory: Path, exc: OSError) -> SpoolError:
-    hint = ("free space there or point spool_dir at a larger volume"
-            if exc.errno in (28, 122) else "check spool_dir")  # ENOSPC, EDQUOT
+    hint = (
+        "free space there or point spool_dir at a larger volume"
+        if exc.errno in (28, 122)
+        else "check spool_dir"
+    )  # ENOSPC, EDQUOT
     return SpoolError(f"spool_dir {directory}: {exc.strerror or exc}; {hint}")
 
 
@@ -78,8 +81,7 @@ class Spool:
         try:
             if self._file is None:
                 # 0600, and never through a symlink someone left at our path.
-                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                             0o600)
+                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
                 self._file = open(fd, "w+b")  # noqa: SIM115 - lives as long as the spool
             self._file.write(_HEADER.pack(lsn, len(payload)))
             self._file.write(payload)
@@ -135,7 +137,7 @@ def _read_records(reader: BinaryIO) -> Iterator[tuple[int, bytes]]:
             buf = buf[pos:] + more
             pos = 0
             continue
-        yield lsn, buf[pos + _HEADER.size:end]
+        yield lsn, buf[pos + _HEADER.size : end]
         pos = end
 
 
@@ -150,15 +152,19 @@ def prepare_spool_dir(configured: Path, slot: str) -> Path:
         configured.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = configured.stat()
         if info.st_uid != os.getuid():
-            raise SpoolError(f"spool_dir {configured} belongs to uid {info.st_uid}, not to the "
-                             f"bridge's user (uid {os.getuid()}); spool files hold row data: "
-                             "point spool_dir at a folder of the bridge's own (created 0700 "
-                             "if missing)")
+            raise SpoolError(
+                f"spool_dir {configured} belongs to uid {info.st_uid}, not to the "
+                f"bridge's user (uid {os.getuid()}); spool files hold row data: "
+                "point spool_dir at a folder of the bridge's own (created 0700 "
+                "if missing)"
+            )
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise SpoolError(f"spool_dir {configured} is writable by other users (mode "
-                             f"{stat.S_IMODE(info.st_mode):04o}); spool files hold row data: "
-                             f"chmod 700 {configured}, or point spool_dir at a folder only "
-                             "the bridge's user can write (created 0700 if missing)")
+            raise SpoolError(
+                f"spool_dir {configured} is writable by other users (mode "
+                f"{stat.S_IMODE(info.st_mode):04o}); spool files hold row data: "
+                f"chmod 700 {configured}, or point spool_dir at a folder only "
+                "the bridge's user can write (created 0700 if missing)"
+            )
         directory = configured / slot
         directory.mkdir(mode=0o700, exist_ok=True)
         if directory.is_symlink() or not directory.is_dir():

@@ -35,33 +35,58 @@ def collect(settings: BridgeSettings) -> dict[str, Any]:
             report["exists"] = False
         else:
             (plugin, failover, two_phase, active, confirmed, restart, invalid, lag, *stats) = row
-            report.update({
-                "exists": True, "plugin": plugin, "failover": failover,
-                "two_phase": two_phase, "active": active, "confirmed_flush_lsn": confirmed,
-                "restart_lsn": restart, "invalidation_reason": invalid,
-                "lag_bytes": lag,
-                "decoding": dict(zip(("spill_txns", "spill_bytes", "stream_txns",
-                                      "stream_bytes", "total_txns", "total_bytes"), stats,
-                                     strict=True)),
-            })
-        cur.execute("SELECT pg_replication_origin_progress(%s, true)::text "
-                    "FROM pg_replication_origin WHERE roname = %s",
-                    (settings.origin_name, settings.origin_name))
+            report.update(
+                {
+                    "exists": True,
+                    "plugin": plugin,
+                    "failover": failover,
+                    "two_phase": two_phase,
+                    "active": active,
+                    "confirmed_flush_lsn": confirmed,
+                    "restart_lsn": restart,
+                    "invalidation_reason": invalid,
+                    "lag_bytes": lag,
+                    "decoding": dict(
+                        zip(
+                            (
+                                "spill_txns",
+                                "spill_bytes",
+                                "stream_txns",
+                                "stream_bytes",
+                                "total_txns",
+                                "total_bytes",
+                            ),
+                            stats,
+                            strict=True,
+                        )
+                    ),
+                }
+            )
+        cur.execute(
+            "SELECT pg_replication_origin_progress(%s, true)::text "
+            "FROM pg_replication_origin WHERE roname = %s",
+            (settings.origin_name, settings.origin_name),
+        )
         origin = cur.fetchone()
         report["origin_lsn"] = origin[0] if origin else None
     try:
-        progress = read_kafka_progress(kafka_client_config(settings), settings.progress_topic,
-                                       settings.slot_name, timeout_s=10)
+        progress = read_kafka_progress(
+            kafka_client_config(settings), settings.progress_topic, settings.slot_name, timeout_s=10
+        )
     except ProgressError as exc:
         report["kafka_progress"] = f"unavailable: {exc}"
     else:
         report["kafka_published_lsn"] = format_lsn(progress.end_lsn) if progress else None
         report["kafka_progress_timeline"] = progress.timeline if progress else None
         # As far as Kafka holds them: what a restart resumes from.
-        report["snapshots_published"] = {
-            f"{p.schema_}.{p.table}": f"{p.rows:,} rows in {p.chunks} chunks ({p.id})"
-            for p in progress.snapshots
-        } if progress else {}
+        report["snapshots_published"] = (
+            {
+                f"{p.schema_}.{p.table}": f"{p.rows:,} rows in {p.chunks} chunks ({p.id})"
+                for p in progress.snapshots
+            }
+            if progress
+            else {}
+        )
     report["snapshot"] = _daemon_snapshot(settings)
     return report
 

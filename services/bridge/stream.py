@@ -60,17 +60,24 @@ class ReplicationConnection:
 
     def __init__(self, dsn: str) -> None:
         user_options = str(conninfo.conninfo_to_dict(dsn).get("options") or "")
-        full = complete_dsn(dsn, replication="database", client_encoding="UTF8",
-                            options=f"{user_options} {SESSION_OPTIONS}".strip())
+        full = complete_dsn(
+            dsn,
+            replication="database",
+            client_encoding="UTF8",
+            options=f"{user_options} {SESSION_OPTIONS}".strip(),
+        )
         self._redacted = redact_dsn(full)
         self.conn = pq.PGconn.connect(full.encode())
         if self.conn.status != pq.ConnStatus.OK:
             # libpq's message is the cause, then its hint on a line of its own: keep both.
-            message = " ".join(line.strip() for line in self.conn.get_error_message()
-                               .splitlines() if line.strip())
+            message = " ".join(
+                line.strip() for line in self.conn.get_error_message().splitlines() if line.strip()
+            )
             self.conn.finish()
-            raise StreamError(f"cannot open a replication connection ({self._redacted}): "
-                              f"{message or 'unknown error'}")
+            raise StreamError(
+                f"cannot open a replication connection ({self._redacted}): "
+                f"{message or 'unknown error'}"
+            )
         self._streaming = False
 
     def command(self, sql: str) -> list[tuple[str | None, ...]]:
@@ -78,8 +85,10 @@ class ReplicationConnection:
         res = self.conn.exec_(sql.encode())
         status = pq.ExecStatus(res.status)
         if status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-            raise StreamError(f"{sql.split()[0]} failed: "
-                              f"{(res.error_message or b'').decode(errors='replace').strip()}")
+            raise StreamError(
+                f"{sql.split()[0]} failed: "
+                f"{(res.error_message or b'').decode(errors='replace').strip()}"
+            )
         rows = []
         for r in range(res.ntuples):
             row = []
@@ -90,7 +99,7 @@ class ReplicationConnection:
         return rows
 
     def identify_system(self) -> SystemInfo:
-        (sysid, timeline, xlogpos, dbname), = self.command("IDENTIFY_SYSTEM")
+        ((sysid, timeline, xlogpos, dbname),) = self.command("IDENTIFY_SYSTEM")
         assert sysid is not None and timeline is not None and xlogpos is not None
         return SystemInfo(sysid, int(timeline), parse_lsn(xlogpos), dbname or "")
 
@@ -98,7 +107,8 @@ class ReplicationConnection:
         """CREATE_REPLICATION_SLOT ... LOGICAL pgoutput with failover (PostgreSQL 17+)."""
         rows = self.command(
             f"CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput "
-            f"(FAILOVER true, TWO_PHASE {str(two_phase).lower()}, SNAPSHOT 'nothing')")
+            f"(FAILOVER true, TWO_PHASE {str(two_phase).lower()}, SNAPSHOT 'nothing')"
+        )
         return _created(rows)
 
     def start(self, slot: str, lsn: int, options: dict[str, str]) -> None:
@@ -106,8 +116,10 @@ class ReplicationConnection:
         sql = f"START_REPLICATION SLOT {slot} LOGICAL {format_lsn(lsn)} ({opts})"
         res = self.conn.exec_(sql.encode())
         if pq.ExecStatus(res.status) != pq.ExecStatus.COPY_BOTH:
-            raise StreamError("START_REPLICATION failed: "
-                              f"{(res.error_message or b'').decode(errors='replace').strip()}")
+            raise StreamError(
+                "START_REPLICATION failed: "
+                f"{(res.error_message or b'').decode(errors='replace').strip()}"
+            )
         self.conn.nonblocking = 1
         self._streaming = True
 

@@ -55,4 +55,3 @@ def table_key(schema: str, table: str) -> str:
 
 def table_topic(prefix: str, schema: str, table: str) -> str:
     return f"{prefix}.{table_key(schema, table)}"
-

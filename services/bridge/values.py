@@ -23,8 +23,9 @@ from typing import TypeAlias
 
 import orjson
 
-JsonValue: TypeAlias = ("bool | int | float | str | orjson.Fragment | list[JsonValue] | "
-                         "dict[str, JsonValue] | None")
+JsonValue: TypeAlias = (
+    "bool | int | float | str | orjson.Fragment | list[JsonValue] | dict[str, JsonValue] | None"
+)
 Converter: TypeAlias = Callable[[str], JsonValue]
 
 
@@ -110,6 +111,7 @@ def money_decimal(text: str) -> JsonValue:
         raise ValueError(f"not a money value in the C locale: {text!r}")
     return value
 
+
 # oid, array oid, format_type() name, converter
 _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (16, 1000, "boolean", bool_from_text),
@@ -140,8 +142,7 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
 
 # An array element is quoted ("..." with \" and \\ escapes), or unquoted up to the next
 # ',' or '}'; braces open and close dimensions; an element or a '}' may be followed by ','.
-_ARRAY_TOKEN = re.compile(r'(\{)|(?:(\})|"((?:[^"\\]|\\.)*)"|((?:[^,{}"\\]|\\.)+))(,?)',
-                          re.DOTALL)
+_ARRAY_TOKEN = re.compile(r'(\{)|(?:(\})|"((?:[^"\\]|\\.)*)"|((?:[^,{}"\\]|\\.)+))(,?)', re.DOTALL)
 _ESCAPE = re.compile(r"\\(.)", re.DOTALL)
 
 
@@ -155,7 +156,7 @@ def parse_array(text: str, element: Converter) -> JsonValue:
     lowercase null) are not accepted.
     """
     if text.startswith("["):
-        text = text[text.index("=") + 1:]
+        text = text[text.index("=") + 1 :]
     if '"' not in text and "\\" not in text and not text.startswith("{{"):
         # One dimension, nothing quoted: the common case, split without a tokenizer.
         if text[:1] != "{" or text[-1] != "}" or "{" in text[1:-1] or "}" in text[1:-1]:

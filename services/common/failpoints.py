@@ -19,11 +19,19 @@ import signal
 import time
 
 # Every failpoint() call site, by name (tests/unit/test_failpoints.py keeps this true).
-NAMES = frozenset({
-    "after_chunk", "after_kafka_commit", "after_origin_advance", "after_produce",
-    "after_slot_confirm", "before_kafka_commit", "before_watermark",
-    "consume_after_history", "promote_after_disable",
-})
+NAMES = frozenset(
+    {
+        "after_chunk",
+        "after_kafka_commit",
+        "after_origin_advance",
+        "after_produce",
+        "after_slot_confirm",
+        "before_kafka_commit",
+        "before_watermark",
+        "consume_after_history",
+        "promote_after_disable",
+    }
+)
 
 
 class FailpointError(RuntimeError):
@@ -35,8 +43,10 @@ def _parse(spec: str) -> dict[str, tuple[int, str]]:
     for item in filter(None, (p.strip() for p in spec.split(","))):
         name, _, action = item.partition("=")
         if name not in NAMES:
-            raise ValueError(f"SLOTBRIDGE_FAILPOINTS: no failpoint named {name!r} "
-                             f"(known: {', '.join(sorted(NAMES))})")
+            raise ValueError(
+                f"SLOTBRIDGE_FAILPOINTS: no failpoint named {name!r} "
+                f"(known: {', '.join(sorted(NAMES))})"
+            )
         count, star, what = action.partition("*")
         if star:
             points[name] = (int(count), what)

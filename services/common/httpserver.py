@@ -21,13 +21,21 @@ Probe = Callable[[], tuple[bool, str]]
 
 class HttpServerError(Exception):
     """The server cannot listen where the settings say; the message names the fix."""
+
+
 Document = Callable[[], dict[str, Any]]
 
 
 class HealthServer:
-    def __init__(self, host: str, port: int, live: Probe, ready: Probe,
-                 registry: CollectorRegistry = REGISTRY,
-                 documents: dict[str, Document] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        live: Probe,
+        ready: Probe,
+        registry: CollectorRegistry = REGISTRY,
+        documents: dict[str, Document] | None = None,
+    ) -> None:
         probes = {"/healthz": live, "/readyz": ready}
         docs = documents or {}
 
@@ -60,10 +68,10 @@ class HealthServer:
         except OSError as exc:  # socket.gaierror included: an unresolvable http_host
             raise HttpServerError(
                 f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}; choose another "
-                "http_port (0 turns the server off) or an http_host of this machine") from None
+                "http_port (0 turns the server off) or an http_host of this machine"
+            ) from None
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
 
     @property
     def port(self) -> int:

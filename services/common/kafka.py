@@ -22,9 +22,9 @@ from confluent_kafka.admin import AdminClient
 _REMEDIES = {
     KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the client's principal access to the topic",
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "grant the client's principal the cluster "
-                                             "operation it needs (CREATE, DESCRIBE_CONFIGS)",
+    "operation it needs (CREATE, DESCRIBE_CONFIGS)",
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "grant the client's principal WRITE "
-                                                      "and DESCRIBE on its transactional id",
+    "and DESCRIBE on its transactional id",
     KafkaError.GROUP_AUTHORIZATION_FAILED: "grant the client's principal READ on its group",
     KafkaError.SASL_AUTHENTICATION_FAILED: "check the SASL user and password",
     KafkaError._AUTHENTICATION: "check the security settings against the broker's listener",
@@ -56,16 +56,19 @@ def explain(err: KafkaError | KafkaException | BaseException) -> str:
 
 
 # Parts of a librdkafka line that change on every repetition of the same problem.
-_VOLATILE = re.compile(r"\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)"
-                       r"|rdkafka#(producer|consumer)-\d+")
+_VOLATILE = re.compile(
+    r"\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)"
+    r"|rdkafka#(producer|consumer)-\d+"
+)
 
 
 class KafkaLog:
     """A ``logger`` for librdkafka (confluent-kafka calls ``log(level, fmt, *args)``) that
     passes each distinct line on once per ``interval_s``, then says how many it held back."""
 
-    def __init__(self, target: logging.Logger, interval_s: float = 60.0,
-                 clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, target: logging.Logger, interval_s: float = 60.0, clock: Any = time.monotonic
+    ) -> None:
         self._target = target
         self._interval = interval_s
         self._clock = clock
@@ -97,8 +100,10 @@ def _reason(errors: list[KafkaError]) -> str:
         if "Invalid response size" in text:
             return "the server there does not speak the Kafka protocol (another service's port?)"
         if "Request not valid in current SASL state" in text:
-            return (f"{text.split(':')[0]}: the listener does not use SASL "
-                    "(security.protocol does not match the broker's listener)")
+            return (
+                f"{text.split(':')[0]}: the listener does not use SASL "
+                "(security.protocol does not match the broker's listener)"
+            )
         return text
     return "no answer"
 
@@ -122,8 +127,14 @@ def check_reachable(config: dict[str, Any], timeout_s: float, settings_hint: str
     except KafkaException as exc:
         admin.poll(0)  # serves error_cb
         failure = exc
-    security = ", ".join(f"{k}={config[k]}" for k in ("security.protocol", "sasl.mechanism")
-                         if k in config) or "security.protocol=plaintext"
+    security = (
+        ", ".join(
+            f"{k}={config[k]}" for k in ("security.protocol", "sasl.mechanism") if k in config
+        )
+        or "security.protocol=plaintext"
+    )
     reason = _reason(errors) if errors else explain(failure)
-    raise KafkaUnreachable(f"Kafka at {config.get('bootstrap.servers')} ({security}) did not "
-                           f"answer within {timeout_s:.0f}s: {reason}; check {settings_hint}")
+    raise KafkaUnreachable(
+        f"Kafka at {config.get('bootstrap.servers')} ({security}) did not "
+        f"answer within {timeout_s:.0f}s: {reason}; check {settings_hint}"
+    )

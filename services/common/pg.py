@@ -30,9 +30,11 @@ def check_dsn(value: str) -> str:
     try:
         conninfo.conninfo_to_dict(value)
     except psycopg.ProgrammingError as exc:
-        raise ValueError(f"not a libpq connection string ({_parse_fault(exc)}); write "
-                         "key=value pairs separated by spaces, quote values with spaces "
-                         "in them ('...'), or use a postgresql:// URI") from None
+        raise ValueError(
+            f"not a libpq connection string ({_parse_fault(exc)}); write "
+            "key=value pairs separated by spaces, quote values with spaces "
+            "in them ('...'), or use a postgresql:// URI"
+        ) from None
     return value
 
 
@@ -42,9 +44,14 @@ def _parse_fault(exc: psycopg.Error) -> str:
     option = re.search(r'invalid connection option "(\w+)"', text)
     if option:  # a key name, never a value
         return f"unknown parameter {option.group(1)}"
-    for kind in ("missing \"=\"", "missing '='", "unterminated quoted string",
-                 "invalid URI", "invalid percent-encoded token",
-                 "unexpected spaces"):
+    for kind in (
+        'missing "="',
+        "missing '='",
+        "unterminated quoted string",
+        "invalid URI",
+        "invalid percent-encoded token",
+        "unexpected spaces",
+    ):
         if kind.lower() in text.lower():
             return kind.replace('"', "'")
     return type(exc).__name__
@@ -66,8 +73,7 @@ def host_dsns(dsn: str) -> list[str]:
     DSN comes back unchanged.
     """
     params = {k: str(v) for k, v in conninfo.conninfo_to_dict(dsn).items()}
-    lists = {key: params[key].split(",") for key in ("host", "hostaddr", "port")
-             if key in params}
+    lists = {key: params[key].split(",") for key in ("host", "hostaddr", "port") if key in params}
     count = max((len(v) for v in lists.values()), default=1)
     if count == 1:
         return [dsn]
@@ -75,10 +81,14 @@ def host_dsns(dsn: str) -> list[str]:
         if len(values) == 1:  # libpq's rule: one port (or host) serves every entry
             lists[key] = values * count
         elif len(values) != count:
-            raise SourceError(f"source DSN lists {count} servers but {len(values)} {key} "
-                              f"values; give one {key} or one per server")
-    return [conninfo.make_conninfo(**(params | {k: v[i] for k, v in lists.items()}))
-            for i in range(count)]
+            raise SourceError(
+                f"source DSN lists {count} servers but {len(values)} {key} "
+                f"values; give one {key} or one per server"
+            )
+    return [
+        conninfo.make_conninfo(**(params | {k: v[i] for k, v in lists.items()}))
+        for i in range(count)
+    ]
 
 
 def server_address(dsn: str) -> str:
@@ -103,14 +113,20 @@ def redact_dsn(dsn: str) -> str:
 def explain_connect_error(exc: psycopg.Error, dsn: str) -> str:
     """One line: what failed and the likely fix, never the password."""
     # libpq's messages span lines (the cause first, its own hint after): fold them.
-    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) \
+    text = (
+        " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         or type(exc).__name__
+    )
     where = redact_dsn(dsn)
     lowered = text.lower()
     if "password authentication failed" in lowered:
         hint = "check the user name and password"
-    elif "connection refused" in lowered or "could not translate host" in lowered \
-            or "timeout" in lowered or "no route" in lowered:
+    elif (
+        "connection refused" in lowered
+        or "could not translate host" in lowered
+        or "timeout" in lowered
+        or "no route" in lowered
+    ):
         hint = "is the server running and reachable at that host and port?"
     elif "does not exist" in lowered:
         hint = "check the database and role names"
@@ -123,8 +139,9 @@ def explain_connect_error(exc: psycopg.Error, dsn: str) -> str:
     return f"cannot connect to PostgreSQL ({where}): {text}; {hint}"
 
 
-def connect(dsn: str, *, autocommit: bool = True, connect_timeout: int = 10,
-            **kwargs: str) -> psycopg.Connection[tuple[object, ...]]:
+def connect(
+    dsn: str, *, autocommit: bool = True, connect_timeout: int = 10, **kwargs: str
+) -> psycopg.Connection[tuple[object, ...]]:
     """A plain SQL connection; raises SourceError with a one-line reason on failure."""
     full = complete_dsn(dsn, connect_timeout=connect_timeout, **kwargs)
     try:
@@ -144,6 +161,7 @@ def complete_dsn(dsn: str, *, connect_timeout: int = 10, **kwargs: str) -> str:
         if "connect_timeout" not in conninfo.conninfo_to_dict(full):
             full = conninfo.make_conninfo(full, connect_timeout=str(connect_timeout))
     except psycopg.ProgrammingError as exc:
-        raise SourceError(f"the PostgreSQL connection string is not valid "
-                          f"({_parse_fault(exc)}); fix source_dsn") from None
+        raise SourceError(
+            f"the PostgreSQL connection string is not valid ({_parse_fault(exc)}); fix source_dsn"
+        ) from None
     return full

@@ -28,7 +28,9 @@ class ServiceSettings(BaseSettings):
     """Base for every service's settings: env prefix, no unknown keys, env over file."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SLOTBRIDGE_", env_nested_delimiter="__", extra="forbid",
+        env_prefix="SLOTBRIDGE_",
+        env_nested_delimiter="__",
+        extra="forbid",
     )
 
     @classmethod
@@ -50,8 +52,10 @@ S = TypeVar("S", bound=ServiceSettings)
 # The daemons' HTTP endpoints have no authentication: loopback unless the operator (or the
 # Helm chart, for the kubelet and Prometheus) chooses an address others can reach.
 HTTP_HOST: Any = Field(
-    default="127.0.0.1", description="address of the HTTP endpoints (/healthz, /readyz, "
-    "/metrics ...; no authentication): loopback by default, the Helm chart sets 0.0.0.0")
+    default="127.0.0.1",
+    description="address of the HTTP endpoints (/healthz, /readyz, "
+    "/metrics ...; no authentication): loopback by default, the Helm chart sets 0.0.0.0",
+)
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -83,8 +87,7 @@ def read_settings_file(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
     except yaml.YAMLError as exc:
-        raise SettingsError(f"settings file {path} is not valid YAML: {_yaml_fault(exc)}") \
-            from None
+        raise SettingsError(f"settings file {path} is not valid YAML: {_yaml_fault(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -106,8 +109,12 @@ def string_values(value: Any) -> Any:
     """Validator (before): client settings as the strings librdkafka/Spark take, so YAML's
     ``linger.ms: 5`` or ``enable.idempotence: true`` work as written."""
     if isinstance(value, dict):
-        return {k: (str(v).lower() if isinstance(v, bool) else str(v))
-                if isinstance(v, bool | int | float) else v for k, v in value.items()}
+        return {
+            k: (str(v).lower() if isinstance(v, bool) else str(v))
+            if isinstance(v, bool | int | float)
+            else v
+            for k, v in value.items()
+        }
     return value
 
 

@@ -23,11 +23,17 @@ from services.failover.settings import FailoverSettings
 from services.failover.watch import Watcher
 
 _config = click.option(
-    "--config", "-c", "config", type=click.Path(dir_okay=False, path_type=Path),
-    envvar="SLOTBRIDGE_FAILOVER_CONFIG", default=None,
-    help="settings file (YAML, or TOML by suffix); SLOTBRIDGE_* variables override it")
-_section = click.option("--section", default=None,
-                        help="read the settings from this top-level key of the file")
+    "--config",
+    "-c",
+    "config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="SLOTBRIDGE_FAILOVER_CONFIG",
+    default=None,
+    help="settings file (YAML, or TOML by suffix); SLOTBRIDGE_* variables override it",
+)
+_section = click.option(
+    "--section", default=None, help="read the settings from this top-level key of the file"
+)
 
 
 def _load(config: Path | None, section: str | None) -> FailoverSettings:
@@ -49,16 +55,19 @@ def failover() -> None:
 @click.option("--standby", default=None, help="judge readiness for this standby only")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable report")
 @click.option("--problems", is_flag=True, help="table: show only checks that are not OK")
-def check(config: Path | None, section: str | None, standby: str | None, as_json: bool,
-          problems: bool) -> None:
+def check(
+    config: Path | None, section: str | None, standby: str | None, as_json: bool, problems: bool
+) -> None:
     """One-shot readiness report; exit 0 only when ready for failover."""
     settings = _load(config, section)
     setup_logging(settings.log_format, "WARNING")
     if standby is not None and standby not in settings.standbys:
         click.echo(f"no standby named {standby!r} in the settings", err=True)
         sys.exit(2)
-    report = evaluate(probe_cluster(settings), Thresholds(settings.max_slot_lag_bytes,
-                                                          settings.max_replay_lag_bytes))
+    report = evaluate(
+        probe_cluster(settings),
+        Thresholds(settings.max_slot_lag_bytes, settings.max_replay_lag_bytes),
+    )
     data = report_dict(report, standby)
     click.echo(render_json(data) if as_json else render_report(report, standby, not problems))
     sys.exit(0 if data["ready"] else 1)
@@ -86,8 +95,14 @@ def watch(config: Path | None, section: str | None) -> None:
 @click.option("--force", is_flag=True, help="promote even if checks fail (lists them)")
 @click.option("--dry-run", is_flag=True, help="print the plan; change nothing")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable steps and summary")
-def promote(config: Path | None, section: str | None, standby: str, force: bool,
-            dry_run: bool, as_json: bool) -> None:
+def promote(
+    config: Path | None,
+    section: str | None,
+    standby: str,
+    force: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Promote STANDBY and move every subscriber to it; safe to re-run after a failure."""
     settings = _load(config, section)
     setup_logging(settings.log_format, settings.log_level)

@@ -38,9 +38,12 @@ def follow_primary(*dsns: str) -> str:
     params = [conninfo.conninfo_to_dict(d) for d in dsns]
     first = {k: str(v) for k, v in params[0].items() if k not in ("host", "port")}
     return conninfo.make_conninfo(
-        **first, host=",".join(str(p.get("host", "")) for p in params),
+        **first,
+        host=",".join(str(p.get("host", "")) for p in params),
         port=",".join(str(p.get("port", "5432")) for p in params),
-        target_session_attrs="read-write", connect_timeout="2")
+        target_session_attrs="read-write",
+        connect_timeout="2",
+    )
 
 
 @dataclass
@@ -99,17 +102,40 @@ class DrillResult:
     committed_after_promote: int  # commits between the end of promote and the end of writes
 
 
-def run_promote(config: Path, standby: str, *extra: str,
-                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_promote(
+    config: Path, standby: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``slotbridge failover promote --json``, as an operator would run it."""
-    return subprocess.run([SLOTBRIDGE, "failover", "promote", "-c", str(config),
-                           "--standby", standby, "--json", *extra],
-                          capture_output=True, text=True, timeout=600, check=False, env=env)
+    return subprocess.run(
+        [
+            SLOTBRIDGE,
+            "failover",
+            "promote",
+            "-c",
+            str(config),
+            "--standby",
+            standby,
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+    )
 
 
-def drill(config: Path, standby: str, workload: Workload, *, extra: tuple[str, ...] = (),
-          before: Callable[[], None] | None = None, warmup_s: float = 2.0,
-          cooldown_s: float = 2.0) -> DrillResult:
+def drill(
+    config: Path,
+    standby: str,
+    workload: Workload,
+    *,
+    extra: tuple[str, ...] = (),
+    before: Callable[[], None] | None = None,
+    warmup_s: float = 2.0,
+    cooldown_s: float = 2.0,
+) -> DrillResult:
     """Writes run; ``before`` (e.g. crash the primary) fires; promote runs; writes go on."""
     workload.start()
     time.sleep(warmup_s)
@@ -125,14 +151,23 @@ def drill(config: Path, standby: str, workload: Workload, *, extra: tuple[str, .
         data = json.loads(proc.stdout)
     except ValueError:
         data = {"summary": {}, "steps": []}
-    return DrillResult(proc.returncode, took, data["summary"], data["steps"], workload,
-                       proc.stdout + proc.stderr, workload.committed - at_promote)
+    return DrillResult(
+        proc.returncode,
+        took,
+        data["summary"],
+        data["steps"],
+        workload,
+        proc.stdout + proc.stderr,
+        workload.committed - at_promote,
+    )
 
 
 def fence_by_stopping(stack: Stack) -> list[str]:
     """A fence_command that stops the stack's primary, as a real one would stop a VM."""
-    code = ("import sys; from pathlib import Path; from services.stack.stack import Stack; "
-            "sys.exit(0 if Stack(Path(sys.argv[1])).node('primary').stop('fast') else 1)")
+    code = (
+        "import sys; from pathlib import Path; from services.stack.stack import Stack; "
+        "sys.exit(0 if Stack(Path(sys.argv[1])).node('primary').stop('fast') else 1)"
+    )
     return [sys.executable, "-c", code, str(stack.state_dir)]
 
 
@@ -143,7 +178,9 @@ def settings_for(stack: Stack, path: Path, **extra: Any) -> Path:
         "standbys": {"standby": {"dsn": stack.standby_dsn}},
         "subscribers": {"subscriber": {"dsn": stack.subscriber_dsn}},
         "log_format": "text",
-        "catchup_timeout_s": 30, "promote_timeout_s": 60, "stream_timeout_s": 60,
+        "catchup_timeout_s": 30,
+        "promote_timeout_s": 60,
+        "stream_timeout_s": 60,
         **extra,
     }
     path.write_text(yaml.safe_dump(data))
@@ -163,13 +200,18 @@ def subscribe(stack: Stack, table: str, *, failover: bool = True) -> str:
         conn.execute(f"CREATE PUBLICATION {table}_pub FOR TABLE {table}")
     with subscriber.connect() as conn:
         conn.execute(ddl)
-        conn.execute(f"CREATE SUBSCRIPTION {name} CONNECTION '{stack.primary_dsn}' "
-                     f"PUBLICATION {table}_pub WITH (failover = {str(failover).lower()})")
+        conn.execute(
+            f"CREATE SUBSCRIPTION {name} CONNECTION '{stack.primary_dsn}' "
+            f"PUBLICATION {table}_pub WITH (failover = {str(failover).lower()})"
+        )
 
     def copied() -> bool:
-        rows = subscriber.query("SELECT count(*) FROM pg_subscription_rel r JOIN "
-                                "pg_subscription s ON s.oid = r.srsubid WHERE s.subname = %s "
-                                "AND r.srsubstate <> 'r'", (name,))
+        rows = subscriber.query(
+            "SELECT count(*) FROM pg_subscription_rel r JOIN "
+            "pg_subscription s ON s.oid = r.srsubid WHERE s.subname = %s "
+            "AND r.srsubstate <> 'r'",
+            (name,),
+        )
         return rows == [(0,)]
 
     if wait_until(copied, 60) is None:

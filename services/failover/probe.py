@@ -29,8 +29,14 @@ from services.failover.settings import FailoverSettings, Node
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 # Settings the checks judge (pg_settings simply has no row for one an older server lacks).
-_SETTINGS = ("wal_level", "synchronized_standby_slots", "sync_replication_slots",
-             "hot_standby_feedback", "primary_slot_name", "default_transaction_read_only")
+_SETTINGS = (
+    "wal_level",
+    "synchronized_standby_slots",
+    "sync_replication_slots",
+    "hot_standby_feedback",
+    "primary_slot_name",
+    "default_transaction_read_only",
+)
 
 _SERVER_SQL = """
 SELECT pg_is_in_recovery(),
@@ -102,15 +108,22 @@ def open_node(node: Node, timeout: int = 5) -> Conn:
 
 def read_slots(conn: Conn) -> tuple[Slot, ...]:
     return tuple(
-        Slot(name=r[0], slot_type=r[1], active=bool(r[2]), temporary=bool(r[3]),
-             failover=bool(r[4]), synced=bool(r[5]), invalidation_reason=r[6],
-             confirmed_flush_lsn=_lsn(r[7]), restart_lsn=_lsn(r[8]))
+        Slot(
+            name=r[0],
+            slot_type=r[1],
+            active=bool(r[2]),
+            temporary=bool(r[3]),
+            failover=bool(r[4]),
+            synced=bool(r[5]),
+            invalidation_reason=r[6],
+            confirmed_flush_lsn=_lsn(r[7]),
+            restart_lsn=_lsn(r[8]),
+        )
         for r in conn.execute(_SLOTS_SQL).fetchall()
     )
 
 
-def read_senders(conn: Conn, window_s: float = SENDER_WINDOW_S
-                 ) -> tuple[tuple[Sender, ...], float]:
+def read_senders(conn: Conn, window_s: float = SENDER_WINDOW_S) -> tuple[tuple[Sender, ...], float]:
     """Walsenders with their wait event in each sample, and the seconds sampled.
 
     Sampling stops early once no logical walsender has waited on the standby in every
@@ -127,13 +140,20 @@ def read_senders(conn: Conn, window_s: float = SENDER_WINDOW_S
             seen[row[0]] = list(row)
             waits.setdefault(row[0], []).append(row[4])
         senders = tuple(
-            Sender(pid=pid, application_name=row[1] or "", slot_name=row[2],
-                   slot_type=row[3], wait_events=tuple(waits[pid]))
-            for pid, row in sorted(seen.items()) if len(waits[pid]) == samples
+            Sender(
+                pid=pid,
+                application_name=row[1] or "",
+                slot_name=row[2],
+                slot_type=row[3],
+                wait_events=tuple(waits[pid]),
+            )
+            for pid, row in sorted(seen.items())
+            if len(waits[pid]) == samples
         )
         elapsed = time.monotonic() - started
-        if elapsed >= window_s or not any(s.slot_type == "logical"
-                                          and s.always_waiting_for_standby for s in senders):
+        if elapsed >= window_s or not any(
+            s.slot_type == "logical" and s.always_waiting_for_standby for s in senders
+        ):
             return senders, elapsed
         time.sleep(SENDER_SAMPLE_GAP_S)
 
@@ -144,20 +164,29 @@ def probe_server(name: str, node: Node, *, senders: bool = False) -> Server:
         with open_node(node) as conn:
             row = conn.execute(_SERVER_SQL).fetchone()
             assert row is not None
-            settings: dict[str, str] = dict(conn.execute(
-                "SELECT name, setting FROM pg_settings WHERE name = ANY(%s)",
-                (list(_SETTINGS),)).fetchall())
+            settings: dict[str, str] = dict(
+                conn.execute(
+                    "SELECT name, setting FROM pg_settings WHERE name = ANY(%s)", (list(_SETTINGS),)
+                ).fetchall()
+            )
             watch = senders and not row[0]
             slots = read_slots(conn)
             seen, window = read_senders(conn) if watch else ((), 0.0)
             slots_after = read_slots(conn) if watch else ()
             return Server(
-                name=name, reachable=True, in_recovery=bool(row[0]),
-                system_identifier=int(row[1]), wal_lsn=_lsn(row[2]), timeline=row[3],
+                name=name,
+                reachable=True,
+                in_recovery=bool(row[0]),
+                system_identifier=int(row[1]),
+                wal_lsn=_lsn(row[2]),
+                timeline=row[3],
                 settings=settings,
                 primary_conninfo_dbname=public_conninfo(row[4] or "").get("dbname"),
-                wal_receiver_status=row[5], slots=slots, senders=seen,
-                slots_after=slots_after, senders_window_s=window,
+                wal_receiver_status=row[5],
+                slots=slots,
+                senders=seen,
+                slots_after=slots_after,
+                senders_window_s=window,
             )
     except (SourceError, psycopg.Error) as exc:
         return Server(name=name, reachable=False, error=one_line(exc))
@@ -165,9 +194,18 @@ def probe_server(name: str, node: Node, *, senders: bool = False) -> Server:
 
 def read_subscriptions(conn: Conn) -> tuple[Subscription, ...]:
     return tuple(
-        Subscription(oid=int(r[0]), name=r[1], database=r[2], enabled=bool(r[3]),
-                     failover=bool(r[4]), slot_name=r[5], publisher=public_conninfo(r[6]),
-                     worker_pid=r[7], received_lsn=_lsn(r[8]), sync_slots=tuple(r[9]))
+        Subscription(
+            oid=int(r[0]),
+            name=r[1],
+            database=r[2],
+            enabled=bool(r[3]),
+            failover=bool(r[4]),
+            slot_name=r[5],
+            publisher=public_conninfo(r[6]),
+            worker_pid=r[7],
+            received_lsn=_lsn(r[8]),
+            sync_slots=tuple(r[9]),
+        )
         for r in conn.execute(_SUBSCRIPTIONS_SQL).fetchall()
     )
 
@@ -175,8 +213,9 @@ def read_subscriptions(conn: Conn) -> tuple[Subscription, ...]:
 def probe_subscriber(name: str, node: Node) -> SubscriberFacts:
     try:
         with open_node(node) as conn:
-            return SubscriberFacts(name=name, reachable=True,
-                                   subscriptions=read_subscriptions(conn))
+            return SubscriberFacts(
+                name=name, reachable=True, subscriptions=read_subscriptions(conn)
+            )
     except (SourceError, psycopg.Error) as exc:
         return SubscriberFacts(name=name, reachable=False, error=one_line(exc))
 

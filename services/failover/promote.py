@@ -87,8 +87,9 @@ class RunResult:
             "dry_run": self.dry_run,
             "ok": self.ok,
             "seconds_total": round(sum(s.seconds for s in self.steps), 3),
-            "seconds_to_streaming": (None if self.seconds_to_streaming is None
-                                     else round(self.seconds_to_streaming, 3)),
+            "seconds_to_streaming": (
+                None if self.seconds_to_streaming is None else round(self.seconds_to_streaming, 3)
+            ),
             "error": self.error,
         }
 
@@ -109,8 +110,10 @@ def poll(check: Callable[[], bool], timeout: float, interval: float = 0.2) -> bo
 
 def same_server(a: dict[str, str], b: dict[str, str]) -> bool:
     """Do two conninfos name the same server (host or hostaddr, and port)?"""
+
     def where(p: dict[str, str]) -> tuple[str, str]:
         return (p.get("hostaddr") or p.get("host") or "", p.get("port") or "5432")
+
     return where(a) == where(b)
 
 
@@ -120,8 +123,11 @@ def repointed_conninfo(current: str, publisher: dict[str, str]) -> str:
     The address keys are dropped first: a stale ``hostaddr`` would otherwise win over the
     new ``host``. Everything else (user, dbname, sslmode, password) is kept.
     """
-    params = {k: str(v) for k, v in conninfo.conninfo_to_dict(current).items()
-              if k not in ("host", "hostaddr", "port")}
+    params = {
+        k: str(v)
+        for k, v in conninfo.conninfo_to_dict(current).items()
+        if k not in ("host", "hostaddr", "port")
+    }
     params.update(publisher)
     return conninfo.make_conninfo(**params)
 
@@ -160,11 +166,20 @@ def fence_primary(node: Node) -> str | None:
 class Runbook:
     """One promotion of ``standby``; ``emit`` sees each step as it finishes."""
 
-    def __init__(self, settings: FailoverSettings, standby: str, *, force: bool = False,
-                 dry_run: bool = False, emit: Callable[[Step], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: FailoverSettings,
+        standby: str,
+        *,
+        force: bool = False,
+        dry_run: bool = False,
+        emit: Callable[[Step], None] | None = None,
+    ) -> None:
         if standby not in settings.standbys:
-            raise PromoteError(f"no standby named {standby!r} in the settings "
-                               f"(have: {', '.join(settings.standbys)})")
+            raise PromoteError(
+                f"no standby named {standby!r} in the settings "
+                f"(have: {', '.join(settings.standbys)})"
+            )
         self.settings = settings
         self.name = standby
         self.target: Standby = settings.standbys[standby]
@@ -183,17 +198,29 @@ class Runbook:
     def run(self) -> RunResult:
         self._started = time.monotonic()
         steps: list[tuple[str, Callable[[], tuple[Result, str]]]] = [
-            ("check", self.check), ("disable", self.disable), ("fence", self.fence),
-            ("catchup", self.catchup), ("stop_old_primary", self.stop_old_primary),
-            ("promote", self.promote), ("clean_settings", self.clean_settings),
-            ("repoint", self.repoint), ("enable", self.enable), ("verify", self.verify),
+            ("check", self.check),
+            ("disable", self.disable),
+            ("fence", self.fence),
+            ("catchup", self.catchup),
+            ("stop_old_primary", self.stop_old_primary),
+            ("promote", self.promote),
+            ("clean_settings", self.clean_settings),
+            ("repoint", self.repoint),
+            ("enable", self.enable),
+            ("verify", self.verify),
         ]
         for name, action in steps:
             began = time.monotonic()
             try:
                 result, detail = action()
-            except (PromoteError, SourceError, psycopg.Error, subprocess.SubprocessError,
-                    OSError, FailpointError) as exc:
+            except (
+                PromoteError,
+                SourceError,
+                psycopg.Error,
+                subprocess.SubprocessError,
+                OSError,
+                FailpointError,
+            ) as exc:
                 self._record(name, "failed", began, one_line(exc))
                 self.result.error = f"step {name} failed: {exc}".strip()
                 return self.result
@@ -207,9 +234,17 @@ class Runbook:
         step = Step(name, result, time.monotonic() - began, detail)
         self.result.steps.append(step)
         level = logging.WARNING if result in ("warn", "failed") else logging.INFO
-        log_event(log, level, f"promote step {name}: {result}", step=name, result=result,
-                  seconds=round(step.seconds, 3), detail=detail, standby=self.name,
-                  dry_run=self.dry_run)
+        log_event(
+            log,
+            level,
+            f"promote step {name}: {result}",
+            step=name,
+            result=result,
+            seconds=round(step.seconds, 3),
+            detail=detail,
+            standby=self.name,
+            dry_run=self.dry_run,
+        )
         if self.emit is not None:
             self.emit(step)
 
@@ -217,27 +252,32 @@ class Runbook:
 
     def check(self) -> tuple[Result, str]:
         facts = probe_cluster(self.settings)
-        report = evaluate(facts, Thresholds(self.settings.max_slot_lag_bytes,
-                                            self.settings.max_replay_lag_bytes))
+        report = evaluate(
+            facts, Thresholds(self.settings.max_slot_lag_bytes, self.settings.max_replay_lag_bytes)
+        )
         for sub in facts.subscribers:
             node = self.settings.subscribers[sub.name]
             self.targets += [Target(sub.name, node, s) for s in managed_subscriptions(facts, sub)]
         target = facts.standby(self.name)
         assert target is not None
         if not target.reachable:
-            raise PromoteError(f"standby {self.name} does not answer ({target.error}): "
-                               "nothing to promote")
+            raise PromoteError(
+                f"standby {self.name} does not answer ({target.error}): nothing to promote"
+            )
         if not target.in_recovery:
             self.already_promoted = True
-            return "done", (f"{self.name} is already out of recovery: resuming an earlier "
-                            f"run; {len(self.targets)} subscription(s) to move")
+            return "done", (
+                f"{self.name} is already out of recovery: resuming an earlier "
+                f"run; {len(self.targets)} subscription(s) to move"
+            )
         failures = report.failures(self.name)
         if not failures:
             return "done", f"{self.name} is ready; {len(self.targets)} subscription(s) to move"
         listed = "; ".join(f"{c.scope} {c.code}: {c.detail}" for c in failures)
         if not self.force:
-            raise PromoteError(f"{self.name} is not ready ({listed}); fix that or pass "
-                               "--force to promote anyway")
+            raise PromoteError(
+                f"{self.name} is not ready ({listed}); fix that or pass --force to promote anyway"
+            )
         return "warn", f"NOT ready, promoting because of --force: {listed}"
 
     def _publisher(self) -> dict[str, str]:
@@ -255,13 +295,16 @@ class Runbook:
             return "plan", f"would disable {names}"
         for t in todo:
             with _open_db(t.node, t.sub.database) as conn:
-                conn.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE")
-                             .format(sql.Identifier(t.sub.name)))
+                conn.execute(
+                    sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(t.sub.name))
+                )
                 # The apply worker leaves at its next look at the catalog; until then it may
                 # still be applying from the old primary.
                 if not poll(_workers_gone(conn, t.sub.oid), 30):
-                    raise PromoteError(f"{t.subscriber}/{t.sub.name}: workers still running "
-                                       "30 s after DISABLE; see the subscriber's log")
+                    raise PromoteError(
+                        f"{t.subscriber}/{t.sub.name}: workers still running "
+                        "30 s after DISABLE; see the subscriber's log"
+                    )
         failpoint("promote_after_disable")
         return "done", f"disabled {names}"
 
@@ -275,8 +318,10 @@ class Runbook:
             return "skipped", "old primary is in recovery (already a standby): nothing to fence"
         self.old_primary = "answers"
         if self.dry_run:
-            return "plan", ("would set default_transaction_read_only=on on the old primary, "
-                            "reload, terminate its client backends and logical walsenders")
+            return "plan", (
+                "would set default_transaction_read_only=on on the old primary, "
+                "reload, terminate its client backends and logical walsenders"
+            )
         self.fence_lsn = fence_primary(self.settings.primary)
         if self.fence_lsn is None:
             self.old_primary = "down"
@@ -298,10 +343,12 @@ class Runbook:
         if poll(replayed, self.settings.catchup_timeout_s):
             return "done", f"{self.name} replayed up to {format_lsn(goal)}"
         if not self.force:
-            raise PromoteError(f"{self.name} did not replay up to {format_lsn(goal)} within "
-                               f"{self.settings.catchup_timeout_s:.0f}s; promoting now would "
-                               "lose transactions. Re-run (the old primary stays fenced) or "
-                               "use --force")
+            raise PromoteError(
+                f"{self.name} did not replay up to {format_lsn(goal)} within "
+                f"{self.settings.catchup_timeout_s:.0f}s; promoting now would "
+                "lose transactions. Re-run (the old primary stays fenced) or "
+                "use --force"
+            )
         return "warn", f"{self.name} behind {format_lsn(goal)}; promoting because of --force"
 
     def stop_old_primary(self) -> tuple[Result, str]:
@@ -311,23 +358,35 @@ class Runbook:
         if self.old_primary == "down":
             # Nothing reached it, and a crashed primary restarts as a primary: the one way
             # left to fork the data, so the step warns.
-            detail = ("old primary is down or unreachable, so it was not fenced"
-                      + (" and fence_command was not run" if command else "")
-                      + ": if restarted it comes back WRITABLE; keep it down, or run "
-                      "`slotbridge failover watch` with auto_repoint: true (it fences an old "
-                      "primary that comes back)")
+            detail = (
+                "old primary is down or unreachable, so it was not fenced"
+                + (" and fence_command was not run" if command else "")
+                + ": if restarted it comes back WRITABLE; keep it down, or run "
+                "`slotbridge failover watch` with auto_repoint: true (it fences an old "
+                "primary that comes back)"
+            )
             if not command:
-                detail += ("; configure fence_command so the next promotion stops an old "
-                           "primary that still answers")
+                detail += (
+                    "; configure fence_command so the next promotion stops an old "
+                    "primary that still answers"
+                )
             return "warn", detail
         if not command:
-            return "skipped", ("no fence_command configured: the old primary keeps running, "
-                               "soft-fenced (read-only by default, but a session can still "
-                               "turn that off); stop it, or configure fence_command")
+            return "skipped", (
+                "no fence_command configured: the old primary keeps running, "
+                "soft-fenced (read-only by default, but a session can still "
+                "turn that off); stop it, or configure fence_command"
+            )
         if self.dry_run:
             return "plan", f"would run fence_command {command[0]} to stop the old primary"
-        proc = subprocess.run(command, env={**os.environ, "SLOTBRIDGE_FENCE_NODE": "primary"},
-                              capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            command,
+            env={**os.environ, "SLOTBRIDGE_FENCE_NODE": "primary"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
             raise PromoteError(f"fence_command exited {proc.returncode}: {tail[0]}")
@@ -342,8 +401,9 @@ class Runbook:
         with open_node(self.target) as conn:
             row = conn.execute("SELECT pg_promote(true, %s)", (timeout,)).fetchone()
         if row != (True,):
-            raise PromoteError(f"{self.name} did not leave recovery within {timeout}s; "
-                               "see its log, then re-run")
+            raise PromoteError(
+                f"{self.name} did not leave recovery within {timeout}s; see its log, then re-run"
+            )
         after = probe_server(self.name, self.target)
         return "done", f"{self.name} is primary on timeline {after.timeline}"
 
@@ -351,9 +411,12 @@ class Runbook:
         node = probe_server(self.name, self.target)
         if node.reachable and node.in_recovery and self.dry_run:
             harmful = _harmful(node)
-            return ("plan" if harmful else "skipped",
-                    f"after promotion would reset {', '.join(harmful)}" if harmful
-                    else "nothing copied that would stall it")
+            return (
+                "plan" if harmful else "skipped",
+                f"after promotion would reset {', '.join(harmful)}"
+                if harmful
+                else "nothing copied that would stall it",
+            )
         if not node.reachable or node.in_recovery:
             raise PromoteError(f"{self.name} is not a primary ({node.error or 'in recovery'})")
         harmful = _harmful(node)
@@ -364,9 +427,11 @@ class Runbook:
                 conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(key)))
             conn.execute("SELECT pg_reload_conf()")
         if not poll(lambda: not _harmful(probe_server(self.name, self.target)), 10):
-            raise PromoteError(f"{', '.join(harmful)} still set on {self.name} after ALTER "
-                               "SYSTEM RESET: it comes from postgresql.conf; remove it there "
-                               "and reload")
+            raise PromoteError(
+                f"{', '.join(harmful)} still set on {self.name} after ALTER "
+                "SYSTEM RESET: it comes from postgresql.conf; remove it there "
+                "and reload"
+            )
         return "done", f"reset {', '.join(harmful)}"
 
     def repoint(self) -> tuple[Result, str]:
@@ -378,13 +443,17 @@ class Runbook:
             return "plan", f"would ALTER SUBSCRIPTION ... CONNECTION to {self.name}: {names}"
         for t in todo:
             with _open_db(t.node, t.sub.database) as conn:
-                row = conn.execute("SELECT subconninfo FROM pg_subscription WHERE oid = %s",
-                                   (t.sub.oid,)).fetchone()
+                row = conn.execute(
+                    "SELECT subconninfo FROM pg_subscription WHERE oid = %s", (t.sub.oid,)
+                ).fetchone()
                 if row is None:
                     raise PromoteError(f"{t.subscriber}/{t.sub.name} disappeared")
                 new = repointed_conninfo(str(row[0]), self._publisher())
-                conn.execute(sql.SQL("ALTER SUBSCRIPTION {} CONNECTION {}")
-                             .format(sql.Identifier(t.sub.name), sql.Literal(new)))
+                conn.execute(
+                    sql.SQL("ALTER SUBSCRIPTION {} CONNECTION {}").format(
+                        sql.Identifier(t.sub.name), sql.Literal(new)
+                    )
+                )
         return "done", f"{names} now connect to {self.name}"
 
     def enable(self) -> tuple[Result, str]:
@@ -396,8 +465,9 @@ class Runbook:
             return "plan", f"would enable {names}"
         for t in todo:
             with _open_db(t.node, t.sub.database) as conn:
-                conn.execute(sql.SQL("ALTER SUBSCRIPTION {} ENABLE")
-                             .format(sql.Identifier(t.sub.name)))
+                conn.execute(
+                    sql.SQL("ALTER SUBSCRIPTION {} ENABLE").format(sql.Identifier(t.sub.name))
+                )
         return "done", f"enabled {names}"
 
     def verify(self) -> tuple[Result, str]:
@@ -407,33 +477,45 @@ class Runbook:
             return "plan", "would wait until every apply worker streams from the new primary"
         slots = {t.sub.slot_name for t in self.targets if t.sub.slot_name}
         with open_node(self.target) as conn:
-            present = {r[0] for r in conn.execute(
-                "SELECT slot_name FROM pg_replication_slots WHERE slot_name = ANY(%s)",
-                (list(slots),)).fetchall()}
+            present = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT slot_name FROM pg_replication_slots WHERE slot_name = ANY(%s)",
+                    (list(slots),),
+                ).fetchall()
+            }
             missing = slots - present
             if missing:
-                raise PromoteError(f"slot(s) {', '.join(sorted(missing))} do not exist on "
-                                   f"{self.name}: they were not synced; those subscriptions "
-                                   "need a new slot and a fresh copy")
+                raise PromoteError(
+                    f"slot(s) {', '.join(sorted(missing))} do not exist on "
+                    f"{self.name}: they were not synced; those subscriptions "
+                    "need a new slot and a fresh copy"
+                )
 
             def streaming() -> bool:
                 rows = conn.execute(
                     "SELECT count(*) FROM pg_replication_slots s JOIN pg_stat_replication r "
                     "ON r.pid = s.active_pid WHERE s.slot_name = ANY(%s) "
-                    "AND r.state = 'streaming'", (list(slots),)).fetchone()
+                    "AND r.state = 'streaming'",
+                    (list(slots),),
+                ).fetchone()
                 return rows == (len(slots),)
 
             if not poll(streaming, self.settings.stream_timeout_s):
-                raise PromoteError(f"not every subscription streams from {self.name} after "
-                                   f"{self.settings.stream_timeout_s:.0f}s; see the "
-                                   "subscribers' logs, then re-run")
+                raise PromoteError(
+                    f"not every subscription streams from {self.name} after "
+                    f"{self.settings.stream_timeout_s:.0f}s; see the "
+                    "subscribers' logs, then re-run"
+                )
         return "done", f"{len(slots)} subscription slot(s) streaming from {self.name}"
 
 
 def _workers_gone(conn: Conn, oid: int) -> Callable[[], bool]:
     def gone() -> bool:
-        return conn.execute("SELECT count(*) FROM pg_stat_subscription WHERE subid = %s "
-                            "AND pid IS NOT NULL", (oid,)).fetchone() == (0,)
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_subscription WHERE subid = %s AND pid IS NOT NULL", (oid,)
+        ).fetchone() == (0,)
+
     return gone
 
 

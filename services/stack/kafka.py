@@ -82,13 +82,25 @@ def dump_log_segments(*segments: Path, payloads: bool = True) -> str:
     """
     jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_TOOLS_SET)
     proc = subprocess.run(
-        [_java_binary(), "-cp", f"{jars}/*", DUMP_LOG_SEGMENTS,
-         "--files", ",".join(str(s) for s in segments),
-         "--print-data-log" if payloads else "--deep-iteration"],
-        capture_output=True, text=True, timeout=600, check=False)
+        [
+            _java_binary(),
+            "-cp",
+            f"{jars}/*",
+            DUMP_LOG_SEGMENTS,
+            "--files",
+            ",".join(str(s) for s in segments),
+            "--print-data-log" if payloads else "--deep-iteration",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if proc.returncode != 0:
-        raise StackError(f"kafka: DumpLogSegments failed (exit {proc.returncode}; tools in "
-                         f"{jars}): {proc.stderr.strip()[-2000:]}")
+        raise StackError(
+            f"kafka: DumpLogSegments failed (exit {proc.returncode}; tools in "
+            f"{jars}): {proc.stderr.strip()[-2000:]}"
+        )
     return proc.stdout
 
 
@@ -97,8 +109,9 @@ class Kafka:
 
     HEAP = "-Xmx768m"
 
-    def __init__(self, root: Path, port: int, controller_port: int, jars: Path,
-                 cluster_id: str) -> None:
+    def __init__(
+        self, root: Path, port: int, controller_port: int, jars: Path, cluster_id: str
+    ) -> None:
         self.port = port
         self.controller_port = controller_port
         self.jars = jars
@@ -122,7 +135,7 @@ class Kafka:
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
             "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
-                         f"CONTROLLER://127.0.0.1:{self.controller_port}",
+            f"CONTROLLER://127.0.0.1:{self.controller_port}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
@@ -141,9 +154,18 @@ class Kafka:
         return "".join(f"{k}={v}\n" for k, v in settings.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
-        return [_java_binary(), self.HEAP, "-Xms256m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
-                f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
-                "-cp", f"{self.jars}/*", main, *args]
+        return [
+            _java_binary(),
+            self.HEAP,
+            "-Xms256m",
+            "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
+            "-cp",
+            f"{self.jars}/*",
+            main,
+            *args,
+        ]
 
     def pid(self) -> int | None:
         """The broker's pid, if that process is still our broker (pids get reused)."""
@@ -166,9 +188,19 @@ class Kafka:
     def _format(self) -> None:
         say("kafka: formatting storage")
         proc = subprocess.run(
-            self._java("kafka.tools.StorageTool", "format", "-t", self.cluster_id,
-                       "-c", str(self.config_path)),
-            capture_output=True, text=True, timeout=120, check=False)
+            self._java(
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                self.cluster_id,
+                "-c",
+                str(self.config_path),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if proc.returncode != 0:
             self.log_path.write_text(proc.stdout + proc.stderr)
             raise StackError(f"kafka: formatting storage failed; log: {self.log_path}")
@@ -178,8 +210,9 @@ class Kafka:
         if self.is_running():
             return
         if not has_broker(self.jars):
-            raise StackError(f"kafka: no broker jars in {self.jars}; run python3 -m "
-                             "services.stack.bootstrap")
+            raise StackError(
+                f"kafka: no broker jars in {self.jars}; run python3 -m services.stack.bootstrap"
+            )
         self.check_ports()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self._config())
@@ -188,9 +221,14 @@ class Kafka:
             self._format()
         say(f"kafka: starting broker on port {self.port}")
         with self.log_path.open("ab") as log:
-            proc = subprocess.Popen(self._java("kafka.Kafka", str(self.config_path)),
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    cwd=self.dir, start_new_session=True)
+            proc = subprocess.Popen(
+                self._java("kafka.Kafka", str(self.config_path)),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                cwd=self.dir,
+                start_new_session=True,
+            )
         self._pid_path.write_text(f"{proc.pid}\n")
         self._launched = proc.pid
 
@@ -222,8 +260,9 @@ class Kafka:
             return self.answers(timeout=2)
 
         if not wait_until(ready, timeout, interval=0.5):
-            raise StackError(f"kafka: broker never answered within {timeout:.0f}s; "
-                             f"log: {self.log_path}")
+            raise StackError(
+                f"kafka: broker never answered within {timeout:.0f}s; log: {self.log_path}"
+            )
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM (a clean shutdown keeps restarts fast), SIGKILL if it hangs."""

@@ -75,18 +75,21 @@ class AuditReport:
         self.problems.append(text)
 
     def summary(self) -> str:
-        return (f"audit: {self.partitions} partitions, {self.batches} batches, records "
-                f"committed={self.committed} aborted={self.aborted} open={self.open}; source "
-                f"transactions={self.source_transactions}, change records="
-                f"{self.change_records}, snapshot records={self.snapshot_records}; "
-                f"problems={len(self.problems)}")
+        return (
+            f"audit: {self.partitions} partitions, {self.batches} batches, records "
+            f"committed={self.committed} aborted={self.aborted} open={self.open}; source "
+            f"transactions={self.source_transactions}, change records="
+            f"{self.change_records}, snapshot records={self.snapshot_records}; "
+            f"problems={len(self.problems)}"
+        )
 
     def assert_clean(self) -> None:
         if self.problems:
             shown = "\n".join(self.problems[:40])
             more = len(self.problems) - 40
-            raise AssertionError(f"{self.summary()}\n{shown}"
-                                 + (f"\n... and {more} more" if more > 0 else ""))
+            raise AssertionError(
+                f"{self.summary()}\n{shown}" + (f"\n... and {more} more" if more > 0 else "")
+            )
 
 
 def partition_dirs(data_dir: Path, topics: Iterable[str]) -> list[tuple[str, int, Path]]:
@@ -101,8 +104,11 @@ def partition_dirs(data_dir: Path, topics: Iterable[str]) -> list[tuple[str, int
 
 
 def topics_with_prefix(data_dir: Path, prefix: str) -> list[str]:
-    names = {m["topic"] for p in data_dir.iterdir()
-             if (m := _PARTITION_DIR.match(p.name)) and m["topic"].startswith(prefix + ".")}
+    names = {
+        m["topic"]
+        for p in data_dir.iterdir()
+        if (m := _PARTITION_DIR.match(p.name)) and m["topic"].startswith(prefix + ".")
+    }
     return sorted(names)
 
 
@@ -122,7 +128,7 @@ def dump_segments(dirs: list[tuple[str, int, Path]]) -> list[Partition]:
     current: Partition | None = None
     for line in dump.splitlines():
         if line.startswith("Dumping "):
-            current = by_file[line[len("Dumping "):].strip()]
+            current = by_file[line[len("Dumping ") :].strip()]
         elif line.startswith("Log starting offset: ") and current is not None:
             # Segments come oldest first: the first one's base offset is where the log
             # starts (above 0 once retention or compaction removed older segments).
@@ -131,11 +137,19 @@ def dump_segments(dirs: list[tuple[str, int, Path]]) -> list[Partition]:
                 started.add(id(current))
         elif line.startswith("baseOffset: ") and current is not None:
             f = dict(_FIELD.findall(line))
-            current.batches.append(Batch(
-                int(f["baseOffset"]), int(f["lastOffset"]), int(f["count"]),
-                int(f["baseSequence"]), int(f["lastSequence"]), int(f["producerId"]),
-                int(f["producerEpoch"]), f["isTransactional"] == "true",
-                f["isControl"] == "true"))
+            current.batches.append(
+                Batch(
+                    int(f["baseOffset"]),
+                    int(f["lastOffset"]),
+                    int(f["count"]),
+                    int(f["baseSequence"]),
+                    int(f["lastSequence"]),
+                    int(f["producerId"]),
+                    int(f["producerEpoch"]),
+                    f["isTransactional"] == "true",
+                    f["isControl"] == "true",
+                )
+            )
         elif "endTxnMarker: " in line and current is not None and current.batches:
             current.batches[-1].marker = line.split("endTxnMarker: ", 1)[1].split()[0]
         elif line.startswith(("Found ", "Exception")):
@@ -143,17 +157,28 @@ def dump_segments(dirs: list[tuple[str, int, Path]]) -> list[Partition]:
     return list({id(p): p for p in by_file.values()}.values())
 
 
-def read_records(bootstrap: str, parts: list[Partition],
-                 timeout_s: float = 120.0) -> dict[tuple[str, int, int], tuple[Any, Any]]:
+def read_records(
+    bootstrap: str, parts: list[Partition], timeout_s: float = 120.0
+) -> dict[tuple[str, int, int], tuple[Any, Any]]:
     """(topic, partition, offset) -> (key, value) of every data record, aborted included
     (values parsed as JSON: the bridge writes nothing else)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4()}",
-                         "isolation.level": "read_uncommitted", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "log_level": 0})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"audit-{uuid.uuid4()}",
+            "isolation.level": "read_uncommitted",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "log_level": 0,
+        }
+    )
     out: dict[tuple[str, int, int], tuple[Any, Any]] = {}
     try:
-        assign = [TopicPartition(p.topic, p.partition, p.log_start) for p in parts
-                  if any(not b.control for b in p.batches)]
+        assign = [
+            TopicPartition(p.topic, p.partition, p.log_start)
+            for p in parts
+            if any(not b.control for b in p.batches)
+        ]
         if not assign:
             return out
         consumer.assign(assign)
@@ -172,7 +197,8 @@ def read_records(bootstrap: str, parts: list[Partition],
                 key, value = msg.key(), msg.value()
                 out[(str(msg.topic()), int(msg.partition() or 0), int(msg.offset() or 0))] = (
                     json.loads(key) if key else None,
-                    json.loads(value) if value is not None else None)
+                    json.loads(value) if value is not None else None,
+                )
     finally:
         consumer.close()
     return out
@@ -186,21 +212,28 @@ def check_sequences(part: Partition, report: AuditReport) -> None:
         if b.control or b.producer_id < 0:
             continue
         if b.last_sequence - b.base_sequence + 1 != b.count:
-            report.problem("sequence_gap", f"{where} offset {b.base_offset}: {b.count} records but "
-                                   f"sequences {b.base_sequence}..{b.last_sequence}")
+            report.problem(
+                "sequence_gap",
+                f"{where} offset {b.base_offset}: {b.count} records but "
+                f"sequences {b.base_sequence}..{b.last_sequence}",
+            )
         producer = (b.producer_id, b.epoch)
         expected = last.get(producer)
         if expected is None:
             if b.base_sequence != 0 and part.log_start == 0:
                 report.problem(
-                    "lost", f"{where}: producer {b.producer_id} epoch {b.epoch} starts at sequence "
+                    "lost",
+                    f"{where}: producer {b.producer_id} epoch {b.epoch} starts at sequence "
                     f"{b.base_sequence} (offset {b.base_offset}); sequences 0.."
-                    f"{b.base_sequence - 1} were acknowledged but never stored")
+                    f"{b.base_sequence - 1} were acknowledged but never stored",
+                )
         elif b.base_sequence != expected + 1:
             report.problem(
-                "sequence_gap", f"{where}: producer {b.producer_id} epoch {b.epoch} jumps from "
+                "sequence_gap",
+                f"{where}: producer {b.producer_id} epoch {b.epoch} jumps from "
                 f"sequence "
-                f"{expected} to {b.base_sequence} at offset {b.base_offset}")
+                f"{expected} to {b.base_sequence} at offset {b.base_offset}",
+            )
         last[producer] = b.last_sequence
 
 
@@ -223,8 +256,7 @@ def transaction_outcomes(part: Partition) -> dict[int, str]:
     return outcome
 
 
-def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport,
-                                                              list[tuple[str, Any]]]:
+def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport, list[tuple[str, Any]]]:
     """The log-level checks over ``topics``; also returns the committed (topic, value)s.
     Run it while nobody writes them: an open transaction is reported."""
     parts = dump_segments(partition_dirs(kafka.data_dir, topics))
@@ -238,8 +270,10 @@ def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport,
             setattr(report, verdict, getattr(report, verdict) + 1)
             record = contents.get((part.topic, part.partition, offset))
             if record is None:
-                report.problem("lost", f"{part.topic}-{part.partition} offset {offset}: in "
-                                       "the log but not readable")
+                report.problem(
+                    "lost",
+                    f"{part.topic}-{part.partition} offset {offset}: in the log but not readable",
+                )
             elif verdict == "committed":
                 committed.append((part.topic, record[1]))
     if report.open:
@@ -253,9 +287,9 @@ def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditR
     transactions against their END records."""
     internal = {*extra_topics, f"{prefix}.schema"}
     report, committed = audit_topics(
-        kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal}))
-    _check_source_transactions(prefix, [(t, v) for t, v in committed if t not in internal],
-                               report)
+        kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal})
+    )
+    _check_source_transactions(prefix, [(t, v) for t, v in committed if t not in internal], report)
     return report
 
 
@@ -281,8 +315,9 @@ def transaction_starts_at(kafka: Kafka, topic: str, partition: int, offset: int)
     return False
 
 
-def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
-                               report: AuditReport) -> None:
+def _check_source_transactions(
+    prefix: str, committed: list[tuple[str, Any]], report: AuditReport
+) -> None:
     transaction_topic, message_topic = f"{prefix}.transaction", f"{prefix}.message"
     ends: Counter[str] = Counter()
     begins: set[str] = set()
@@ -310,8 +345,15 @@ def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
             report.change_records += 1
             txn = value["transaction"]
             events[txn["id"]].add(("change", txn["total_order"]))
-            seen[(txn["id"], topic, txn["total_order"], value["op"],
-                  json.dumps(value["after"] or value["before"], sort_keys=True))] += 1
+            seen[
+                (
+                    txn["id"],
+                    topic,
+                    txn["total_order"],
+                    value["op"],
+                    json.dumps(value["after"] or value["before"], sort_keys=True),
+                )
+            ] += 1
     report.source_transactions = len(ends)
     for txid, count in ends.items():
         if count > 1:
@@ -320,12 +362,17 @@ def _check_source_transactions(prefix: str, committed: list[tuple[str, Any]],
             report.problem("lost", f"source transaction {txid}: END without BEGIN")
         held = len(events.get(txid, ()))
         if held != expected[txid]:
-            report.problem("lost", f"source transaction {txid}: END counts "
-                                   f"{expected[txid]} events, the log holds {held}")
+            report.problem(
+                "lost",
+                f"source transaction {txid}: END counts "
+                f"{expected[txid]} events, the log holds {held}",
+            )
     for txid in events.keys() - ends.keys():
-        report.problem("lost", f"source transaction {txid}: changes committed without "
-                       "its END")
+        report.problem("lost", f"source transaction {txid}: changes committed without its END")
     for (txid, topic, order, op, _row), count in seen.items():
         if count > 1:
-            report.problem("duplicated", f"{topic}: change {order} ({op}) of source transaction "
-                                   f"{txid} committed {count} times")
+            report.problem(
+                "duplicated",
+                f"{topic}: change {order} ({op}) of source transaction "
+                f"{txid} committed {count} times",
+            )

@@ -60,7 +60,7 @@ class _Reader:
         size = self.int16()
         if size < 0:
             return None
-        text = bytes(self.buf[self.pos:self.pos + size]).decode()
+        text = bytes(self.buf[self.pos : self.pos + size]).decode()
         self.pos += size
         return text
 
@@ -101,9 +101,16 @@ class ProxyStats:
 class KafkaFaultProxy:
     """Listens on 127.0.0.1 (a free port unless given) and forwards to ``upstream``."""
 
-    def __init__(self, upstream: str, *, port: int = 0, fail_first_produce: bool = False,
-                 hold_s: float = 0.5, sabotage: Callable[[str], bool] = lambda _t: True,
-                 latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        port: int = 0,
+        fail_first_produce: bool = False,
+        hold_s: float = 0.5,
+        sabotage: Callable[[str], bool] = lambda _t: True,
+        latency_s: float = 0.0,
+    ) -> None:
         host, _, up_port = upstream.rpartition(":")
         self._upstream = (host, int(up_port))
         self.fail_first_produce = fail_first_produce
@@ -167,20 +174,22 @@ class KafkaFaultProxy:
             with self._lock:
                 self._sockets |= {client, broker}
                 self.stats.connections += 1
-            threading.Thread(target=self._pump, args=(client, broker, pending, True),
-                             daemon=True).start()
-            threading.Thread(target=self._pump, args=(broker, client, pending, False),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(client, broker, pending, True), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(broker, client, pending, False), daemon=True
+            ).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, pending: dict[int, _Pending],
-              requests: bool) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, pending: dict[int, _Pending], requests: bool
+    ) -> None:
         try:
             while True:
                 frame = _read_frame(src)
                 if frame is None:
                     break
-                hold = self._request(frame, pending) if requests else self._response(
-                    frame, pending)
+                hold = self._request(frame, pending) if requests else self._response(frame, pending)
                 if hold:
                     time.sleep(hold)
                 if self.latency_s:
@@ -283,8 +292,9 @@ def _cap_versions(frame: bytearray, version: int) -> None:
         cap = _CAPS.get(key)
         if cap is not None:
             if low > cap:
-                raise AssertionError(f"the broker needs api {key} >= v{low}; the proxy "
-                                     f"parses up to v{cap}")
+                raise AssertionError(
+                    f"the broker needs api {key} >= v{low}; the proxy parses up to v{cap}"
+                )
             struct.pack_into(">h", frame, at, min(high, cap))
         if version >= 3:
             r.tags()

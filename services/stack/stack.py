@@ -60,10 +60,25 @@ COMMON_SETTINGS: dict[str, object] = {
 
 # Not copied by a base backup: runtime state, and what the standby must rebuild itself
 # (its WAL comes by streaming, its synced slots from the slotsync worker).
-_SKIP_FILES = {"postmaster.pid", "postmaster.opts", "backup_label", "tablespace_map",
-               "standby.signal", "recovery.signal", "pg_internal.init"}
-_EMPTY_DIRS = {"pg_wal", "pg_replslot", "pg_dynshmem", "pg_notify", "pg_serial",
-               "pg_snapshots", "pg_stat_tmp", "pg_subtrans"}
+_SKIP_FILES = {
+    "postmaster.pid",
+    "postmaster.opts",
+    "backup_label",
+    "tablespace_map",
+    "standby.signal",
+    "recovery.signal",
+    "pg_internal.init",
+}
+_EMPTY_DIRS = {
+    "pg_wal",
+    "pg_replslot",
+    "pg_dynshmem",
+    "pg_notify",
+    "pg_serial",
+    "pg_snapshots",
+    "pg_stat_tmp",
+    "pg_subtrans",
+}
 
 
 def _copy_data_dir(src: Path, dst: Path) -> None:
@@ -95,8 +110,9 @@ class Stack:
 
     def __init__(self, state_dir: Path, pg_major: str = "17") -> None:
         if pg_major not in SUPPORTED:
-            raise StackError(f"PostgreSQL {pg_major} is not supported; use one of "
-                             f"{', '.join(SUPPORTED)}")
+            raise StackError(
+                f"PostgreSQL {pg_major} is not supported; use one of {', '.join(SUPPORTED)}"
+            )
         self.state_dir = Path(state_dir).absolute()
         self.requested_major = pg_major
         self.state_path = self.state_dir / STATE_FILE
@@ -113,17 +129,21 @@ class Stack:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise StackError(f"state file {self.state_path} is unreadable ({exc}); "
-                             "run `slotbridge stack down --purge` and up again") from None
+            raise StackError(
+                f"state file {self.state_path} is unreadable ({exc}); "
+                "run `slotbridge stack down --purge` and up again"
+            ) from None
         if not isinstance(data, dict):
             raise StackError(f"state file {self.state_path} is not a JSON object")
         return data
 
     def _new_state(self) -> dict[str, Any]:
         names = [*NODE_NAMES, "kafka", "kafka_controller"]
-        state = {"pg_major": self.requested_major,
-                 "ports": dict(zip(names, free_ports(len(names)), strict=True)),
-                 "kafka_cluster_id": new_cluster_id()}
+        state = {
+            "pg_major": self.requested_major,
+            "ports": dict(zip(names, free_ports(len(names)), strict=True)),
+            "kafka_cluster_id": new_cluster_id(),
+        }
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(self.state_path)
@@ -132,8 +152,9 @@ class Stack:
     @property
     def state(self) -> dict[str, Any]:
         if self._state is None:
-            raise StackError(f"no stack in {self.state_dir}; run `slotbridge stack up "
-                             f"--dir {self.state_dir}`")
+            raise StackError(
+                f"no stack in {self.state_dir}; run `slotbridge stack up --dir {self.state_dir}`"
+            )
         return self._state
 
     @property
@@ -161,18 +182,22 @@ class Stack:
         if name not in NODE_NAMES:
             raise StackError(f"unknown node {name!r}; nodes are {', '.join(NODE_NAMES)}")
         if name not in self._nodes:
-            self._nodes[name] = Node(name, self.state_dir, int(self.state["ports"][name]),
-                                     self._pg_bin(), self._user())
+            self._nodes[name] = Node(
+                name, self.state_dir, int(self.state["ports"][name]), self._pg_bin(), self._user()
+            )
         return self._nodes[name]
 
     @property
     def kafka(self) -> Kafka:
         if self._kafka is None:
             ports = self.state["ports"]
-            self._kafka = Kafka(self.state_dir, int(ports["kafka"]),
-                                int(ports["kafka_controller"]),
-                                self._kafka_jars(),
-                                str(self.state["kafka_cluster_id"]))
+            self._kafka = Kafka(
+                self.state_dir,
+                int(ports["kafka"]),
+                int(ports["kafka_controller"]),
+                self._kafka_jars(),
+                str(self.state["kafka_cluster_id"]),
+            )
         return self._kafka
 
     @property
@@ -207,24 +232,31 @@ class Stack:
             raise StackError(
                 f"the stack in {self.state_dir} was built with PostgreSQL "
                 f"{self._state.get('pg_major')}, not {self.requested_major}; run `slotbridge "
-                f"stack down --purge --dir {self.state_dir}` first to rebuild it")
+                f"stack down --purge --dir {self.state_dir}` first to rebuild it"
+            )
         postgres = self._pg_bin() / "postgres"
         if not postgres.exists() or not has_broker(self._kafka_jars()):
-            raise StackError(f"binary cache {self._cache()} lacks PostgreSQL "
-                             f"{self.pg_major} or the Kafka jars; run python3 -m "
-                             "services.stack.bootstrap")
+            raise StackError(
+                f"binary cache {self._cache()} lacks PostgreSQL "
+                f"{self.pg_major} or the Kafka jars; run python3 -m "
+                "services.stack.bootstrap"
+            )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         user = self._user()
         if user is not None:
             # PostgreSQL runs as another user and must reach its folders below this one.
             os.chmod(self.state_dir, self.state_dir.stat().st_mode | 0o711)
             if not user.can_enter(self.state_dir):
-                raise StackError(f"state dir {self.state_dir} is not traversable by OS user "
-                                 f"{user.name} (PostgreSQL runs as it); chmod o+x its "
-                                 "parent folders or pick another --dir")
+                raise StackError(
+                    f"state dir {self.state_dir} is not traversable by OS user "
+                    f"{user.name} (PostgreSQL runs as it); chmod o+x its "
+                    "parent folders or pick another --dir"
+                )
             if not user.can_enter(postgres):
-                raise StackError(f"{postgres} is not executable by OS user {user.name}; "
-                                 f"make the cache {self._cache()} world-readable")
+                raise StackError(
+                    f"{postgres} is not executable by OS user {user.name}; "
+                    f"make the cache {self._cache()} world-readable"
+                )
 
     def _check_ports(self) -> None:
         """Fail fast on a taken port, before spending time on initdb and clones."""
@@ -269,8 +301,10 @@ class Stack:
         self._plain_up("primary")
         with primary.connect() as conn:
             if conn.execute("SELECT pg_is_in_recovery()").fetchone() == (True,):
-                raise StackError(f"primary: is in recovery, not a primary; rebuild with "
-                                 f"`slotbridge stack down --purge --dir {self.state_dir}`")
+                raise StackError(
+                    f"primary: is in recovery, not a primary; rebuild with "
+                    f"`slotbridge stack down --purge --dir {self.state_dir}`"
+                )
             if fresh:
                 # ALTER SYSTEM, as an operator would; the standby inherits it through the
                 # file copy, which is the trap the failover runbook has to clean up.
@@ -290,12 +324,15 @@ class Stack:
 
     def _ensure_standby_slot(self, conn: psycopg.Connection[Any]) -> None:
         """A fresh physical slot reserving WAL now, so the clone can stream from its start."""
-        row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
-                           (STANDBY_SLOT,)).fetchone()
+        row = conn.execute(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (STANDBY_SLOT,)
+        ).fetchone()
         if row is not None:
             if row[0]:
-                raise StackError(f"primary: slot {STANDBY_SLOT} is still in use by another "
-                                 "standby; stop it first")
+                raise StackError(
+                    f"primary: slot {STANDBY_SLOT} is still in use by another "
+                    "standby; stop it first"
+                )
             conn.execute("SELECT pg_drop_replication_slot(%s)", (STANDBY_SLOT,))
         conn.execute("SELECT pg_create_physical_replication_slot(%s, true)", (STANDBY_SLOT,))
 
@@ -308,21 +345,22 @@ class Stack:
             # Non-exclusive backup: it belongs to this session, which must also end it.
             conn.execute("SELECT pg_backup_start('slotbridge standby', true)")
             _copy_data_dir(primary.data_dir, standby.data_dir)
-            row = conn.execute("SELECT labelfile, spcmapfile FROM pg_backup_stop(false)"
-                               ).fetchone()
+            row = conn.execute("SELECT labelfile, spcmapfile FROM pg_backup_stop(false)").fetchone()
         assert row is not None
         label, spcmap = row
         (standby.data_dir / "backup_label").write_text(label)
         if spcmap:
             (standby.data_dir / "tablespace_map").write_text(spcmap)
         (standby.data_dir / "standby.signal").write_text("")
-        standby.write_config({
-            **COMMON_SETTINGS,
-            "primary_conninfo": f"{primary.dsn} application_name=standby",
-            "primary_slot_name": STANDBY_SLOT,
-            "hot_standby_feedback": True,
-            "sync_replication_slots": True,
-        })
+        standby.write_config(
+            {
+                **COMMON_SETTINGS,
+                "primary_conninfo": f"{primary.dsn} application_name=standby",
+                "primary_slot_name": STANDBY_SLOT,
+                "hot_standby_feedback": True,
+                "sync_replication_slots": True,
+            }
+        )
         os.chmod(standby.data_dir, 0o700)
         if standby.run_as is not None:
             standby.run_as.chown_tree(standby.dir)
@@ -341,8 +379,9 @@ class Stack:
             return rows == [("streaming",)]
 
         if not wait_until(streaming, timeout, interval=0.5):
-            raise StackError(f"standby: never reached streaming within {timeout:.0f}s; "
-                             f"log: {standby.log_path}")
+            raise StackError(
+                f"standby: never reached streaming within {timeout:.0f}s; log: {standby.log_path}"
+            )
 
     # -- down -----------------------------------------------------------------------------
 
@@ -398,18 +437,30 @@ class Stack:
             if parts[name]["role"] == "standby":
                 parts[name].update(self._standby_status(self.node(name), primary_lsn))
         kafka = self.kafka
-        parts["kafka"] = {"port": kafka.port, "controller_port": kafka.controller_port,
-                          "running": kafka.is_running(),
-                          "healthy": kafka.is_running() and kafka.answers(),
-                          "log": str(kafka.log_path)}
-        return {"state_dir": str(self.state_dir), "pg_major": self.pg_major,
-                "healthy": all(p["healthy"] for p in parts.values()), "parts": parts}
+        parts["kafka"] = {
+            "port": kafka.port,
+            "controller_port": kafka.controller_port,
+            "running": kafka.is_running(),
+            "healthy": kafka.is_running() and kafka.answers(),
+            "log": str(kafka.log_path),
+        }
+        return {
+            "state_dir": str(self.state_dir),
+            "pg_major": self.pg_major,
+            "healthy": all(p["healthy"] for p in parts.values()),
+            "parts": parts,
+        }
 
     @staticmethod
     def _node_status(node: Node) -> dict[str, Any]:
-        info: dict[str, Any] = {"port": node.port, "running": node.is_running(),
-                                "healthy": False, "role": None, "log": str(node.log_path),
-                                "data_dir": str(node.data_dir)}
+        info: dict[str, Any] = {
+            "port": node.port,
+            "running": node.is_running(),
+            "healthy": False,
+            "role": None,
+            "log": str(node.log_path),
+            "data_dir": str(node.data_dir),
+        }
         if info["running"]:
             try:
                 info["role"] = "standby" if node.in_recovery() else "primary"
@@ -426,18 +477,22 @@ class Stack:
             if primary_lsn is not None:
                 lag_row = conn.execute(
                     "SELECT pg_wal_lsn_diff(%s::pg_lsn, pg_last_wal_replay_lsn())::bigint",
-                    (primary_lsn,)).fetchone()
+                    (primary_lsn,),
+                ).fetchone()
                 lag = lag_row[0] if lag_row else None
             slots = conn.execute(
                 "SELECT slot_name, synced, temporary, invalidation_reason "
-                "FROM pg_replication_slots WHERE slot_type = 'logical' ORDER BY 1").fetchall()
+                "FROM pg_replication_slots WHERE slot_type = 'logical' ORDER BY 1"
+            ).fetchall()
         streaming = receiver is not None and receiver[0] == "streaming"
         return {
             "streaming": streaming,
             "healthy": streaming,
             "replay_lag_bytes": lag,
-            "synced_slots": [{"name": n, "synced": s, "temporary": t, "invalidation_reason": r}
-                             for n, s, t, r in slots],
+            "synced_slots": [
+                {"name": n, "synced": s, "temporary": t, "invalidation_reason": r}
+                for n, s, t, r in slots
+            ],
         }
 
     # -- failover slots -------------------------------------------------------------------
@@ -458,18 +513,22 @@ class Stack:
         def ready() -> bool:
             rows = standby.query(
                 "SELECT synced AND NOT temporary AND invalidation_reason IS NULL "
-                "FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+                "FROM pg_replication_slots WHERE slot_name = %s",
+                (slot,),
+            )
             if rows == [(True,)]:
                 return True
             with primary.connect() as conn:
                 conn.execute("SELECT pg_log_standby_snapshot()")
                 if advance:
-                    conn.execute("SELECT pg_replication_slot_advance(%s, pg_current_wal_lsn())",
-                                  (slot,))
+                    conn.execute(
+                        "SELECT pg_replication_slot_advance(%s, pg_current_wal_lsn())", (slot,)
+                    )
             return False
 
         say(f"standby: waiting for failover slot {slot} to be sync-ready (up to {timeout:.0f}s)")
         if not wait_until(ready, timeout, interval=1.0):
-            raise StackError(f"standby: slot {slot} not synced within {timeout:.0f}s; "
-                             f"log: {standby.log_path}")
+            raise StackError(
+                f"standby: slot {slot} not synced within {timeout:.0f}s; log: {standby.log_path}"
+            )
         return time.monotonic() - started

@@ -59,23 +59,43 @@ def helm() -> str:
 
 def test_lint_template_and_validate(helm: str) -> None:
     """helm lint --strict and kubernetes-validate --strict on every CI values file."""
-    proc = subprocess.run(["bash", str(REPO / "helm" / "ci" / "check.sh")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        ["bash", str(REPO / "helm" / "ci" / "check.sh")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "FAIL" not in proc.stdout
 
 
-def _template(helm: str, *args: str, release: str = "slotbridge",
-              namespace: str = "slotbridge") -> subprocess.CompletedProcess[str]:
+def _template(
+    helm: str, *args: str, release: str = "slotbridge", namespace: str = "slotbridge"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [helm, "template", release, str(CHART), "--namespace", namespace,
-         "--kube-version", KUBE_VERSION, *args],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            helm,
+            "template",
+            release,
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--kube-version",
+            KUBE_VERSION,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
-def render(helm: str, *args: str, release: str = "slotbridge",
-           namespace: str = "slotbridge") -> list[Manifest]:
+def render(
+    helm: str, *args: str, release: str = "slotbridge", namespace: str = "slotbridge"
+) -> list[Manifest]:
     proc = _template(helm, *args, release=release, namespace=namespace)
     assert proc.returncode == 0, proc.stderr
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
@@ -144,8 +164,9 @@ def test_probes_point_at_container_ports(manifests: list[Manifest]) -> None:
             port = action["port"]
             assert port in ports or port in ports.values(), f"{where} {kind} -> port {port}"
             probed += 1
-    if any(component(d) in ("bridge", "failover-watch") for d in manifests
-           if d["kind"] in WORKLOADS):
+    if any(
+        component(d) in ("bridge", "failover-watch") for d in manifests if d["kind"] in WORKLOADS
+    ):
         assert probed > 0
 
 
@@ -167,8 +188,11 @@ def test_health_probes_hit_the_served_endpoints(manifests: list[Manifest]) -> No
 def test_services_target_named_ports(manifests: list[Manifest]) -> None:
     for svc in (d for d in manifests if d["kind"] == "Service"):
         selector = svc["spec"]["selector"]
-        pods = [c for _, c, spec in containers(manifests) if selector.items() <= _pod_labels(
-            manifests, spec).items()]
+        pods = [
+            c
+            for _, c, spec in containers(manifests)
+            if selector.items() <= _pod_labels(manifests, spec).items()
+        ]
         assert pods, f"Service {svc['metadata']['name']} selects no pod"
         for port in svc["spec"]["ports"]:
             assert any(p["name"] == port["targetPort"] for c in pods for p in c["ports"])
@@ -213,8 +237,11 @@ def test_duplicate_slot_is_refused(helm: str) -> None:
 
 
 def test_slots_get_distinct_pods_and_configs(all_manifests: list[Manifest]) -> None:
-    bridges = {d["metadata"]["name"]: d for d in all_manifests
-               if d["kind"] == "StatefulSet" and component(d) == "bridge"}
+    bridges = {
+        d["metadata"]["name"]: d
+        for d in all_manifests
+        if d["kind"] == "StatefulSet" and component(d) == "bridge"
+    }
     assert set(bridges) == {"slotbridge-orders", "slotbridge-billing-events"}
     args = {n: d["spec"]["template"]["spec"]["containers"][0]["args"] for n, d in bridges.items()}
     assert args["slotbridge-billing-events"][-1] == "/etc/slotbridge/billing_events.yaml"
@@ -223,16 +250,20 @@ def test_slots_get_distinct_pods_and_configs(all_manifests: list[Manifest]) -> N
 @pytest.mark.parametrize("slot", ["failover_watch", "consumer", "spark", "promote"])
 def test_slot_named_like_another_resource_is_refused(helm: str, slot: str) -> None:
     assert "name of another of the chart's resources" in refused(
-        helm, "--set", f"bridge.slots[0].name={slot}")
+        helm, "--set", f"bridge.slots[0].name={slot}"
+    )
 
 
 def test_transactional_ids_are_scoped_to_the_release(helm: str) -> None:
     """Two releases on one Kafka cluster, same slot name, other databases: their
     producers must not fence each other."""
+
     def ids(release: str, namespace: str) -> set[str]:
         docs = render(helm, release=release, namespace=namespace)
-        return {f["kafka_transactional_id"] for f in config_files(docs).values()
-                if "slot_name" in f}
+        return {
+            f["kafka_transactional_id"] for f in config_files(docs).values() if "slot_name" in f
+        }
+
     a, b, c = ids("app", "team-a"), ids("billing", "team-a"), ids("app", "team-b")
     assert len(a) == len(b) == len(c) == 1 and len(a | b | c) == 3, (a, b, c)
 
@@ -267,28 +298,35 @@ def test_passwords_come_from_secret_refs(all_manifests: list[Manifest]) -> None:
                 assert "value" not in env, f"{where}: {env['name']} inlined"
                 ref = env["valueFrom"]["secretKeyRef"]
                 seen.setdefault(where.split("/")[1], set()).add(f"{env['name']}={ref['name']}")
-    assert seen["slotbridge-orders"] == {"SLOTBRIDGE_SOURCE_PASSWORD=app-db-slotbridge",
-                                         "SLOTBRIDGE_KAFKA_SASL_PASSWORD=kafka-slotbridge"}
+    assert seen["slotbridge-orders"] == {
+        "SLOTBRIDGE_SOURCE_PASSWORD=app-db-slotbridge",
+        "SLOTBRIDGE_KAFKA_SASL_PASSWORD=kafka-slotbridge",
+    }
     assert "SLOTBRIDGE_SOURCE_PASSWORD=billing-db" in seen["slotbridge-billing-events"]
     assert seen["slotbridge-failover-watch"] == {
-        "SLOTBRIDGE_PRIMARY__PASSWORD=pg-admin", "SLOTBRIDGE_STANDBYS__PG2__PASSWORD=pg-admin",
-        "SLOTBRIDGE_SUBSCRIBERS__REPORTING__PASSWORD=pg-reporting-admin"}
+        "SLOTBRIDGE_PRIMARY__PASSWORD=pg-admin",
+        "SLOTBRIDGE_STANDBYS__PG2__PASSWORD=pg-admin",
+        "SLOTBRIDGE_SUBSCRIBERS__REPORTING__PASSWORD=pg-reporting-admin",
+    }
 
 
-@pytest.mark.parametrize("bad", [
-    "bridge.config.source_password=hunter2",
-    "bridge.config.kafka_sasl_password=hunter2",
-    "bridge.slots[0].config.source_password=hunter2",
-    "bridge.config.kafka_config.sasl\\.password=hunter2",
-    "failover.config.primary.password=hunter2",
-    "consumer.config.kafka_options.sasl\\.jaas\\.config=hunter2",
-    "bridge.env[0].name=SLOTBRIDGE_SOURCE_PASSWORD,bridge.env[0].value=hunter2",
-    "bridge.config.source_dsn=host=pg user=app password=hunter2",
-    "bridge.slots[0].config.source_dsn=host=pg PASSWORD = hunter2",
-    "bridge.config.source_dsn=postgresql://app:hunter2@pg/app",
-    "failover.config.primary.dsn=host=pg password=hunter2",
-    "failover.config.standbys.standby1.dsn=host=pg2 password=hunter2",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "bridge.config.source_password=hunter2",
+        "bridge.config.kafka_sasl_password=hunter2",
+        "bridge.slots[0].config.source_password=hunter2",
+        "bridge.config.kafka_config.sasl\\.password=hunter2",
+        "failover.config.primary.password=hunter2",
+        "consumer.config.kafka_options.sasl\\.jaas\\.config=hunter2",
+        "bridge.env[0].name=SLOTBRIDGE_SOURCE_PASSWORD,bridge.env[0].value=hunter2",
+        "bridge.config.source_dsn=host=pg user=app password=hunter2",
+        "bridge.slots[0].config.source_dsn=host=pg PASSWORD = hunter2",
+        "bridge.config.source_dsn=postgresql://app:hunter2@pg/app",
+        "failover.config.primary.dsn=host=pg password=hunter2",
+        "failover.config.standbys.standby1.dsn=host=pg2 password=hunter2",
+    ],
+)
 def test_inline_secrets_are_refused(helm: str, bad: str) -> None:
     err = refused(helm, "--set", bad)
     assert "values don't meet the specifications of the schema" in err
@@ -338,22 +376,25 @@ def test_bridge_spools_to_an_empty_dir(all_manifests: list[Manifest]) -> None:
 # -- schema ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("bad", "why"), [
-    ("bridge.slots[0].name=Orders", "bridge/slots/0/name"),
-    ("bridge.slots[0].name=orders-1", "bridge/slots/0/name"),
-    ("bridge.config.http_port=9000", "http_port"),
-    ("bridge.config.slot_name=x", "slot_name"),
-    ("bridge.config.streaming=sometimes", "bridge/config/streaming"),
-    ("bridge.config.tables[0]=orders", "bridge/config/tables/0"),
-    ("bridge.port=70000", "bridge/port"),
-    ("image.pullPolicy=Sometimes", "image/pullPolicy"),
-    ("sparkImage.pullPolicy=Sometimes", "sparkImage/pullPolicy"),
-    ("sparkImage.digest=latest", "sparkImage/digest"),
-    ("failover.runbook.dryRun=no", "failover/runbook/dryRun"),
-    ("failover.config.standbys=null", "failover/config"),
-    ("consumer.config.spark_master=yarn", "spark_master"),
-    ("nosuchkey=1", "nosuchkey"),
-])
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("bridge.slots[0].name=Orders", "bridge/slots/0/name"),
+        ("bridge.slots[0].name=orders-1", "bridge/slots/0/name"),
+        ("bridge.config.http_port=9000", "http_port"),
+        ("bridge.config.slot_name=x", "slot_name"),
+        ("bridge.config.streaming=sometimes", "bridge/config/streaming"),
+        ("bridge.config.tables[0]=orders", "bridge/config/tables/0"),
+        ("bridge.port=70000", "bridge/port"),
+        ("image.pullPolicy=Sometimes", "image/pullPolicy"),
+        ("sparkImage.pullPolicy=Sometimes", "sparkImage/pullPolicy"),
+        ("sparkImage.digest=latest", "sparkImage/digest"),
+        ("failover.runbook.dryRun=no", "failover/runbook/dryRun"),
+        ("failover.config.standbys=null", "failover/config"),
+        ("consumer.config.spark_master=yarn", "spark_master"),
+        ("nosuchkey=1", "nosuchkey"),
+    ],
+)
 def test_schema_refuses_bad_values(helm: str, bad: str, why: str) -> None:
     err = refused(helm, "--set", bad)
     assert "values don't meet the specifications of the schema" in err, err
@@ -365,12 +406,23 @@ def test_schema_names_every_settings_field() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]
     owned: dict[type[ServiceSettings], tuple[set[str], dict[str, Any]]] = {
-        BridgeSettings: ({"slot_name", "http_host", "http_port", "spool_dir", "source_password",
-                          "kafka_sasl_password", "kafka_transactional_id"},
-                         props["bridge"]["properties"]["config"]),
+        BridgeSettings: (
+            {
+                "slot_name",
+                "http_host",
+                "http_port",
+                "spool_dir",
+                "source_password",
+                "kafka_sasl_password",
+                "kafka_transactional_id",
+            },
+            props["bridge"]["properties"]["config"],
+        ),
         FailoverSettings: ({"http_host", "http_port"}, props["failover"]["properties"]["config"]),
-        ConsumerSettings: ({"jars_dir", "spark_master", "status_path", "http_host", "http_port"},
-                           props["consumer"]["properties"]["config"]),
+        ConsumerSettings: (
+            {"jars_dir", "spark_master", "status_path", "http_host", "http_port"},
+            props["consumer"]["properties"]["config"],
+        ),
     }
     for model, (chart_owned, config) in owned.items():
         assert set(config["properties"]) == set(model.model_fields) - chart_owned, model
@@ -410,8 +462,9 @@ def test_runbook_runs_only_when_asked(helm: str) -> None:
 
 def test_runbook_needs_a_known_standby(helm: str) -> None:
     assert "failover.runbook.standby" in refused(helm, "--set", "failover.runbook.enabled=true")
-    err = refused(helm, "--set", "failover.runbook.enabled=true",
-                  "--set", "failover.runbook.standby=nosuch")
+    err = refused(
+        helm, "--set", "failover.runbook.enabled=true", "--set", "failover.runbook.standby=nosuch"
+    )
     assert '"nosuch" is not a key of failover.config.standbys' in err
 
 
@@ -427,12 +480,15 @@ def _env(c: Manifest) -> dict[str, str]:
 
 
 SETTINGS: dict[str, type[ServiceSettings]] = {
-    "run": BridgeSettings, "failover": FailoverSettings, "consume": ConsumerSettings,
+    "run": BridgeSettings,
+    "failover": FailoverSettings,
+    "consume": ConsumerSettings,
 }
 
 
-def _load(c: Manifest, docs: list[Manifest], tmp: Path,
-          monkeypatch: pytest.MonkeyPatch) -> ServiceSettings:
+def _load(
+    c: Manifest, docs: list[Manifest], tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> ServiceSettings:
     args = c["args"]
     path = tmp / Path(args[args.index("--config") + 1]).name
     path.write_text(yaml.safe_dump(config_files(docs)[path.name]))
@@ -451,20 +507,27 @@ def _configured(manifests: list[Manifest]) -> Iterator[tuple[str, Manifest]]:
 
 
 def test_rendered_settings_pass_service_validation(
-    manifests: list[Manifest], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    manifests: list[Manifest],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for where, c in _configured(manifests):
         settings = _load(c, manifests, tmp_path, monkeypatch)
         if isinstance(settings, BridgeSettings):
             assert settings.source_password is not None or not any(
-                e["name"] == "SLOTBRIDGE_SOURCE_PASSWORD" for e in c.get("env", [])), where
+                e["name"] == "SLOTBRIDGE_SOURCE_PASSWORD" for e in c.get("env", [])
+            ), where
 
 
 def test_secrets_reach_the_settings(
-    all_manifests: list[Manifest], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    all_manifests: list[Manifest],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    loaded = {where.split("/")[1]: _load(c, all_manifests, tmp_path, monkeypatch)
-              for where, c in _configured(all_manifests)}
+    loaded = {
+        where.split("/")[1]: _load(c, all_manifests, tmp_path, monkeypatch)
+        for where, c in _configured(all_manifests)
+    }
     bridge = loaded["slotbridge-billing-events"]
     assert isinstance(bridge, BridgeSettings)
     assert bridge.slot_name == "billing_events" and bridge.snapshot_mode == "never"
@@ -479,7 +542,9 @@ def test_secrets_reach_the_settings(
 
 
 def test_consumer_settings_in_both_modes(
-    helm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    helm: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     local = render(helm, "--set", "consumer.enabled=true")
     (dep,) = [d for d in local if d["kind"] == "StatefulSet" and component(d) == "consumer"]
@@ -522,10 +587,17 @@ def test_container_args_parse_with_the_cli(manifests: list[Manifest]) -> None:
 
 def _exported_metrics() -> set[str]:
     names: set[str] = set()
-    status = Status(tables={"public.t": TableCounts(applied=1, quarantined=1)},
-                    lag={"p.public.t": 0}, last_batch_seconds=1.0, housekeeping=Upkeep())
-    registries = [BridgeMetrics("s", SpoolStats()).registry, CollectorRegistry(),
-                  registry_for(status)]
+    status = Status(
+        tables={"public.t": TableCounts(applied=1, quarantined=1)},
+        lag={"p.public.t": 0},
+        last_batch_seconds=1.0,
+        housekeeping=Upkeep(),
+    )
+    registries = [
+        BridgeMetrics("s", SpoolStats()).registry,
+        CollectorRegistry(),
+        registry_for(status),
+    ]
     FailoverMetrics(registries[1])
     for registry in registries:
         for family in registry.collect():
@@ -539,16 +611,27 @@ def test_alerts_and_dashboard_use_exported_metrics(all_manifests: list[Manifest]
     (rule,) = [d for d in all_manifests if d["kind"] == "PrometheusRule"]
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert {"SlotbridgeBridgeNotStreaming", "SlotbridgeLagBytesHigh",
-            "SlotbridgeSlotNotFailoverReady", "SlotbridgeBridgeAbsent",
-            "SlotbridgeFailoverWatchAbsent"} <= alerts
+    assert {
+        "SlotbridgeBridgeNotStreaming",
+        "SlotbridgeLagBytesHigh",
+        "SlotbridgeSlotNotFailoverReady",
+        "SlotbridgeBridgeAbsent",
+        "SlotbridgeFailoverWatchAbsent",
+    } <= alerts
     # A bridge that never ran exports nothing for the other rules to judge.
-    (absent,) = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]
-                 if r["alert"] == "SlotbridgeBridgeAbsent"]
+    (absent,) = [
+        r["expr"]
+        for g in rule["spec"]["groups"]
+        for r in g["rules"]
+        if r["alert"] == "SlotbridgeBridgeAbsent"
+    ]
     assert re.findall(r'absent\(slotbridge_streaming\{[^}]*slot="(\w+)"', absent) == [
-        "orders", "billing_events"], absent
-    (board,) = [d for d in all_manifests if d["kind"] == "ConfigMap"
-                and component(d) == "dashboard"]
+        "orders",
+        "billing_events",
+    ], absent
+    (board,) = [
+        d for d in all_manifests if d["kind"] == "ConfigMap" and component(d) == "dashboard"
+    ]
     dashboard = json.loads(board["data"]["slotbridge.json"])
     exprs += [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bslotbridge_[a-z_]+", e)}
@@ -563,12 +646,22 @@ def test_only_the_consumer_runs_the_spark_image(helm: str, all_manifests: list[M
     spark = "example/slotbridge-spark@sha256:" + "0123456789abcdef" * 4
     (app,) = [d for d in all_manifests if d["kind"] == "SparkApplication"]
     assert app["spec"]["image"] == spark
-    local = render(helm, "-f", str(REPO / "helm" / "ci" / "local-consumer-values.yaml"),
-                   "--set", "image.tag=1.2.3", "--set", "sparkImage.tag=4.5.6",
-                   "--set", "sparkImage.pullPolicy=Always")
+    local = render(
+        helm,
+        "-f",
+        str(REPO / "helm" / "ci" / "local-consumer-values.yaml"),
+        "--set",
+        "image.tag=1.2.3",
+        "--set",
+        "sparkImage.tag=4.5.6",
+        "--set",
+        "sparkImage.pullPolicy=Always",
+    )
     seen = set()
-    for docs, bridge_image, spark_image in ((all_manifests, "example/slotbridge:0.1.0", spark),
-                                            (local, "slotbridge:1.2.3", "slotbridge-spark:4.5.6")):
+    for docs, bridge_image, spark_image in (
+        (all_manifests, "example/slotbridge:0.1.0", spark),
+        (local, "slotbridge:1.2.3", "slotbridge-spark:4.5.6"),
+    ):
         for doc in docs:
             if doc["kind"] not in WORKLOADS:
                 continue
@@ -592,13 +685,26 @@ def test_the_chart_can_be_a_subchart(helm: str) -> None:
 def test_extra_volumes_mounts_and_env_from_reach_every_pod(helm: str) -> None:
     sets: list[str] = []
     for at in ("bridge", "failover.watch", "failover.runbook", "consumer"):
-        sets += ["--set", f"{at}.extraVolumes[0].name=ca",
-                 "--set", f"{at}.extraVolumes[0].secret.secretName=pg-ca",
-                 "--set", f"{at}.extraVolumeMounts[0].name=ca",
-                 "--set", f"{at}.extraVolumeMounts[0].mountPath=/etc/ssl/pg",
-                 "--set", f"{at}.envFrom[0].secretRef.name=kafka-tls"]
-    on = ["--set", "failover.runbook.enabled=true", "--set", "failover.runbook.standby=standby1",
-          "--set", "consumer.enabled=true"]
+        sets += [
+            "--set",
+            f"{at}.extraVolumes[0].name=ca",
+            "--set",
+            f"{at}.extraVolumes[0].secret.secretName=pg-ca",
+            "--set",
+            f"{at}.extraVolumeMounts[0].name=ca",
+            "--set",
+            f"{at}.extraVolumeMounts[0].mountPath=/etc/ssl/pg",
+            "--set",
+            f"{at}.envFrom[0].secretRef.name=kafka-tls",
+        ]
+    on = [
+        "--set",
+        "failover.runbook.enabled=true",
+        "--set",
+        "failover.runbook.standby=standby1",
+        "--set",
+        "consumer.enabled=true",
+    ]
     docs = render(helm, *on, *sets)
     pods = dict(pod_specs(docs))
     assert len(pods) == 4, list(pods)  # bridge, watcher, runbook, consumer
@@ -619,15 +725,27 @@ def test_extra_volumes_mounts_and_env_from_reach_every_pod(helm: str) -> None:
 
 
 def test_spark_pods_get_the_consumers_account_and_scheduling(helm: str) -> None:
-    docs = render(helm, "-f", str(ALL_VALUES),
-                  "--set", "serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:x",
-                  "--set", "consumer.nodeSelector.pool=spark",
-                  "--set", "consumer.tolerations[0].key=spark",
-                  "--set", "consumer.tolerations[0].operator=Exists",
-                  "--set", "consumer.podLabels.cost=lake")
+    docs = render(
+        helm,
+        "-f",
+        str(ALL_VALUES),
+        "--set",
+        "serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:x",
+        "--set",
+        "consumer.nodeSelector.pool=spark",
+        "--set",
+        "consumer.tolerations[0].key=spark",
+        "--set",
+        "consumer.tolerations[0].operator=Exists",
+        "--set",
+        "consumer.podLabels.cost=lake",
+    )
     (app,) = [d for d in docs if d["kind"] == "SparkApplication"]
-    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"
-                  and d["metadata"]["name"] == "slotbridge-spark"]
+    (account,) = [
+        d
+        for d in docs
+        if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "slotbridge-spark"
+    ]
     assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:x"}
     for role in ("driver", "executor"):
         spec = app["spec"][role]
@@ -640,14 +758,22 @@ def test_spark_pods_get_the_consumers_account_and_scheduling(helm: str) -> None:
 def test_spark_operator_refuses_a_local_warehouse_without_a_shared_claim(helm: str) -> None:
     local = ("-f", str(ALL_VALUES), "--set", "consumer.config.warehouse=/var/lib/slotbridge/w")
     assert "consumer.config.warehouse" in refused(helm, *local)
-    docs = render(helm, *local, "--set", "consumer.config.checkpoint_dir=/var/lib/slotbridge/c",
-                  "--set", "consumer.dataClaim=lake-rwx")
+    docs = render(
+        helm,
+        *local,
+        "--set",
+        "consumer.config.checkpoint_dir=/var/lib/slotbridge/c",
+        "--set",
+        "consumer.dataClaim=lake-rwx",
+    )
     (app,) = [d for d in docs if d["kind"] == "SparkApplication"]
-    assert {"name": "data", "persistentVolumeClaim": {"claimName": "lake-rwx"}} in \
-        app["spec"]["volumes"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "lake-rwx"}} in app["spec"][
+        "volumes"
+    ]
     for role in ("driver", "executor"):
-        assert {"name": "data", "mountPath": "/var/lib/slotbridge"} in \
-            app["spec"][role]["volumeMounts"]
+        assert {"name": "data", "mountPath": "/var/lib/slotbridge"} in app["spec"][role][
+            "volumeMounts"
+        ]
 
 
 # -- resources ---------------------------------------------------------------------------
@@ -657,10 +783,10 @@ def test_bridge_resources_cover_the_kafka_queue_and_the_spool(manifests: list[Ma
     for doc in (d for d in manifests if d["kind"] == "StatefulSet" and component(d) == "bridge"):
         resources = doc["spec"]["template"]["spec"]["containers"][0]["resources"]
         assert _quantity(resources["limits"]["memory"]) >= 1024**3  # 256 MiB queue + rest
-        spool = next(v for v in doc["spec"]["template"]["spec"]["volumes"]
-                     if v["name"] == "spool")
-        assert (_quantity(resources["requests"]["ephemeral-storage"])
-                >= _quantity(spool["emptyDir"]["sizeLimit"]))
+        spool = next(v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == "spool")
+        assert _quantity(resources["requests"]["ephemeral-storage"]) >= _quantity(
+            spool["emptyDir"]["sizeLimit"]
+        )
 
 
 def _quantity(text: str) -> int:

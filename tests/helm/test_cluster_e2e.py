@@ -60,8 +60,14 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "slotbridge"
 CI = REPO / "helm" / "ci"
 K8S_BIN = cache_dir() / "k8s" / "bin"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
-            "kwok")
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+)
 RELEASE = "slotbridge"
 SCENARIOS = ("default-values.yaml", "all-values.yaml", "local-consumer-values.yaml")
 # Components that must never run two pods at once (the bridge per slot).
@@ -71,11 +77,19 @@ COMPONENT = "app.kubernetes.io/component"
 SLOT = "slotbridge.io/slot"
 # Upstream CRD sources, through the Go module proxy (go mod download).
 CRD_SOURCES = (
-    ("github.com/kubeflow/spark-operator/v2", "v2.4.0",
-     ("config/crd/bases/sparkoperator.k8s.io_sparkapplications.yaml",)),
-    ("github.com/prometheus-operator/prometheus-operator", "v0.85.0",
-     ("example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
-      "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml")),
+    (
+        "github.com/kubeflow/spark-operator/v2",
+        "v2.4.0",
+        ("config/crd/bases/sparkoperator.k8s.io_sparkapplications.yaml",),
+    ),
+    (
+        "github.com/prometheus-operator/prometheus-operator",
+        "v0.85.0",
+        (
+            "example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
+            "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml",
+        ),
+    ),
 )
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 TERMINATED = ("Succeeded", "Failed")
@@ -95,13 +109,23 @@ class Cluster:
     env: dict[str, str]
     helm: str
 
-    def run(self, *args: str, timeout: float = 90, check: bool = True,
-            stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(list(args), env=self.env, capture_output=True, text=True,
-                              timeout=timeout, check=False, input=stdin)
+    def run(
+        self, *args: str, timeout: float = 90, check: bool = True, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            list(args),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            input=stdin,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n"
-                                 f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            raise AssertionError(
+                f"{' '.join(args)} exited {proc.returncode}:\n"
+                f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+            )
         return proc
 
     def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -114,24 +138,49 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    helm = subprocess.run(["bash", str(CI / "install-tools.sh")], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, check=True).stdout.strip().splitlines()[-1]
+    helm = (
+        subprocess.run(
+            ["bash", str(CI / "install-tools.sh")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     folder = tmp_path_factory.mktemp("k8s")
-    up = subprocess.run(["bash", str(CI / "cluster.sh"), "up", str(folder)], cwd=REPO,
-                        capture_output=True, text=True, timeout=300, check=False)
+    up = subprocess.run(
+        ["bash", str(CI / "cluster.sh"), "up", str(folder)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     try:
         assert up.returncode == 0, f"cluster.sh up failed:\n{up.stderr[-4000:]}"
-        env = {**os.environ, "KUBECONFIG": str(folder / "kubeconfig"),
-               "KUBE_FEATURE_WatchListClient": "false",
-               "HELM_CACHE_HOME": str(folder / "helm-cache"),
-               "HELM_CONFIG_HOME": str(folder / "helm-config"),
-               "HELM_DATA_HOME": str(folder / "helm-data")}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(folder / "kubeconfig"),
+            "KUBE_FEATURE_WatchListClient": "false",
+            "HELM_CACHE_HOME": str(folder / "helm-cache"),
+            "HELM_CONFIG_HOME": str(folder / "helm-config"),
+            "HELM_DATA_HOME": str(folder / "helm-data"),
+        }
         c = Cluster(folder, env, helm)
         _install_crds(c)
         yield c
     finally:
-        subprocess.run(["bash", str(CI / "cluster.sh"), "down", str(folder)], cwd=REPO,
-                       capture_output=True, text=True, timeout=120, check=False)
+        subprocess.run(
+            ["bash", str(CI / "cluster.sh"), "down", str(folder)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
 
 def _install_crds(c: Cluster) -> None:
@@ -142,15 +191,22 @@ def _install_crds(c: Cluster) -> None:
         files += [str(root / p) for p in paths]
     # Server-side: the SparkApplication CRD is too large for the last-applied annotation.
     c.kubectl("apply", "--server-side", *[a for f in files for a in ("-f", f)])
-    names = ("sparkapplications.sparkoperator.k8s.io", "servicemonitors.monitoring.coreos.com",
-             "prometheusrules.monitoring.coreos.com")
+    names = (
+        "sparkapplications.sparkoperator.k8s.io",
+        "servicemonitors.monitoring.coreos.com",
+        "prometheusrules.monitoring.coreos.com",
+    )
     deadline = time.monotonic() + 60
     # (kubectl wait fails at once on a CRD whose status has no conditions yet: poll.)
     while True:
         established = {
-            crd["metadata"]["name"] for crd in c.get("crd")
-            if any(cond["type"] == "Established" and cond["status"] == "True"
-                   for cond in crd.get("status", {}).get("conditions") or [])}
+            crd["metadata"]["name"]
+            for crd in c.get("crd")
+            if any(
+                cond["type"] == "Established" and cond["status"] == "True"
+                for cond in crd.get("status", {}).get("conditions") or []
+            )
+        }
         if established.issuperset(names):
             return
         assert time.monotonic() < deadline, f"CRDs not established: {set(names) - established}"
@@ -172,12 +228,25 @@ class PodWatch:
         self.live: dict[str, Obj] = {}
         self.max: dict[str, int] = {}
         self.evidence: dict[str, str] = {}
-        self.runbook_pods: list[tuple[str, str]] = []   # (step, pod) first seen
+        self.runbook_pods: list[tuple[str, str]] = []  # (step, pod) first seen
         self.runbook_uids: set[str] = set()
         self.proc = subprocess.Popen(
-            [str(K8S_BIN / "kubectl"), "get", "pods", "-n", namespace, "-w",
-             "--output-watch-events", "-o", "json"],
-            env=c.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                str(K8S_BIN / "kubectl"),
+                "get",
+                "pods",
+                "-n",
+                namespace,
+                "-w",
+                "--output-watch-events",
+                "-o",
+                "json",
+            ],
+            env=c.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
         time.sleep(1.0)  # let the watch start before anything is created
@@ -186,13 +255,13 @@ class PodWatch:
         assert self.proc.stdout is not None
         decoder = json.JSONDecoder()
         buf = ""
-        for line in self.proc.stdout:   # one event per line, or indented over several
+        for line in self.proc.stdout:  # one event per line, or indented over several
             buf += line
             while buf.strip():
                 try:
                     event, end = decoder.raw_decode(buf.lstrip())
                 except json.JSONDecodeError:
-                    break   # incomplete: read on
+                    break  # incomplete: read on
                 buf = buf.lstrip()[end:]
                 self._event(event)
 
@@ -213,8 +282,10 @@ class PodWatch:
             if len(same) > self.max.get(comp, 0):
                 self.max[comp] = len(same)
                 desc = ", ".join(
-                    p["metadata"]["name"] + (" (terminating)" if p["metadata"].get(
-                        "deletionTimestamp") else "") for p in same)
+                    p["metadata"]["name"]
+                    + (" (terminating)" if p["metadata"].get("deletionTimestamp") else "")
+                    for p in same
+                )
                 self.evidence[comp] = f"{len(same)} during {self.step}: {desc}"
 
     def stop(self) -> None:
@@ -228,8 +299,8 @@ class Scenario:
     values: str
     namespace: str
     seconds: float = 0.0
-    commands: list[tuple[str, int, str]] = field(default_factory=list)   # step, rc, output
-    warnings: list[str] = field(default_factory=list)                    # PodSecurity
+    commands: list[tuple[str, int, str]] = field(default_factory=list)  # step, rc, output
+    warnings: list[str] = field(default_factory=list)  # PodSecurity
     failed_create: list[str] = field(default_factory=list)
     not_ready: list[str] = field(default_factory=list)
     runbook_jobs: list[tuple[str, str]] = field(default_factory=list)
@@ -255,9 +326,11 @@ def _probe_problems(where: str, pod_spec: Obj) -> list[str]:
                 port = probe[handler].get("port")
                 ok = port in numbers if isinstance(port, int) else port in names
                 if not ok:
-                    problems.append(f"{where} container {container['name']} {kind} "
-                                    f"{handler} port {port!r}; declared {sorted(names)} "
-                                    f"{sorted(numbers)}")
+                    problems.append(
+                        f"{where} container {container['name']} {kind} "
+                        f"{handler} port {port!r}; declared {sorted(names)} "
+                        f"{sorted(numbers)}"
+                    )
     return problems
 
 
@@ -282,8 +355,9 @@ class Runner:
         out = (proc.stdout + proc.stderr).strip()
         shown = " ".join(Path(args[0]).name if i == 0 else a for i, a in enumerate(args[:6]))
         self.s.commands.append((step, proc.returncode, f"$ {shown} ...\n{out[-1500:]}"))
-        self.s.warnings += [f"{step}: {line.strip()}" for line in proc.stderr.splitlines()
-                            if "PodSecurity" in line]
+        self.s.warnings += [
+            f"{step}: {line.strip()}" for line in proc.stderr.splitlines() if "PodSecurity" in line
+        ]
         return proc
 
     def step(self, name: str) -> None:
@@ -294,8 +368,9 @@ class Runner:
         """After a step: workloads rolled out and ready, runbook Jobs and probes recorded."""
         for w in self.c.get("deployments,statefulsets", "-n", self.ns):
             ref = f"{w['kind'].lower()}/{w['metadata']['name']}"
-            proc = self.c.kubectl("rollout", "status", "-n", self.ns, ref, "--timeout=45s",
-                                  check=False, timeout=60)
+            proc = self.c.kubectl(
+                "rollout", "status", "-n", self.ns, ref, "--timeout=45s", check=False, timeout=60
+            )
             if proc.returncode != 0:
                 self.s.not_ready.append(f"{step}: {ref}: {proc.stderr.strip()[-300:]}")
         for job in self.c.get("jobs", "-n", self.ns, "-l", f"{COMPONENT}={RUNBOOK}"):
@@ -314,9 +389,12 @@ class Runner:
         self.settle(step)
 
     def single_writer_nodes(self) -> list[str]:
-        nodes = {p["spec"].get("nodeName") for p in self.c.get("pods", "-n", self.ns)
-                 if component_of(p).split("[")[0] in SINGLE_WRITERS
-                 and not p["metadata"].get("deletionTimestamp")}
+        nodes = {
+            p["spec"].get("nodeName")
+            for p in self.c.get("pods", "-n", self.ns)
+            if component_of(p).split("[")[0] in SINGLE_WRITERS
+            and not p["metadata"].get("deletionTimestamp")
+        }
         return sorted(n for n in nodes if n)
 
     def drain(self, node: str) -> None:
@@ -328,10 +406,19 @@ class Runner:
             # values.yaml: "maxUnavailable 0 makes kubectl drain wait until you move the pod
             # yourself". Move them (a plain delete), then finish the drain.
             self.step(f"{step} (pods blocked by a PodDisruptionBudget deleted by hand)")
-            for pod in self.c.get("pods", "-n", self.ns, "--field-selector",
-                                  f"spec.nodeName={node}"):
-                self.command(step, str(K8S_BIN / "kubectl"), "delete", "pod", "-n", self.ns,
-                             pod["metadata"]["name"], "--wait=false")
+            for pod in self.c.get(
+                "pods", "-n", self.ns, "--field-selector", f"spec.nodeName={node}"
+            ):
+                self.command(
+                    step,
+                    str(K8S_BIN / "kubectl"),
+                    "delete",
+                    "pod",
+                    "-n",
+                    self.ns,
+                    pod["metadata"]["name"],
+                    "--wait=false",
+                )
             self.command(step, str(K8S_BIN / "kubectl"), *args, "--timeout=30s")
         self.settle(step)
         self.c.kubectl("uncordon", node)
@@ -339,13 +426,22 @@ class Runner:
 
 def _prepare_namespace(c: Cluster, ns: str, values: str) -> None:
     c.kubectl("create", "namespace", ns)
-    c.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted",
-              "pod-security.kubernetes.io/enforce-version=latest",
-              "pod-security.kubernetes.io/warn=restricted")
+    c.kubectl(
+        "label",
+        "namespace",
+        ns,
+        "pod-security.kubernetes.io/enforce=restricted",
+        "pod-security.kubernetes.io/enforce-version=latest",
+        "pod-security.kubernetes.io/warn=restricted",
+    )
     claim = (CI / values).read_text()
     if "dataClaim:" in claim:
         # A statically bound volume for consumer.dataClaim (no provisioner in this cluster).
-        c.kubectl("apply", "-f", "-", stdin=f"""
+        c.kubectl(
+            "apply",
+            "-f",
+            "-",
+            stdin=f"""
 apiVersion: v1
 kind: PersistentVolume
 metadata: {{name: {ns}-lake}}
@@ -363,7 +459,8 @@ spec:
   storageClassName: ""
   volumeName: {ns}-lake
   resources: {{requests: {{storage: 1Gi}}}}
-""")
+""",
+        )
 
 
 @pytest.fixture(scope="module", params=SCENARIOS)
@@ -382,22 +479,34 @@ def scenario(request: pytest.FixtureRequest, cluster: Cluster) -> Scenario:
         r.helm("rollback", "rollback", RELEASE, "1")
         r.step("force delete")
         for pod in cluster.get("pods", "-n", ns, "-l", f"{COMPONENT}=bridge"):
-            r.command("force delete", str(K8S_BIN / "kubectl"), "delete", "pod", "-n", ns,
-                      pod["metadata"]["name"], "--grace-period=0", "--force")
+            r.command(
+                "force delete",
+                str(K8S_BIN / "kubectl"),
+                "delete",
+                "pod",
+                "-n",
+                ns,
+                pod["metadata"]["name"],
+                "--grace-period=0",
+                "--force",
+            )
         r.settle("force delete")
         for node in r.single_writer_nodes():
             r.drain(node)
         r.step("end")
         for ev in cluster.get("events", "-n", ns):
             if ev.get("reason") == "FailedCreate":
-                s.failed_create.append(f"{ev['involvedObject']['kind']}/"
-                                       f"{ev['involvedObject']['name']}: {ev.get('message')}")
+                s.failed_create.append(
+                    f"{ev['involvedObject']['kind']}/"
+                    f"{ev['involvedObject']['name']}: {ev.get('message')}"
+                )
     finally:
         watch.stop()
         s.max_pods, s.evidence = dict(watch.max), dict(watch.evidence)
         s.runbook_pods = list(watch.runbook_pods)
-        cluster.run(cluster.helm, "uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s",
-                    check=False)
+        cluster.run(
+            cluster.helm, "uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "60s", check=False
+        )
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         s.seconds = time.monotonic() - started
     print(f"\n{values}: scenario {s.seconds:.1f}s, max pods per component {s.max_pods}")
@@ -406,9 +515,13 @@ def scenario(request: pytest.FixtureRequest, cluster: Cluster) -> Scenario:
 
 def test_lifecycle_commands_succeed(scenario: Scenario) -> None:
     """helm install/upgrade/rollback, the force deletes and the drains all exit 0."""
-    failed = [f"{step} exited {rc}:\n{out}" for step, rc, out in scenario.commands if rc != 0
-              # a drain blocked by a PodDisruptionBudget is retried after moving the pods
-              and not (step.startswith("drain") and "disruption budget" in out)]
+    failed = [
+        f"{step} exited {rc}:\n{out}"
+        for step, rc, out in scenario.commands
+        if rc != 0
+        # a drain blocked by a PodDisruptionBudget is retried after moving the pods
+        and not (step.startswith("drain") and "disruption budget" in out)
+    ]
     assert not failed, "\n".join(failed)
 
 
@@ -435,7 +548,8 @@ def test_no_runbook_job_from_install_upgrade_or_rollback(scenario: Scenario) -> 
     """Installing, upgrading or rolling back never runs `slotbridge failover promote`."""
     assert not scenario.runbook_jobs and not scenario.runbook_pods, (
         f"{scenario.values}: runbook Jobs {scenario.runbook_jobs}, pods {scenario.runbook_pods}"
-        " (step first seen, name)")
+        " (step first seen, name)"
+    )
 
 
 def test_probes_target_declared_ports(scenario: Scenario) -> None:

@@ -52,16 +52,23 @@ def one_line_error(output: str) -> str:
     """The only error line of a run (an ERROR log line, or a CLI's ``slotbridge: ...``
     refusal); fails on a traceback or a raw Kafka repr."""
     assert "Traceback" not in output and "KafkaError{" not in output, output
-    errors = [line for line in output.splitlines()
-              if " ERROR " in line or line.startswith("slotbridge: ")]
+    errors = [
+        line for line in output.splitlines() if " ERROR " in line or line.startswith("slotbridge: ")
+    ]
     assert len(errors) == 1, output
     return errors[0]
 
 
 def run_cli(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str]:
     """``slotbridge <args>`` of this checkout to its end: (exit code, stdout + stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -90,26 +97,36 @@ def read_topics(kafka: Kafka, topics: list[str], timeout: float = 20.0) -> list[
         records, behind = _read_once(kafka.bootstrap, topics, timeout)
         if not behind:
             return records
-        unexplained = [(t, p, end) for t, p, end in behind
-                       if not transaction_starts_at(kafka, t, p, end)]
+        unexplained = [
+            (t, p, end) for t, p, end in behind if not transaction_starts_at(kafka, t, p, end)
+        ]
         if unexplained:
-            raise AssertionError(f"read_committed stopped below the high watermark at "
-                                 f"{unexplained} where no transaction begins in the log")
+            raise AssertionError(
+                f"read_committed stopped below the high watermark at "
+                f"{unexplained} where no transaction begins in the log"
+            )
         if time.monotonic() > deadline:
-            raise AssertionError(f"{behind} still hold records of open Kafka transactions "
-                                 f"after {timeout}s")
+            raise AssertionError(
+                f"{behind} still hold records of open Kafka transactions after {timeout}s"
+            )
         time.sleep(0.3)
 
 
-def _read_once(bootstrap: str, topics: list[str],
-               timeout: float) -> tuple[list[Record], list[tuple[str, int, int]]]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"test-{uuid.uuid4()}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "enable.partition.eof": True})
+def _read_once(
+    bootstrap: str, topics: list[str], timeout: float
+) -> tuple[list[Record], list[tuple[str, int, int]]]:
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"test-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
     try:
         meta = consumer.list_topics(timeout=timeout).topics
-        parts = [TopicPartition(t, p, 0) for t in topics if t in meta
-                 for p in meta[t].partitions]
+        parts = [TopicPartition(t, p, 0) for t in topics if t in meta for p in meta[t].partitions]
         if not parts:
             return [], []
         consumer.assign(parts)
@@ -129,12 +146,14 @@ def _read_once(bootstrap: str, topics: list[str],
                 raise AssertionError(f"consumer error {msg.error()}")
             key = json.loads(msg.key()) if msg.key() else None
             value = json.loads(msg.value()) if msg.value() is not None else None
-            out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset(),
-                              msg.value()))
+            out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset(), msg.value()))
         if pending:
             raise AssertionError(f"did not reach the end of {sorted(pending)} in {timeout}s")
-        behind = [(*tp, end) for tp, end in ends.items()
-                  if end < consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1]]
+        behind = [
+            (*tp, end)
+            for tp, end in ends.items()
+            if end < consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1]
+        ]
         return out, behind
     finally:
         consumer.close()
@@ -175,19 +194,21 @@ class Pipeline:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
-        env.update({
-            "SLOTBRIDGE_SOURCE_DSN": self.stack.primary_dsn,
-            "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.kafka.bootstrap,
-            "SLOTBRIDGE_SLOT_NAME": self.name,
-            "SLOTBRIDGE_PUBLICATION_NAME": self.name,
-            "SLOTBRIDGE_TOPIC_PREFIX": self.prefix,
-            "SLOTBRIDGE_PROGRESS_TOPIC": self.progress_topic,
-            "SLOTBRIDGE_SPOOL_DIR": str(self.workdir / "spool"),
-            "SLOTBRIDGE_HTTP_PORT": "0",
-            "SLOTBRIDGE_LOG_FORMAT": "text",
-            "SLOTBRIDGE_BATCH_MAX_MS": "100",
-            "SLOTBRIDGE_STATUS_INTERVAL_S": "1",
-        })
+        env.update(
+            {
+                "SLOTBRIDGE_SOURCE_DSN": self.stack.primary_dsn,
+                "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.kafka.bootstrap,
+                "SLOTBRIDGE_SLOT_NAME": self.name,
+                "SLOTBRIDGE_PUBLICATION_NAME": self.name,
+                "SLOTBRIDGE_TOPIC_PREFIX": self.prefix,
+                "SLOTBRIDGE_PROGRESS_TOPIC": self.progress_topic,
+                "SLOTBRIDGE_SPOOL_DIR": str(self.workdir / "spool"),
+                "SLOTBRIDGE_HTTP_PORT": "0",
+                "SLOTBRIDGE_LOG_FORMAT": "text",
+                "SLOTBRIDGE_BATCH_MAX_MS": "100",
+                "SLOTBRIDGE_STATUS_INTERVAL_S": "1",
+            }
+        )
         if self.tables is not None:
             env["SLOTBRIDGE_TABLES"] = json.dumps(self.tables)
         env.update(self.extra)
@@ -200,8 +221,12 @@ class Pipeline:
         log.write(f"--- run {self.runs} {extra_env}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "run"], cwd=REPO,
-            env={**self.env(), **extra_env}, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "services.cli", "run"],
+            cwd=REPO,
+            env={**self.env(), **extra_env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         return self.proc
 
@@ -214,7 +239,8 @@ class Pipeline:
         except subprocess.TimeoutExpired:
             proc.kill()
             raise AssertionError(
-                f"bridge did not exit within {timeout}s:\n{self.output()}") from None
+                f"bridge did not exit within {timeout}s:\n{self.output()}"
+            ) from None
         return code, self.log_path.read_bytes()[before:].decode(errors="replace")
 
     def stop(self, timeout: float = 60) -> int:
@@ -261,35 +287,48 @@ class Pipeline:
         """
         target = _lsn(sql(self.stack.primary_dsn, "SELECT pg_current_wal_insert_lsn()::text")[0][0])
         snapshot = self.env().get("SLOTBRIDGE_SNAPSHOT_MODE", "initial") != "never"
-        wait_for(lambda: self._confirmed() >= target and (not snapshot or (
-            self._origin() > 0 and not self._snapshots_under_way())),
-                 timeout, f"slot {self.name} to confirm {target:X} after its snapshots\n"
-                 f"{self.output()[-3000:]}")
+        wait_for(
+            lambda: (
+                self._confirmed() >= target
+                and (not snapshot or (self._origin() > 0 and not self._snapshots_under_way()))
+            ),
+            timeout,
+            f"slot {self.name} to confirm {target:X} after its snapshots\n{self.output()[-3000:]}",
+        )
 
     def _snapshots_under_way(self) -> bool:
-        progress = read_kafka_progress({"bootstrap.servers": self.kafka.bootstrap},
-                                       self.progress_topic, self.name)
+        progress = read_kafka_progress(
+            {"bootstrap.servers": self.kafka.bootstrap}, self.progress_topic, self.name
+        )
         return progress is None or bool(progress.snapshots)
 
     def _origin(self) -> int:
-        rows = sql(self.stack.primary_dsn, "SELECT pg_replication_origin_progress(roname, true)"
-                   "::text FROM pg_replication_origin WHERE roname = %s",
-                   (f"slotbridge_{self.name}",))
+        rows = sql(
+            self.stack.primary_dsn,
+            "SELECT pg_replication_origin_progress(roname, true)"
+            "::text FROM pg_replication_origin WHERE roname = %s",
+            (f"slotbridge_{self.name}",),
+        )
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
     def _confirmed(self) -> int:
         if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"bridge exited with {self.proc.returncode}:\n"
-                                 f"{self.output()[-3000:]}")
-        rows = sql(self.stack.primary_dsn, "SELECT confirmed_flush_lsn::text FROM "
-                   "pg_replication_slots WHERE slot_name = %s", (self.name,))
+            raise AssertionError(
+                f"bridge exited with {self.proc.returncode}:\n{self.output()[-3000:]}"
+            )
+        rows = sql(
+            self.stack.primary_dsn,
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (self.name,),
+        )
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
     def changes(self, table: str, timeout: float = 20.0) -> list[Record]:
         """The table's change records (tombstones left out); ``timeout``: for the read, which
         a topic of a million records needs more of."""
-        return [r for r in read_topics(self.kafka, [self.topic(table)], timeout)
-                if r.value is not None]
+        return [
+            r for r in read_topics(self.kafka, [self.topic(table)], timeout) if r.value is not None
+        ]
 
     def audit(self) -> AuditReport:
         """The broker-log audit of everything this pipeline's bridges wrote; fails on any
@@ -302,11 +341,19 @@ class Pipeline:
     def cleanup(self) -> None:
         self.kill()
         dsn = self.stack.primary_dsn
-        sql(dsn, "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                 "WHERE slot_name = %s AND NOT active", (self.name,))
+        sql(
+            dsn,
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE slot_name = %s AND NOT active",
+            (self.name,),
+        )
         sql(dsn, f"DROP PUBLICATION IF EXISTS {self.name}")
-        sql(dsn, "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
-                 "WHERE roname = %s", (f"slotbridge_{self.name}",))
+        sql(
+            dsn,
+            "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
+            "WHERE roname = %s",
+            (f"slotbridge_{self.name}",),
+        )
 
 
 def _lsn(text: str) -> int:
@@ -338,24 +385,33 @@ class CounterWorkload(threading.Thread):
     def create(self) -> list[str]:
         """(Re)create the schema's counters and log tables; returns their names."""
         s = self.schema
-        sql(self.dsn, f"""
+        sql(
+            self.dsn,
+            f"""
             DROP SCHEMA IF EXISTS {s} CASCADE; CREATE SCHEMA {s};
             CREATE TABLE {s}.counters (k int PRIMARY KEY, v int NOT NULL);
-            CREATE TABLE {s}.log (id bigserial PRIMARY KEY, k int NOT NULL);""")
+            CREATE TABLE {s}.log (id bigserial PRIMARY KEY, k int NOT NULL);""",
+        )
         return [f"{s}.counters", f"{s}.log"]
 
     def seed_counters(self) -> None:
-        sql(self.dsn, f"INSERT INTO {self.schema}.counters "
-                      f"SELECT g, 0 FROM generate_series(0, {self.keys - 1}) g")
+        sql(
+            self.dsn,
+            f"INSERT INTO {self.schema}.counters "
+            f"SELECT g, 0 FROM generate_series(0, {self.keys - 1}) g",
+        )
 
     def add_fresh_table(self, name: str, rows: int, publication: str) -> str:
         """Create ``schema.name`` (id bigserial, k int) with ``rows`` rows, have the workload
         write to it too, then add it to ``publication``: the bridge snapshots it while the
         workload already changes it, into topics created right then."""
         table = f"{self.schema}.{name}"
-        sql(self.dsn, f"CREATE TABLE {table} (id bigserial PRIMARY KEY, k int NOT NULL);"
-                      f"INSERT INTO {table} (k) SELECT g % {self.keys} "
-                      f"FROM generate_series(1, {rows}) g")
+        sql(
+            self.dsn,
+            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, k int NOT NULL);"
+            f"INSERT INTO {table} (k) SELECT g % {self.keys} "
+            f"FROM generate_series(1, {rows}) g",
+        )
         self.fresh.append(table)
         sql(self.dsn, f"ALTER PUBLICATION {publication} ADD TABLE {table}")
         return table
@@ -367,12 +423,14 @@ class CounterWorkload(threading.Thread):
                 while not self.stop_flag.is_set():
                     for _ in range(rng.randint(1, 3)):
                         k = rng.randrange(self.keys)
-                        conn.execute(f"UPDATE {self.schema}.counters SET v = v + 1 "
-                                     "WHERE k = %s", (k,))
+                        conn.execute(
+                            f"UPDATE {self.schema}.counters SET v = v + 1 WHERE k = %s", (k,)
+                        )
                         conn.execute(f"INSERT INTO {self.schema}.log (k) VALUES (%s)", (k,))
                     for table in list(self.fresh):
-                        conn.execute(f"INSERT INTO {table} (k) VALUES (%s)",
-                                     (rng.randrange(self.keys),))
+                        conn.execute(
+                            f"INSERT INTO {table} (k) VALUES (%s)", (rng.randrange(self.keys),)
+                        )
                     conn.commit()
                     self.committed += 1
                     time.sleep(0.005)
@@ -393,8 +451,9 @@ class CounterWorkload(threading.Thread):
         for r in counters:
             seen.setdefault(r.value["after"]["k"], []).append(r.value["after"]["v"])
         for k, v in final.items():
-            assert seen.get(k) == list(range(v + 1)), \
+            assert seen.get(k) == list(range(v + 1)), (
                 f"key {k}: {seen.get(k, [])[:20]}... (source v={v})"
+            )
         checked = len(counters)
         for table in [f"{self.schema}.log", *self.fresh]:
             source = [r[0] for r in sql(dsn, f"SELECT id FROM {table} ORDER BY id")]
@@ -405,7 +464,8 @@ class CounterWorkload(threading.Thread):
             for op in ("c", "r"):
                 ids = [r.value["after"]["id"] for r in records if r.value["op"] == op]
                 assert len(ids) == len(set(ids)), f"rows of {table} published twice as {op!r}"
-            assert sorted({r.value["after"]["id"] for r in records}) == source, \
+            assert sorted({r.value["after"]["id"] for r in records}) == source, (
                 f"rows of {table} missing from Kafka"
+            )
             checked += len(records)
         return checked

@@ -41,7 +41,8 @@ def schema(stack: Stack) -> Iterator[None]:
 
 
 def test_snapshot_publishes_only_what_the_publication_publishes(
-        stack: Stack, schema: None, tmp_path: Path) -> None:
+    stack: Stack, schema: None, tmp_path: Path
+) -> None:
     """Column lists, row filters, generated columns and publish_via_partition_root: the
     snapshot sends what the stream sends, under one schema version per table."""
     dsn = stack.primary_dsn
@@ -49,7 +50,9 @@ def test_snapshot_publishes_only_what_the_publication_publishes(
     # PostgreSQL 18 can publish stored generated columns; 17 never does.
     pg18 = int(sql(dsn, "SHOW server_version_num")[0][0]) >= 180000
     options = ", publish_generated_columns = stored" if pg18 else ""
-    sql(dsn, f"""
+    sql(
+        dsn,
+        f"""
         CREATE TABLE {SCHEMA}.people (id int PRIMARY KEY, tenant int, name text, ssn text);
         CREATE TABLE {SCHEMA}.gen (id int PRIMARY KEY, v int,
                                    g int GENERATED ALWAYS AS (v * 2) STORED);
@@ -64,14 +67,18 @@ def test_snapshot_publishes_only_what_the_publication_publishes(
         CREATE PUBLICATION {pipe.name}
             FOR TABLE {SCHEMA}.people (id, tenant, name) WHERE (tenant = 1),
                       {SCHEMA}.gen, {SCHEMA}.parted
-            WITH (publish_via_partition_root = true{options});""")
+            WITH (publish_via_partition_root = true{options});""",
+    )
     try:
         pipe.start()
         pipe.wait_caught_up(90)
-        sql(dsn, f"""INSERT INTO {SCHEMA}.people VALUES (7, 1, 'n7', 'SSN-7'),
+        sql(
+            dsn,
+            f"""INSERT INTO {SCHEMA}.people VALUES (7, 1, 'n7', 'SSN-7'),
                                                        (8, 0, 'n8', 'SSN-8');
                      INSERT INTO {SCHEMA}.gen (id, v) VALUES (2, 20);
-                     INSERT INTO {SCHEMA}.parted VALUES (2, 'c'), (151, 'd');""")
+                     INSERT INTO {SCHEMA}.parted VALUES (2, 'c'), (151, 'd');""",
+        )
         pipe.wait_caught_up(60)
         assert pipe.stop() == 0
         people = pipe.changes(f"{SCHEMA}.people")
@@ -82,38 +89,48 @@ def test_snapshot_publishes_only_what_the_publication_publishes(
         gen = pipe.changes(f"{SCHEMA}.gen")
         assert [(r.value["op"], r.value["after"]) for r in gen] == [
             ("r", {"id": 1, "v": 10} | ({"g": 20} if pg18 else {})),
-            ("c", {"id": 2, "v": 20} | ({"g": 40} if pg18 else {}))]
+            ("c", {"id": 2, "v": 20} | ({"g": 40} if pg18 else {})),
+        ]
         parted = pipe.changes(f"{SCHEMA}.parted")
         assert sorted((r.value["op"], r.value["after"]["id"]) for r in parted) == [
-            ("c", 2), ("c", 151), ("r", 1), ("r", 150)]
-        topics = AdminClient({"bootstrap.servers": pipe.kafka.bootstrap}).list_topics(
-            timeout=10).topics
+            ("c", 2),
+            ("c", 151),
+            ("r", 1),
+            ("r", 150),
+        ]
+        topics = (
+            AdminClient({"bootstrap.servers": pipe.kafka.bootstrap}).list_topics(timeout=10).topics
+        )
         assert sorted(t for t in topics if t.startswith(f"{pipe.prefix}.{SCHEMA}.")) == [
-            pipe.topic(f"{SCHEMA}.{t}") for t in ("gen", "parted", "people")]
+            pipe.topic(f"{SCHEMA}.{t}") for t in ("gen", "parted", "people")
+        ]
         # The stream also describes each partition a change went through, next to the
         # root: no snapshot is requested for them (their schema records remain, noted in
         # BAD_INPUTS.md). One version per published table: snapshot and stream agree.
         assert "snapshot requested" not in pipe.output()
         schemas = [r.value for r in read_topics(pipe.kafka, [f"{pipe.prefix}.schema"])]
-        assert sorted((s["table"], s["version"]) for s in schemas
-                      if not s["table"].startswith("parted_")) == [
-            ("gen", 1), ("parted", 1), ("people", 1)]
+        assert sorted(
+            (s["table"], s["version"]) for s in schemas if not s["table"].startswith("parted_")
+        ) == [("gen", 1), ("parted", 1), ("people", 1)]
         pipe.audit()
     finally:
         pipe.cleanup()
 
 
-def test_json_and_money_values_arrive_exactly(stack: Stack, schema: None,
-                                              tmp_path: Path) -> None:
+def test_json_and_money_values_arrive_exactly(stack: Stack, schema: None, tmp_path: Path) -> None:
     """json/jsonb as the text PostgreSQL holds (duplicate keys, 1e400, 22 digits), money as
     an exact decimal, through both the snapshot and the stream; kafka_config values
     written as YAML numbers and booleans are accepted."""
     dsn = stack.primary_dsn
-    sql(dsn, f"CREATE TABLE {SCHEMA}.docs (id int PRIMARY KEY, j json, jb jsonb, m money,"
-             " ja json[])")
-    insert = (f"INSERT INTO {SCHEMA}.docs VALUES (%s, '{{\"a\":1,\"a\":2,\"big\":1e400}}',"
-              " '{\"n\": 0.1000000000000000000001}', '-1234.56',"
-              " ARRAY['{\"x\": 1e400}']::json[])")
+    sql(
+        dsn,
+        f"CREATE TABLE {SCHEMA}.docs (id int PRIMARY KEY, j json, jb jsonb, m money, ja json[])",
+    )
+    insert = (
+        f'INSERT INTO {SCHEMA}.docs VALUES (%s, \'{{"a":1,"a":2,"big":1e400}}\','
+        " '{\"n\": 0.1000000000000000000001}', '-1234.56',"
+        " ARRAY['{\"x\": 1e400}']::json[])"
+    )
     sql(dsn, insert, (1,))
     config = tmp_path / "bridge.yaml"
     config.write_text("kafka_config: {linger.ms: 5, enable.idempotence: true}\n")
@@ -151,20 +168,28 @@ def test_spool_files_are_private(stack: Stack, schema: None, tmp_path: Path) -> 
         line = one_line_error(output)
         assert code != 0
         assert f"spool_dir {shared} is writable by other users (mode 0777)" in line, line
-        assert sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
-                   (pipe.name,)) == []  # refused before anything was set up
+        assert (
+            sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pipe.name,)) == []
+        )  # refused before anything was set up
 
         spool = tmp_path / "spool"
-        pipe.start(SLOTBRIDGE_SPOOL_MEMORY_BYTES="0", SLOTBRIDGE_SOURCE_DSN=(
-            f"{dsn} options='-c logical_decoding_work_mem=64kB'"))
+        pipe.start(
+            SLOTBRIDGE_SPOOL_MEMORY_BYTES="0",
+            SLOTBRIDGE_SOURCE_DSN=(f"{dsn} options='-c logical_decoding_work_mem=64kB'"),
+        )
         pipe.wait_caught_up(90)
         with psycopg.connect(dsn) as conn:
             # Over the walsender's logical_decoding_work_mem, so it streams while open:
             # its changes sit in a spool file until the commit.
-            conn.execute(f"INSERT INTO {SCHEMA}.big SELECT g, repeat('x', 200)"
-                         " FROM generate_series(1, 5000) g")
-            files = wait_for(lambda: list((spool / pipe.name).glob("*.spool")), 30,
-                             "a spool file for the open transaction")
+            conn.execute(
+                f"INSERT INTO {SCHEMA}.big SELECT g, repeat('x', 200)"
+                " FROM generate_series(1, 5000) g"
+            )
+            files = wait_for(
+                lambda: list((spool / pipe.name).glob("*.spool")),
+                30,
+                "a spool file for the open transaction",
+            )
             assert stat.S_IMODE((spool / pipe.name).stat().st_mode) == 0o700
             assert stat.S_IMODE(spool.stat().st_mode) == 0o700
             assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
@@ -196,16 +221,24 @@ def test_http_server_that_cannot_listen_isone_line_error(stack: Stack, tmp_path:
         assert code != 0
         assert f"cannot serve HTTP on 127.0.0.1:{port}" in one_line_error(output)
         failover = settings_for(stack, tmp_path / "failover.yaml", http_port=port)
-        code, output = run_cli("failover", "watch", "--config", str(failover),
-                            env=dict(os.environ), timeout=60)
+        code, output = run_cli(
+            "failover", "watch", "--config", str(failover), env=dict(os.environ), timeout=60
+        )
         assert code == 2, output
         assert f"cannot serve HTTP on 127.0.0.1:{port}" in one_line_error(output)
-    code, output = pipe.run_to_exit(60, SLOTBRIDGE_HTTP_PORT=str(port),
-                                    SLOTBRIDGE_HTTP_HOST="no-such-host.invalid")
+    code, output = pipe.run_to_exit(
+        60, SLOTBRIDGE_HTTP_PORT=str(port), SLOTBRIDGE_HTTP_HOST="no-such-host.invalid"
+    )
     assert code != 0
     assert "cannot serve HTTP on no-such-host.invalid" in one_line_error(output)
-    assert sql(stack.primary_dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
-               (pipe.name,)) == []
+    assert (
+        sql(
+            stack.primary_dsn,
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
+            (pipe.name,),
+        )
+        == []
+    )
 
 
 def test_settings_file_mistakes_are_one_line_each(stack: Stack, tmp_path: Path) -> None:
@@ -220,5 +253,6 @@ def test_settings_file_mistakes_are_one_line_each(stack: Stack, tmp_path: Path) 
     typo.write_text("spool_memory_byte: 10\n")
     code, output = run_cli("run", "--config", str(typo), env=env)
     assert code == 2
-    assert ("invalid setting spool_memory_byte: unknown setting; did you mean "
-            "spool_memory_bytes?") in one_line_error(output)
+    assert (
+        "invalid setting spool_memory_byte: unknown setting; did you mean spool_memory_bytes?"
+    ) in one_line_error(output)

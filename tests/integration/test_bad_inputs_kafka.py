@@ -39,9 +39,12 @@ SCHEMA = "kfkbad"
 
 @pytest.fixture
 def schema(stack: Stack) -> None:
-    sql(stack.primary_dsn, f"""
+    sql(
+        stack.primary_dsn,
+        f"""
         DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; DROP SCHEMA IF EXISTS {SCHEMA}_x CASCADE;
-        CREATE SCHEMA {SCHEMA}; CREATE TABLE {SCHEMA}.ok (id int PRIMARY KEY, v text);""")
+        CREATE SCHEMA {SCHEMA}; CREATE TABLE {SCHEMA}.ok (id int PRIMARY KEY, v text);""",
+    )
 
 
 def _all_tables(stack: Stack, tmp_path: Path) -> Pipeline:
@@ -51,24 +54,32 @@ def _all_tables(stack: Stack, tmp_path: Path) -> Pipeline:
     return pipe
 
 
-def test_table_names_kafka_refuses_get_their_own_topics(stack: Stack, schema: None,
-                                                        tmp_path: Path) -> None:
+def test_table_names_kafka_refuses_get_their_own_topics(
+    stack: Stack, schema: None, tmp_path: Path
+) -> None:
     pipe = _all_tables(stack, tmp_path)
     pipe.start()
     try:
         pipe.wait_caught_up(60)
         names = ["bad name", "a.b", "ümlaut"]
         for n, name in enumerate(names):
-            sql(stack.primary_dsn, f'CREATE TABLE {SCHEMA}."{name}" (id int PRIMARY KEY);'
-                                   f'INSERT INTO {SCHEMA}."{name}" VALUES ({n})')
+            sql(
+                stack.primary_dsn,
+                f'CREATE TABLE {SCHEMA}."{name}" (id int PRIMARY KEY);'
+                f'INSERT INTO {SCHEMA}."{name}" VALUES ({n})',
+            )
         sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.ok VALUES (1, 'after them')")
         pipe.wait_caught_up(60)
         assert pipe.stop() == 0
         for n, name in enumerate(names):
-            records = [r for r in read_topics(stack.kafka, [table_topic(pipe.prefix, SCHEMA,
-                                                                        name)]) if r.value]
-            assert [(r.value["source"]["table"], r.value["after"]["id"]) for r in records] \
-                == [(name, n)]
+            records = [
+                r
+                for r in read_topics(stack.kafka, [table_topic(pipe.prefix, SCHEMA, name)])
+                if r.value
+            ]
+            assert [(r.value["source"]["table"], r.value["after"]["id"]) for r in records] == [
+                (name, n)
+            ]
         assert [r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.ok")] == [1]
         pipe.audit()
     finally:
@@ -76,16 +87,22 @@ def test_table_names_kafka_refuses_get_their_own_topics(stack: Stack, schema: No
 
 
 def test_topic_names_colliding_in_kafka_metrics_stop_with_one_line(
-        stack: Stack, schema: None, tmp_path: Path) -> None:
+    stack: Stack, schema: None, tmp_path: Path
+) -> None:
     """``{prefix}.kfkbad.x_y`` and ``{prefix}.kfkbad_x.y`` are one name to Kafka's metrics."""
     pipe = _all_tables(stack, tmp_path)
     pipe.start()
     try:
         pipe.wait_caught_up(60)
-        sql(stack.primary_dsn, f"CREATE TABLE {SCHEMA}.x_y (id int PRIMARY KEY);"
-                               f"INSERT INTO {SCHEMA}.x_y VALUES (1)")
-        sql(stack.primary_dsn, f"CREATE SCHEMA {SCHEMA}_x; CREATE TABLE {SCHEMA}_x.y "
-                               f"(id int PRIMARY KEY); INSERT INTO {SCHEMA}_x.y VALUES (1)")
+        sql(
+            stack.primary_dsn,
+            f"CREATE TABLE {SCHEMA}.x_y (id int PRIMARY KEY);INSERT INTO {SCHEMA}.x_y VALUES (1)",
+        )
+        sql(
+            stack.primary_dsn,
+            f"CREATE SCHEMA {SCHEMA}_x; CREATE TABLE {SCHEMA}_x.y "
+            f"(id int PRIMARY KEY); INSERT INTO {SCHEMA}_x.y VALUES (1)",
+        )
         assert pipe.proc is not None
         assert pipe.proc.wait(60) != 0
         line = one_line_error(pipe.output())
@@ -102,13 +119,17 @@ def _random_bytea(size: int) -> str:
 
 @pytest.fixture
 def blobs(stack: Stack) -> str:
-    sql(stack.primary_dsn, f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};"
-                           f"CREATE TABLE {SCHEMA}.blobs (id int PRIMARY KEY, b bytea)")
+    sql(
+        stack.primary_dsn,
+        f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};"
+        f"CREATE TABLE {SCHEMA}.blobs (id int PRIMARY KEY, b bytea)",
+    )
     return f"{SCHEMA}.blobs"
 
 
-def test_raising_max_row_bytes_raises_the_topics_limit(stack: Stack, blobs: str,
-                                                       tmp_path: Path) -> None:
+def test_raising_max_row_bytes_raises_the_topics_limit(
+    stack: Stack, blobs: str, tmp_path: Path
+) -> None:
     pipe = Pipeline(stack, [blobs], tmp_path)
     small = {"SLOTBRIDGE_MAX_ROW_BYTES": "20000"}
     pipe.start(**small)
@@ -131,7 +152,8 @@ def test_raising_max_row_bytes_raises_the_topics_limit(stack: Stack, blobs: str,
 
 
 def test_max_row_bytes_beyond_the_brokers_request_limit_is_refused_at_start(
-        stack: Stack, blobs: str, tmp_path: Path) -> None:
+    stack: Stack, blobs: str, tmp_path: Path
+) -> None:
     """The broker would close the connection of every request carrying such a row, with no
     error the producer can report: the bridge would stall, silently, its memory growing."""
     pipe = Pipeline(stack, [blobs], tmp_path)
@@ -139,12 +161,12 @@ def test_max_row_bytes_beyond_the_brokers_request_limit_is_refused_at_start(
     assert code != 0
     line = one_line_error(output)
     assert "socket.request.max.bytes=104857600" in line and "lower max_row_bytes" in line
-    assert not sql(stack.primary_dsn, "SELECT 1 FROM pg_publication WHERE pubname = %s",
-                   (pipe.name,))
+    assert not sql(
+        stack.primary_dsn, "SELECT 1 FROM pg_publication WHERE pubname = %s", (pipe.name,)
+    )
 
 
-def test_huge_row_is_refused_from_its_raw_size(stack: Stack, blobs: str,
-                                               tmp_path: Path) -> None:
+def test_huge_row_is_refused_from_its_raw_size(stack: Stack, blobs: str, tmp_path: Path) -> None:
     pipe = Pipeline(stack, [blobs], tmp_path)
     pipe.start(SLOTBRIDGE_MAX_ROW_BYTES="100000")
     try:
@@ -159,8 +181,13 @@ def test_huge_row_is_refused_from_its_raw_size(stack: Stack, blobs: str,
         assert f"a change of {blobs} at LSN" in line and "in the replication stream" in line
         assert "over the limit of 100000" in line
         assert [r.value["after"]["id"] for r in pipe.changes(blobs)] == [1]
-        after = _lsn(sql(stack.primary_dsn, "SELECT confirmed_flush_lsn::text FROM "
-                         "pg_replication_slots WHERE slot_name = %s", (pipe.name,))[0][0])
+        after = _lsn(
+            sql(
+                stack.primary_dsn,
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                (pipe.name,),
+            )[0][0]
+        )
         assert before <= after < commit
     finally:
         pipe.cleanup()
@@ -168,7 +195,8 @@ def test_huge_row_is_refused_from_its_raw_size(stack: Stack, blobs: str,
 
 @pytest.mark.parametrize("problem", ["nobody listens", "not kafka", "sasl vs plaintext"])
 def test_kafka_problems_are_one_line_before_postgres_is_touched(
-        stack: Stack, tmp_path: Path, problem: str) -> None:
+    stack: Stack, tmp_path: Path, problem: str
+) -> None:
     pipe = Pipeline(stack, None, tmp_path)
     pg_port = stack.primary_dsn.split("port=")[1].split()[0]
     bootstrap, expected = {
@@ -178,8 +206,10 @@ def test_kafka_problems_are_one_line_before_postgres_is_touched(
     }[problem]
     pipe.extra["SLOTBRIDGE_KAFKA_BOOTSTRAP"] = bootstrap
     if problem == "sasl vs plaintext":
-        pipe.extra["SLOTBRIDGE_KAFKA_CONFIG"] = ('{"security.protocol": "SASL_PLAINTEXT", '
-                                                '"sasl.mechanism": "PLAIN", "sasl.username": "u"}')
+        pipe.extra["SLOTBRIDGE_KAFKA_CONFIG"] = (
+            '{"security.protocol": "SASL_PLAINTEXT", '
+            '"sasl.mechanism": "PLAIN", "sasl.username": "u"}'
+        )
         pipe.extra["SLOTBRIDGE_KAFKA_SASL_PASSWORD"] = "s3cret-kafka-pw"
     started = time.monotonic()
     code, output = pipe.run_to_exit(40)
@@ -188,10 +218,14 @@ def test_kafka_problems_are_one_line_before_postgres_is_touched(
     assert f"Kafka at {bootstrap}" in line and expected in line and "kafka_bootstrap" in line
     assert "s3cret-kafka-pw" not in output
     assert len(output.splitlines()) <= 3, output
-    assert not sql(stack.primary_dsn, "SELECT 1 FROM pg_publication WHERE pubname = %s",
-                   (pipe.name,))
-    assert not sql(stack.primary_dsn, "SELECT 1 FROM pg_replication_origin WHERE roname = %s",
-                   (f"slotbridge_{pipe.name}",))
+    assert not sql(
+        stack.primary_dsn, "SELECT 1 FROM pg_publication WHERE pubname = %s", (pipe.name,)
+    )
+    assert not sql(
+        stack.primary_dsn,
+        "SELECT 1 FROM pg_replication_origin WHERE roname = %s",
+        (f"slotbridge_{pipe.name}",),
+    )
 
 
 def test_unparsable_kafka_config_is_one_line(stack: Stack, tmp_path: Path) -> None:
@@ -206,17 +240,23 @@ def test_unparsable_kafka_config_is_one_line(stack: Stack, tmp_path: Path) -> No
 def _consume(tmp_path: Path, **env: str) -> tuple[int, str, float]:
     started = time.monotonic()
     code, output = run_cli(
-        "consume", "--once",
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")},
-             "SLOTBRIDGE_WAREHOUSE": str(tmp_path / "wh"),
-             "SLOTBRIDGE_CHECKPOINT_DIR": str(tmp_path / "ckpt"), **env}, timeout=120)
+        "consume",
+        "--once",
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")},
+            "SLOTBRIDGE_WAREHOUSE": str(tmp_path / "wh"),
+            "SLOTBRIDGE_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+            **env,
+        },
+        timeout=120,
+    )
     return code, output, time.monotonic() - started
 
 
-def test_consume_bad_options_and_absent_kafka_are_one_line(stack: Stack,
-                                                           tmp_path: Path) -> None:
-    code, output, _ = _consume(tmp_path, SLOTBRIDGE_KAFKA_BOOTSTRAP=stack.kafka_bootstrap,
-                               SLOTBRIDGE_KAFKA_OPTIONS="{nope")
+def test_consume_bad_options_and_absent_kafka_are_one_line(stack: Stack, tmp_path: Path) -> None:
+    code, output, _ = _consume(
+        tmp_path, SLOTBRIDGE_KAFKA_BOOTSTRAP=stack.kafka_bootstrap, SLOTBRIDGE_KAFKA_OPTIONS="{nope"
+    )
     assert code != 0 and "Traceback" not in output
     assert output.strip().count("\n") == 0 and "SLOTBRIDGE_KAFKA_OPTIONS" in output, output
     absent = f"127.0.0.1:{free_ports(1)[0]}"

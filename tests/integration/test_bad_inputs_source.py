@@ -39,9 +39,12 @@ SCHEMA = "badsrc"
 @pytest.fixture
 def table(stack: Stack) -> str:
     """The configured table, and ``other``, one a stray publication may hold instead."""
-    ddl = [f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE", f"CREATE SCHEMA {SCHEMA}",
-           f"CREATE TABLE {SCHEMA}.t (id int PRIMARY KEY, v text)",
-           f"CREATE TABLE {SCHEMA}.other (id int PRIMARY KEY)"]
+    ddl = [
+        f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE",
+        f"CREATE SCHEMA {SCHEMA}",
+        f"CREATE TABLE {SCHEMA}.t (id int PRIMARY KEY, v text)",
+        f"CREATE TABLE {SCHEMA}.other (id int PRIMARY KEY)",
+    ]
     sql(stack.primary_dsn, "; ".join(ddl))
     return f"{SCHEMA}.t"
 
@@ -56,17 +59,20 @@ def pipe(stack: Stack, table: str, tmp_path: Path) -> Iterator[Pipeline]:
 
 
 def _slot(stack: Stack, name: str) -> tuple[str, str] | None:
-    rows = sql(stack.primary_dsn, "SELECT plugin, restart_lsn::text FROM pg_replication_slots"
-               " WHERE slot_name = %s", (name,))
+    rows = sql(
+        stack.primary_dsn,
+        "SELECT plugin, restart_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+        (name,),
+    )
     return (rows[0][0], rows[0][1]) if rows else None
 
 
 # -- 1: someone else's slot -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("plugin", ["test_decoding", "pgoutput"])
 def test_foreign_slot_is_refused_never_dropped(stack: Stack, pipe: Pipeline, plugin: str) -> None:
-    sql(stack.primary_dsn, "SELECT pg_create_logical_replication_slot(%s, %s)",
-        (pipe.name, plugin))
+    sql(stack.primary_dsn, "SELECT pg_create_logical_replication_slot(%s, %s)", (pipe.name, plugin))
     before = _slot(stack, pipe.name)
     code, output = pipe.run_to_exit(60)
     line = one_line_error(output)
@@ -77,7 +83,8 @@ def test_foreign_slot_is_refused_never_dropped(stack: Stack, pipe: Pipeline, plu
 
 
 def test_own_slot_killed_before_anything_published_is_kept_and_snapshotted(
-        stack: Stack, pipe: Pipeline) -> None:
+    stack: Stack, pipe: Pipeline
+) -> None:
     """Our origin and slot exist, nothing is published: chunked snapshots need no exported
     snapshot, so the slot is kept (never dropped) and the snapshot starts again."""
     sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (1, 'a')")
@@ -86,7 +93,7 @@ def test_own_slot_killed_before_anything_published_is_kept_and_snapshotted(
     sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (2, 'b')")
     pipe.start()
     pipe.wait_caught_up(60)
-    run2 = pipe.output()[pipe.output().rindex("--- run 2"):]
+    run2 = pipe.output()[pipe.output().rindex("--- run 2") :]
     assert "created failover slot" not in run2 and "initial snapshot starting" in run2, run2
     ids = sorted((r.value["op"], r.value["after"]["id"]) for r in pipe.changes(f"{SCHEMA}.t"))
     # Row 2 may come as a snapshot row, a streamed insert or both (its insert precedes
@@ -96,6 +103,7 @@ def test_own_slot_killed_before_anything_published_is_kept_and_snapshotted(
 
 
 # -- 6: publication dropped while streaming --------------------------------------------------
+
 
 def test_publication_dropped_while_streaming_stops(stack: Stack, pipe: Pipeline) -> None:
     pipe.start()
@@ -110,11 +118,18 @@ def test_publication_dropped_while_streaming_stops(stack: Stack, pipe: Pipeline)
     line = one_line_error(pipe.output())
     assert code == 2
     assert f"publication {pipe.name} was dropped" in line and f"slot {pipe.name}" in line
-    assert sql(stack.primary_dsn, "SELECT 1 FROM pg_publication WHERE pubname = %s",
-               (pipe.name,)) == []  # not recreated behind the operator's back
+    assert (
+        sql(stack.primary_dsn, "SELECT 1 FROM pg_publication WHERE pubname = %s", (pipe.name,))
+        == []
+    )  # not recreated behind the operator's back
     assert [r.value["after"]["id"] for r in pipe.changes(f"{SCHEMA}.t")] == [1]
-    confirmed = _lsn(sql(stack.primary_dsn, "SELECT confirmed_flush_lsn::text FROM "
-                         "pg_replication_slots WHERE slot_name = %s", (pipe.name,))[0][0])
+    confirmed = _lsn(
+        sql(
+            stack.primary_dsn,
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (pipe.name,),
+        )[0][0]
+    )
     # Only what Kafka holds, or WAL with nothing for us (the DROP): never the row after it.
     assert pipe.published_end_lsn() <= confirmed <= before_row
     # A restart says the same and recreates nothing.
@@ -123,6 +138,7 @@ def test_publication_dropped_while_streaming_stops(stack: Stack, pipe: Pipeline)
 
 
 # -- 13: tables --------------------------------------------------------------------------------
+
 
 def test_empty_tables_is_refused(pipe: Pipeline) -> None:
     pipe.tables = []
@@ -143,20 +159,24 @@ def test_publication_missing_a_configured_table_is_refused(stack: Stack, pipe: P
 # -- 14: least privilege -----------------------------------------------------------------------
 
 ROLE = "sb_least"
-ORIGIN_FUNCTIONS = ("pg_replication_origin_create(text)",
-                    "pg_replication_origin_advance(text, pg_lsn)",
-                    "pg_replication_origin_progress(text, boolean)")
+ORIGIN_FUNCTIONS = (
+    "pg_replication_origin_create(text)",
+    "pg_replication_origin_advance(text, pg_lsn)",
+    "pg_replication_origin_progress(text, boolean)",
+)
 
 
 @pytest.fixture
 def least_role(stack: Stack, pipe: Pipeline, table: str) -> Iterator[str]:
     if sql(stack.primary_dsn, "SELECT 1 FROM pg_roles WHERE rolname = %s", (ROLE,)):
         sql(stack.primary_dsn, f"DROP OWNED BY {ROLE}; DROP ROLE {ROLE}")
-    sql(stack.primary_dsn, f"CREATE ROLE {ROLE} LOGIN REPLICATION; "
-                           f"GRANT USAGE ON SCHEMA {SCHEMA} TO {ROLE}; "
-                           f"GRANT SELECT ON {table} TO {ROLE}")
-    pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = stack.primary_dsn.replace("user=postgres",
-                                                                     f"user={ROLE}")
+    sql(
+        stack.primary_dsn,
+        f"CREATE ROLE {ROLE} LOGIN REPLICATION; "
+        f"GRANT USAGE ON SCHEMA {SCHEMA} TO {ROLE}; "
+        f"GRANT SELECT ON {table} TO {ROLE}",
+    )
+    pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = stack.primary_dsn.replace("user=postgres", f"user={ROLE}")
     try:
         yield ROLE
     finally:
@@ -172,14 +192,14 @@ def test_least_privilege_role_cannot_create_publication(pipe: Pipeline, least_ro
     assert "owner" in line
 
 
-def test_least_privilege_role_needs_origin_grants(stack: Stack, pipe: Pipeline,
-                                                  least_role: str) -> None:
+def test_least_privilege_role_needs_origin_grants(
+    stack: Stack, pipe: Pipeline, least_role: str
+) -> None:
     sql(stack.primary_dsn, f"CREATE PUBLICATION {pipe.name} FOR TABLE {SCHEMA}.t")
     code, output = pipe.run_to_exit(60)
     line = one_line_error(output)
     assert code == 2
-    assert (f"GRANT EXECUTE ON FUNCTION pg_replication_origin_create(text) TO {least_role}"
-            in line)
+    assert f"GRANT EXECUTE ON FUNCTION pg_replication_origin_create(text) TO {least_role}" in line
     assert _slot(stack, pipe.name) is None
     # With the README's GRANTs it streams.
     for function in ORIGIN_FUNCTIONS:
@@ -195,11 +215,13 @@ def test_least_privilege_role_needs_origin_grants(stack: Stack, pipe: Pipeline,
 
 # -- 10: two bridges on one slot ---------------------------------------------------------------
 
+
 def _fenced_verdict(output: str) -> str:
     """The bridge's one ERROR line; librdkafka logs the fencing on lines of its own
     ("[rdkafka#producer-1] ... fenced by a newer instance")."""
-    return one_line_error("\n".join(text for text in output.splitlines()
-                                     if "[rdkafka#" not in text))
+    return one_line_error(
+        "\n".join(text for text in output.splitlines() if "[rdkafka#" not in text)
+    )
 
 
 def _burn(stop: float) -> None:
@@ -207,11 +229,11 @@ def _burn(stop: float) -> None:
         pass
 
 
-def test_two_bridges_on_one_slot_exactly_one_wins(stack: Stack, table: str,
-                                                  tmp_path: Path) -> None:
+def test_two_bridges_on_one_slot_exactly_one_wins(stack: Stack, table: str, tmp_path: Path) -> None:
     rounds = 4
-    burners = [multiprocessing.Process(target=_burn, args=(time.monotonic() + 600,))
-               for _ in range(2)]
+    burners = [
+        multiprocessing.Process(target=_burn, args=(time.monotonic() + 600,)) for _ in range(2)
+    ]
     for burner in burners:
         burner.start()
     try:
@@ -236,10 +258,14 @@ def _race(stack: Stack, first: Pipeline, second: Pipeline, n: int) -> None:
     second.start()
     assert first.proc is not None and second.proc is not None
     procs = {"first": first, "second": second}
-    wait_for(lambda: any(p.proc is not None and p.proc.poll() is not None
-                         for p in procs.values()), 90, f"round {n}: one bridge to exit")
-    (loser_name, loser), = [(k, p) for k, p in procs.items()
-                            if p.proc is not None and p.proc.poll() is not None]
+    wait_for(
+        lambda: any(p.proc is not None and p.proc.poll() is not None for p in procs.values()),
+        90,
+        f"round {n}: one bridge to exit",
+    )
+    ((loser_name, loser),) = [
+        (k, p) for k, p in procs.items() if p.proc is not None and p.proc.poll() is not None
+    ]
     winner = second if loser is first else first
     assert loser.proc is not None and loser.proc.returncode not in (0, None)
     line = _fenced_verdict(loser.output())
@@ -255,8 +281,9 @@ def _race(stack: Stack, first: Pipeline, second: Pipeline, n: int) -> None:
     print(f"round {n}: {loser_name} lost: {line}")
 
 
-def test_newer_bridge_takes_over_from_a_streaming_one(stack: Stack, pipe: Pipeline,
-                                                      tmp_path: Path) -> None:
+def test_newer_bridge_takes_over_from_a_streaming_one(
+    stack: Stack, pipe: Pipeline, tmp_path: Path
+) -> None:
     """The rule, stated: the bridge that registered with Kafka last wins. The older one,
     though idle, learns at its next heartbeat that it was fenced, stops with one line and
     frees the slot; the newer one, which found the slot busy, waits for that and streams."""
@@ -281,7 +308,8 @@ def test_newer_bridge_takes_over_from_a_streaming_one(stack: Stack, pipe: Pipeli
 
 
 def test_bridges_of_two_databases_with_one_slot_name_do_not_fence_each_other(
-        stack: Stack, pipe: Pipeline, tmp_path: Path) -> None:
+    stack: Stack, pipe: Pipeline, tmp_path: Path
+) -> None:
     """Two releases of the chart, other databases, same slot name, same Kafka and progress
     topic: each has its own transactional id (the chart scopes it), so the misconfigured
     one is refused with one line and the other never notices (with one shared id the
@@ -291,9 +319,16 @@ def test_bridges_of_two_databases_with_one_slot_name_do_not_fence_each_other(
     pipe.wait_caught_up(60)
     sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (1, 'before')")
     pipe.wait_caught_up(60)
-    other = Pipeline(stack, pipe.tables, tmp_path / "other", name=pipe.name, extra={
-        "SLOTBRIDGE_SOURCE_DSN": stack.subscriber_dsn,
-        "SLOTBRIDGE_KAFKA_TRANSACTIONAL_ID": f"slotbridge.b.{pipe.name}"})
+    other = Pipeline(
+        stack,
+        pipe.tables,
+        tmp_path / "other",
+        name=pipe.name,
+        extra={
+            "SLOTBRIDGE_SOURCE_DSN": stack.subscriber_dsn,
+            "SLOTBRIDGE_KAFKA_TRANSACTIONAL_ID": f"slotbridge.b.{pipe.name}",
+        },
+    )
     other.workdir.mkdir()
     try:
         code, output = other.run_to_exit(60)
@@ -310,12 +345,17 @@ def test_bridges_of_two_databases_with_one_slot_name_do_not_fence_each_other(
         pipe.audit()
     finally:
         other.kill()
-        sql(stack.subscriber_dsn, "SELECT pg_drop_replication_slot(slot_name) FROM "
-            "pg_replication_slots WHERE slot_name = %s", (pipe.name,))
+        sql(
+            stack.subscriber_dsn,
+            "SELECT pg_drop_replication_slot(slot_name) FROM "
+            "pg_replication_slots WHERE slot_name = %s",
+            (pipe.name,),
+        )
 
 
-def test_slot_held_by_another_consumer_is_waited_for_then_refused(stack: Stack, pipe: Pipeline
-                                                                  ) -> None:
+def test_slot_held_by_another_consumer_is_waited_for_then_refused(
+    stack: Stack, pipe: Pipeline
+) -> None:
     """A live consumer that is no slotbridge holds our slot: the bridge waits what a fenced
     bridge or a dead client's walsender could take (wal_sender_timeout + two heartbeats +
     10 s), then stops with one line instead of retrying for ever."""

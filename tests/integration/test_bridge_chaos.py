@@ -33,11 +33,16 @@ def proxy(stack: Stack) -> Iterator[KafkaFaultProxy]:
     faulty.stop()
 
 
-def test_fresh_topics_under_load_with_kills_and_cuts(stack: Stack, proxy: KafkaFaultProxy,
-                                                     tmp_path: Path) -> None:
+def test_fresh_topics_under_load_with_kills_and_cuts(
+    stack: Stack, proxy: KafkaFaultProxy, tmp_path: Path
+) -> None:
     workload = CounterWorkload(stack.primary_dsn, SCHEMA, seed=3)
-    pipe = Pipeline(stack, workload.create(), tmp_path, extra={
-        "SLOTBRIDGE_KAFKA_BOOTSTRAP": proxy.bootstrap, "SLOTBRIDGE_TOPIC_PARTITIONS": "3"})
+    pipe = Pipeline(
+        stack,
+        workload.create(),
+        tmp_path,
+        extra={"SLOTBRIDGE_KAFKA_BOOTSTRAP": proxy.bootstrap, "SLOTBRIDGE_TOPIC_PARTITIONS": "3"},
+    )
     rng = random.Random(5)
     kills = cuts = 0
     try:
@@ -64,9 +69,11 @@ def test_fresh_topics_under_load_with_kills_and_cuts(stack: Stack, proxy: KafkaF
         assert pipe.stop() == 0
         checked = workload.verify(pipe)
         report = pipe.audit()
-        print(f"\nCHAOS kills={kills} cuts={cuts} fresh_tables={len(workload.fresh)} "
-              f"source_txns={workload.committed} records_checked={checked} "
-              f"first_requests_failed={len(proxy.stats.sabotaged)}")
+        print(
+            f"\nCHAOS kills={kills} cuts={cuts} fresh_tables={len(workload.fresh)} "
+            f"source_txns={workload.committed} records_checked={checked} "
+            f"first_requests_failed={len(proxy.stats.sabotaged)}"
+        )
         assert workload.committed > 200
         # Every fresh table's topic: three change partitions, each one's first request failed.
         fresh_partitions = {(t, p) for t, p in proxy.stats.sabotaged if ".fresh" in t}

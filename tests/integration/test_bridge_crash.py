@@ -19,8 +19,13 @@ from services.stack.stack import Stack
 from tests.integration.bridge_harness import CounterWorkload, Pipeline
 
 SCHEMA = "crash"
-FAILPOINTS = ["after_produce", "before_kafka_commit", "after_kafka_commit",
-              "after_origin_advance", "after_slot_confirm"]
+FAILPOINTS = [
+    "after_produce",
+    "before_kafka_commit",
+    "after_kafka_commit",
+    "after_origin_advance",
+    "after_slot_confirm",
+]
 
 
 @pytest.fixture
@@ -49,7 +54,8 @@ def test_exactly_once_across_twenty_kills(running: tuple[Pipeline, CounterWorklo
     for kind, point in plan:
         if kind == "failpoint":
             code, output = pipe.run_to_exit(
-                90, SLOTBRIDGE_FAILPOINTS=f"{point}={rng.randint(1, 3)}*kill")
+                90, SLOTBRIDGE_FAILPOINTS=f"{point}={rng.randint(1, 3)}*kill"
+            )
             assert code == -9, f"failpoint {point} did not fire (exit {code}):\n{output[-2000:]}"
         else:
             proc = pipe.start()
@@ -63,8 +69,7 @@ def test_exactly_once_across_twenty_kills(running: tuple[Pipeline, CounterWorklo
     assert pipe.stop() == 0
     counted = workload.verify(pipe)
     pipe.audit()
-    print(f"kills {kills}, source transactions {workload.committed}, "
-          f"records verified {counted}")
+    print(f"kills {kills}, source transactions {workload.committed}, records verified {counted}")
     assert kills["failpoint"] + kills["random"] >= 20
     assert workload.committed > 100
 

@@ -34,8 +34,9 @@ TABLE = "drill"
 
 
 @pytest.mark.parametrize("old_primary", ["shut_down", "crashed"])
-def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
-                                               tmp_path: Path, old_primary: str) -> None:
+def test_bridge_follows_promotion_exactly_once(
+    fresh_stack: Callable[[], Stack], tmp_path: Path, old_primary: str
+) -> None:
     stack = fresh_stack()
     planned = old_primary == "shut_down"
     subscribe(stack, TABLE)
@@ -48,10 +49,13 @@ def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
         pipe.wait_caught_up(60)
         stack.wait_slot_synced(pipe.name, timeout=90)
         started = time.monotonic()
-        result = drill(config, "standby", Workload(follow_primary(
-            stack.primary_dsn, stack.standby_dsn), TABLE),
+        result = drill(
+            config,
+            "standby",
+            Workload(follow_primary(stack.primary_dsn, stack.standby_dsn), TABLE),
             extra=() if planned else ("--force",),
-            before=None if planned else lambda: stack.node("primary").stop("immediate"))
+            before=None if planned else lambda: stack.node("primary").stop("immediate"),
+        )
         assert result.promote_exit == 0, result.output
         assert result.committed_after_promote > 0
 
@@ -61,17 +65,22 @@ def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
         def published() -> list[int]:
             return sorted(r.value["after"]["id"] for r in pipe.changes(f"public.{TABLE}"))
 
-        wait_for(lambda: published() == source or len(published()) > len(source), 120,
-                 f"Kafka to hold the new primary's rows\n{pipe.output()[-3000:]}")
+        wait_for(
+            lambda: published() == source or len(published()) > len(source),
+            120,
+            f"Kafka to hold the new primary's rows\n{pipe.output()[-3000:]}",
+        )
         caught_up_s = time.monotonic() - started - 2.0  # the drill's warm-up before promote
         ids = published()
         assert len(ids) == len(set(ids)), "duplicates in Kafka"
         assert ids == source, "Kafka and the new primary differ"
         assert pipe.proc is not None and pipe.proc.poll() is None
         assert "session ended, reconnecting" in pipe.output()
-        print(f"\nBRIDGE DRILL ({old_primary}) rows={len(ids)} "
-              f"promote_s={result.promote_seconds:.2f} "
-              f"promote_start_to_kafka_caught_up_s={caught_up_s:.2f}")
+        print(
+            f"\nBRIDGE DRILL ({old_primary}) rows={len(ids)} "
+            f"promote_s={result.promote_seconds:.2f} "
+            f"promote_start_to_kafka_caught_up_s={caught_up_s:.2f}"
+        )
         assert pipe.stop() == 0
         pipe.audit()
 
@@ -88,7 +97,8 @@ def test_bridge_follows_promotion_exactly_once(fresh_stack: Callable[[], Stack],
 
 
 def test_bridge_passes_over_a_writable_old_primary_listed_first(
-        fresh_stack: Callable[[], Stack], tmp_path: Path) -> None:
+    fresh_stack: Callable[[], Stack], tmp_path: Path
+) -> None:
     """Crashed old primary restarted, first in the DSN: skipped, named, and not read."""
     stack = fresh_stack()
     old, new = stack.node("primary"), stack.node("standby")
@@ -115,8 +125,11 @@ def test_bridge_passes_over_a_writable_old_primary_listed_first(
         assert promoted.returncode == 0, promoted.stdout + promoted.stderr
         # The running bridge follows, so its progress record now names timeline 2.
         insert(stack.standby_dsn, "on the new primary")
-        wait_for(lambda: "on the new primary" in published(), 120,
-                 f"the bridge to follow the promotion\n{pipe.output()[-3000:]}")
+        wait_for(
+            lambda: "on the new primary" in published(),
+            120,
+            f"the bridge to follow the promotion\n{pipe.output()[-3000:]}",
+        )
         assert pipe.stop() == 0
 
         old.start()  # crashed, so never fenced: it comes back writable on timeline 1
@@ -125,8 +138,11 @@ def test_bridge_passes_over_a_writable_old_primary_listed_first(
         before = len(pipe.output())
         pipe.start()
         insert(stack.standby_dsn, "after the restart")
-        wait_for(lambda: "after the restart" in published(), 60,
-                 f"the bridge to stream from the new primary\n{pipe.output()[-3000:]}")
+        wait_for(
+            lambda: "after the restart" in published(),
+            60,
+            f"the bridge to stream from the new primary\n{pipe.output()[-3000:]}",
+        )
         run = pipe.output()[before:]
         skipped = [line for line in run.splitlines() if "skipping" in line]
         assert len(skipped) == 1 and " WARNING " in skipped[0], run

@@ -38,24 +38,34 @@ def _histogram(text: str, name: str, slot: str) -> dict[str, float]:
     return samples
 
 
-def test_quiet_stream_is_visible_before_the_batch_time_budget(stack: Stack,
-                                                               tmp_path: Path) -> None:
-    sql(stack.primary_dsn, f"""
+def test_quiet_stream_is_visible_before_the_batch_time_budget(stack: Stack, tmp_path: Path) -> None:
+    sql(
+        stack.primary_dsn,
+        f"""
         DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};
         CREATE TABLE {SCHEMA}.t (id int PRIMARY KEY, note text);
-        INSERT INTO {SCHEMA}.t VALUES (0, 'before the slot');""")
+        INSERT INTO {SCHEMA}.t VALUES (0, 'before the slot');""",
+    )
     port = free_ports(1)[0]
-    pipe = Pipeline(stack, [f"{SCHEMA}.t"], tmp_path,
-                    extra={"SLOTBRIDGE_BATCH_MAX_MS": str(BATCH_MAX_MS),
-                           "SLOTBRIDGE_HTTP_PORT": str(port)})
+    pipe = Pipeline(
+        stack,
+        [f"{SCHEMA}.t"],
+        tmp_path,
+        extra={"SLOTBRIDGE_BATCH_MAX_MS": str(BATCH_MAX_MS), "SLOTBRIDGE_HTTP_PORT": str(port)},
+    )
     pipe.start()
     consumer: Consumer | None = None
     try:
         pipe.wait_caught_up(60)  # the snapshot created the topic
-        consumer = Consumer({"bootstrap.servers": stack.kafka.bootstrap,
-                             "group.id": f"test-{uuid.uuid4()}",
-                             "isolation.level": "read_committed",
-                             "enable.auto.commit": False, "fetch.wait.max.ms": 10})
+        consumer = Consumer(
+            {
+                "bootstrap.servers": stack.kafka.bootstrap,
+                "group.id": f"test-{uuid.uuid4()}",
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 10,
+            }
+        )
         topic = TopicPartition(pipe.topic(f"{SCHEMA}.t"), 0)
         _low, end = consumer.get_watermark_offsets(topic, timeout=10)
         consumer.assign([TopicPartition(topic.topic, 0, end)])
@@ -67,7 +77,8 @@ def test_quiet_stream_is_visible_before_the_batch_time_budget(stack: Stack,
             assert msg is not None and msg.error() is None, msg and msg.error()
             assert json.loads(msg.value())["after"]["id"] == i, msg.value()
             assert elapsed < VISIBLE_WITHIN_S, (
-                f"insert {i} visible after {elapsed:.3f}s (batch_max_ms {BATCH_MAX_MS})")
+                f"insert {i} visible after {elapsed:.3f}s (batch_max_ms {BATCH_MAX_MS})"
+            )
             time.sleep(0.5)  # quiet again
 
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:

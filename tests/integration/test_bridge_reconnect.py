@@ -17,15 +17,19 @@ from services.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, sql, wait_for
 
 TABLE = "reconnect"
-RECONNECT = re.compile(r"WARNING +session ended, reconnecting .*attempt=(\d+) "
-                       r"retry_in_s=([\d.]+)")
+RECONNECT = re.compile(
+    r"WARNING +session ended, reconnecting .*attempt=(\d+) "
+    r"retry_in_s=([\d.]+)"
+)
 STREAMING = re.compile(r"INFO +streaming slot=")
 
 
 @pytest.fixture
 def pipe(stack: Stack, tmp_path: Path) -> Iterator[Pipeline]:
-    sql(stack.primary_dsn, f"DROP TABLE IF EXISTS {TABLE}; "
-                           f"CREATE TABLE {TABLE} (id int PRIMARY KEY)")
+    sql(
+        stack.primary_dsn,
+        f"DROP TABLE IF EXISTS {TABLE}; CREATE TABLE {TABLE} (id int PRIMARY KEY)",
+    )
     pipeline = Pipeline(stack, [f"public.{TABLE}"], tmp_path)
     try:
         yield pipeline

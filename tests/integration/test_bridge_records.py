@@ -40,13 +40,29 @@ INSERT INTO {SCHEMA}.everything VALUES (
 """
 
 EXPECTED_AFTER = {
-    "id": 1, "i2": -2, "i4": 40000, "num": "123456789.125", "num_free": "-0.000000001",
-    "f8": 1.5, "flag": True, "t": 'héllo "q"', "vc": "vc",
-    "u": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "j": {"a": [1, 2]}, "jb": {"b": None},
-    "raw": base64.b64encode(b"\x00\xff\x10").decode(), "d": "2024-02-29", "tm": "13:14:15.5",
-    "ts": "2024-01-02T03:04:05.123456", "tstz": "2024-01-02T01:04:05Z",
-    "iv": "P1DT2H3M4S", "ints": [1, None, 3], "texts": ["a,b", 'c"d', None],
-    "nums": ["1.5", "NaN"], "mood": "happy", "pt": "(1,2)",
+    "id": 1,
+    "i2": -2,
+    "i4": 40000,
+    "num": "123456789.125",
+    "num_free": "-0.000000001",
+    "f8": 1.5,
+    "flag": True,
+    "t": 'héllo "q"',
+    "vc": "vc",
+    "u": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+    "j": {"a": [1, 2]},
+    "jb": {"b": None},
+    "raw": base64.b64encode(b"\x00\xff\x10").decode(),
+    "d": "2024-02-29",
+    "tm": "13:14:15.5",
+    "ts": "2024-01-02T03:04:05.123456",
+    "tstz": "2024-01-02T01:04:05Z",
+    "iv": "P1DT2H3M4S",
+    "ints": [1, None, 3],
+    "texts": ["a,b", 'c"d', None],
+    "nums": ["1.5", "NaN"],
+    "mood": "happy",
+    "pt": "(1,2)",
 }
 
 
@@ -58,25 +74,33 @@ def _schemas() -> dict[str, dict[str, object]]:
 @pytest.fixture(scope="module")
 def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     sql(stack.primary_dsn, TYPES_DDL)
-    pipe = Pipeline(stack, [f"{SCHEMA}.everything", f"{SCHEMA}.full_ident", f"{SCHEMA}.keyless",
-                            f"{SCHEMA}.docs"],
-                    Path(tmp_path_factory.mktemp("records")))
+    pipe = Pipeline(
+        stack,
+        [f"{SCHEMA}.everything", f"{SCHEMA}.full_ident", f"{SCHEMA}.keyless", f"{SCHEMA}.docs"],
+        Path(tmp_path_factory.mktemp("records")),
+    )
     pipe.start()
     try:
         # The slot must exist before the workload, or its changes predate the stream.
         pipe.wait_caught_up(60)
         dsn = stack.primary_dsn
         sql(dsn, ROW)
-        sql(dsn, f"UPDATE {SCHEMA}.everything SET t = 'changed', ints = '{{{{1,2}},{{3,4}}}}'"
-                 " WHERE id = 1")
+        sql(
+            dsn,
+            f"UPDATE {SCHEMA}.everything SET t = 'changed', ints = '{{{{1,2}},{{3,4}}}}'"
+            " WHERE id = 1",
+        )
         sql(dsn, f"UPDATE {SCHEMA}.everything SET id = 2 WHERE id = 1")
         sql(dsn, f"DELETE FROM {SCHEMA}.everything WHERE id = 2")
         sql(dsn, f"INSERT INTO {SCHEMA}.full_ident VALUES (1, 'old')")
         sql(dsn, f"UPDATE {SCHEMA}.full_ident SET v = 'new' WHERE id = 1")
         sql(dsn, f"INSERT INTO {SCHEMA}.keyless VALUES (1, 'x')")
         sql(dsn, f"TRUNCATE {SCHEMA}.full_ident")
-        sql(dsn, f"INSERT INTO {SCHEMA}.docs VALUES (1, ' null ', 'null'), (2, NULL, NULL),"
-                 f" (3, '{{\"a\": null}}', '[null]')")
+        sql(
+            dsn,
+            f"INSERT INTO {SCHEMA}.docs VALUES (1, ' null ', 'null'), (2, NULL, NULL),"
+            f" (3, '{{\"a\": null}}', '[null]')",
+        )
         sql(dsn, f"UPDATE {SCHEMA}.docs SET jb = '{{}}' WHERE id = 1")
         pipe.wait_caught_up(90)
         yield pipe
@@ -140,8 +164,10 @@ def test_keyless_table_is_published_with_null_key(published: Pipeline) -> None:
 
 def test_every_record_validates_against_schemas(published: Pipeline) -> None:
     schemas = _schemas()
-    topics = {published.topic(t): "change_value" for t in
-              ("rec.everything", "rec.full_ident", "rec.keyless")}
+    topics = {
+        published.topic(t): "change_value"
+        for t in ("rec.everything", "rec.full_ident", "rec.keyless")
+    }
     topics[f"{published.prefix}.transaction"] = "transaction"
     topics[f"{published.prefix}.schema"] = "table_schema"
     topics[published.progress_topic] = "progress"
@@ -170,23 +196,39 @@ def test_schema_topic_describes_columns(published: Pipeline) -> None:
     assert "dimensions" not in cols["ints"]
     docs = [r.value for r in records if r.value["table"] == "docs"]
     assert {c["name"]: c.get("dimensions") for c in docs[0]["columns"]} == {
-        "id": None, "j": None, "jb": None, "grid": 2}
+        "id": None,
+        "j": None,
+        "jb": None,
+        "grid": 2,
+    }
 
 
 def test_status_command_reports_slot_origin_and_kafka(published: Pipeline) -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "status", "--json"],
-                          cwd=REPO, env=published.env(), capture_output=True, text=True,
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--json"],
+        cwd=REPO,
+        env=published.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["exists"] is True and report["plugin"] == "pgoutput"
     assert report["failover"] is True and report["active"] is True
     assert report["origin_lsn"] == report["kafka_published_lsn"]
     assert report["decoding"]["total_txns"] >= 8
-    table = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO,
-                           env=published.env(), capture_output=True, text=True, timeout=60,
-                           check=False)
+    table = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status"],
+        cwd=REPO,
+        env=published.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert "confirmed_flush_lsn" in table.stdout and table.returncode == 0

@@ -16,20 +16,26 @@ BIG = 1024 * 1024
 
 
 def _setup(stack: Stack) -> None:
-    sql(stack.primary_dsn, f"""
+    sql(
+        stack.primary_dsn,
+        f"""
         DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};
         CREATE TABLE {SCHEMA}.shape (id int PRIMARY KEY, a int, b text);
         CREATE TABLE {SCHEMA}.doc (id int PRIMARY KEY, n int, body text);
         CREATE TABLE {SCHEMA}.doc_full (id int PRIMARY KEY, n int, body text);
-        ALTER TABLE {SCHEMA}.doc_full REPLICA IDENTITY FULL;""")
+        ALTER TABLE {SCHEMA}.doc_full REPLICA IDENTITY FULL;""",
+    )
 
 
 def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
     _setup(stack)
     port = free_ports(1)[0]
-    pipe = Pipeline(stack, [f"{SCHEMA}.shape", f"{SCHEMA}.doc", f"{SCHEMA}.doc_full"], tmp_path,
-                    extra={"SLOTBRIDGE_HTTP_PORT": str(port),
-                           "SLOTBRIDGE_HTTP_HOST": "127.0.0.1"})
+    pipe = Pipeline(
+        stack,
+        [f"{SCHEMA}.shape", f"{SCHEMA}.doc", f"{SCHEMA}.doc_full"],
+        tmp_path,
+        extra={"SLOTBRIDGE_HTTP_PORT": str(port), "SLOTBRIDGE_HTTP_HOST": "127.0.0.1"},
+    )
     pipe.start()
     try:
         pipe.wait_caught_up(60)
@@ -42,8 +48,11 @@ def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
         sql(dsn, f"ALTER TABLE {SCHEMA}.shape ALTER COLUMN a TYPE bigint")
         sql(dsn, f"INSERT INTO {SCHEMA}.shape VALUES (4, 40000000000, 4.5)")
         for table in ("doc", "doc_full"):
-            sql(dsn, f"INSERT INTO {SCHEMA}.{table} VALUES (1, 0, (SELECT string_agg("
-                     f"md5(g::text), '') FROM generate_series(1, {BIG // 32}) g))")
+            sql(
+                dsn,
+                f"INSERT INTO {SCHEMA}.{table} VALUES (1, 0, (SELECT string_agg("
+                f"md5(g::text), '') FROM generate_series(1, {BIG // 32}) g))",
+            )
             sql(dsn, f"UPDATE {SCHEMA}.{table} SET n = 1 WHERE id = 1")
         pipe.wait_caught_up(90)
 
@@ -55,9 +64,11 @@ def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
             ({"id": 3, "a": 30, "c": "3.5"}, 3),
             ({"id": 4, "a": 40000000000, "c": "4.5"}, 4),
         ]
-        schema_records = [r.value for r in read_topics(stack.kafka,
-                                                       [f"{pipe.prefix}.schema"])
-                          if r.value["table"] == "shape"]
+        schema_records = [
+            r.value
+            for r in read_topics(stack.kafka, [f"{pipe.prefix}.schema"])
+            if r.value["table"] == "shape"
+        ]
         assert [s["version"] for s in schema_records] == [1, 2, 3, 4]
         types = [{c["name"]: c["type"] for c in s["columns"]} for s in schema_records]
         assert types[1]["c"] == "numeric(5,1)" and "b" not in types[2]
@@ -76,8 +87,9 @@ def test_schema_changes_and_toast(stack: Stack, tmp_path: Path) -> None:
         assert urllib.request.urlopen(f"{base}/readyz", timeout=5).status == 200
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
         assert f'slotbridge_events_total{{slot="{pipe.name}"}}' in metrics
-        events = [line for line in metrics.splitlines()
-                  if line.startswith("slotbridge_events_total{")]
+        events = [
+            line for line in metrics.splitlines() if line.startswith("slotbridge_events_total{")
+        ]
         assert float(events[0].split()[-1]) >= 8
         assert 'stat="stream_bytes"' in metrics and 'stat="total_txns"' in metrics
         assert "password" not in metrics.lower()

@@ -31,14 +31,19 @@ from tests.integration.bridge_harness import Pipeline, Record, run_cli, sql, wai
 SCHEMA = "chunked"
 # 2M rows over three tables by default; SLOTBRIDGE_TEST_SNAPSHOT_SCALE shrinks it.
 SCALE = float(os.environ.get("SLOTBRIDGE_TEST_SNAPSHOT_SCALE", "1"))
-ROWS = {"orders": int(1_000_000 * SCALE), "lines": int(700_000 * SCALE),
-        "events": int(300_000 * SCALE)}
+ROWS = {
+    "orders": int(1_000_000 * SCALE),
+    "lines": int(700_000 * SCALE),
+    "events": int(300_000 * SCALE),
+}
 _READ_S = 300.0  # reading a million records back
 
 
 def _load(dsn: str) -> None:
     o, li, e = ROWS["orders"], ROWS["lines"], ROWS["events"]
-    sql(dsn, f"""
+    sql(
+        dsn,
+        f"""
         DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};
         CREATE TABLE {SCHEMA}.orders (id bigint PRIMARY KEY, v int NOT NULL, note text,
                                       gone text);
@@ -48,7 +53,8 @@ def _load(dsn: str) -> None:
         INSERT INTO {SCHEMA}.lines SELECT g / 7, g % 7, 1 FROM generate_series(7, {li + 6}) g;
         CREATE TABLE {SCHEMA}.events (at bigint NOT NULL, payload text);
         INSERT INTO {SCHEMA}.events SELECT g, 'e' || g FROM generate_series(1, {e}) g;
-        ANALYZE {SCHEMA}.orders, {SCHEMA}.lines, {SCHEMA}.events;""")
+        ANALYZE {SCHEMA}.orders, {SCHEMA}.lines, {SCHEMA}.events;""",
+    )
 
 
 Conn = psycopg.Connection[Any]
@@ -86,22 +92,26 @@ def _chunked_writes(conn: Conn, n: int) -> None:
     """Inserts, updates (some changing the key) and deletes on all three tables."""
     top, orders = ROWS["orders"], ROWS["lines"] // 7
     with conn.transaction():
-        conn.execute(f"INSERT INTO {SCHEMA}.orders (id, v, note) VALUES (%s, 1, 'new')",
-                     (10_000_000 + n,))
-        conn.execute(f"UPDATE {SCHEMA}.orders SET v = v + 1 WHERE id = %s",
-                     ((n * 7919) % top + 1,))
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.orders (id, v, note) VALUES (%s, 1, 'new')", (10_000_000 + n,)
+        )
+        conn.execute(f"UPDATE {SCHEMA}.orders SET v = v + 1 WHERE id = %s", ((n * 7919) % top + 1,))
         conn.execute(f"DELETE FROM {SCHEMA}.orders WHERE id = %s", ((n * 104729) % top + 1,))
-        conn.execute(f"UPDATE {SCHEMA}.lines SET qty = qty + 1 WHERE order_id = %s",
-                     ((n * 31) % orders + 1,))
+        conn.execute(
+            f"UPDATE {SCHEMA}.lines SET qty = qty + 1 WHERE order_id = %s", ((n * 31) % orders + 1,)
+        )
         # A key change: the row moves to a line number no load used.
-        conn.execute(f"UPDATE {SCHEMA}.lines SET line = line + 100 + %s "
-                     "WHERE order_id = %s AND line = 3", (n, (n * 613) % orders + 1))
+        conn.execute(
+            f"UPDATE {SCHEMA}.lines SET line = line + 100 + %s WHERE order_id = %s AND line = 3",
+            (n, (n * 613) % orders + 1),
+        )
         conn.execute(f"INSERT INTO {SCHEMA}.events VALUES (%s, 'w')", (-n,))
 
 
 def _progress(pipe: Pipeline) -> ProgressRecord | None:
-    return read_kafka_progress({"bootstrap.servers": pipe.kafka.bootstrap},
-                               pipe.progress_topic, pipe.name)
+    return read_kafka_progress(
+        {"bootstrap.servers": pipe.kafka.bootstrap}, pipe.progress_topic, pipe.name
+    )
 
 
 def _snapshot_rows(pipe: Pipeline) -> dict[str, int]:
@@ -109,8 +119,9 @@ def _snapshot_rows(pipe: Pipeline) -> dict[str, int]:
     return {f"{e.schema_}.{e.table}": e.rows for e in (progress.snapshots if progress else [])}
 
 
-def _replay(records: list[Record], key: Callable[[Record], Any]) -> tuple[dict[Any, Any],
-                                                                          Counter[Any]]:
+def _replay(
+    records: list[Record], key: Callable[[Record], Any]
+) -> tuple[dict[Any, Any], Counter[Any]]:
     """The rows a consumer rebuilds by key, and how many snapshot rows each key got."""
     rows: dict[Any, Any] = {}
     snapshots: Counter[Any] = Counter()
@@ -129,35 +140,42 @@ def _assert_equal(pipe: Pipeline, table: str, key_columns: list[str]) -> list[Re
     """Topic replayed per key == table, on the columns each record carries; returns the
     topic's records."""
     dsn = pipe.stack.primary_dsn
-    source = {tuple(r[c] for c in key_columns): r
-              for (r,) in sql(dsn, f"SELECT to_jsonb(t) FROM {SCHEMA}.{table} t")}
+    source = {
+        tuple(r[c] for c in key_columns): r
+        for (r,) in sql(dsn, f"SELECT to_jsonb(t) FROM {SCHEMA}.{table} t")
+    }
     records = pipe.changes(f"{SCHEMA}.{table}", _READ_S)
     replayed, snapshots = _replay(records, lambda r: tuple(r.key[c] for c in key_columns))
     twice = [k for k, n in snapshots.items() if n > 1]
     assert not twice, f"{table}: keys with two snapshot rows: {twice[:5]}"
     assert replayed.keys() == source.keys(), (
         f"{table}: missing {list(source.keys() - replayed.keys())[:5]}, "
-        f"extra {list(replayed.keys() - source.keys())[:5]}")
-    wrong = [k for k, after in replayed.items()
-             if any(source[k][c] != v for c, v in after.items() if c in source[k])]
+        f"extra {list(replayed.keys() - source.keys())[:5]}"
+    )
+    wrong = [
+        k
+        for k, after in replayed.items()
+        if any(source[k][c] != v for c, v in after.items() if c in source[k])
+    ]
     assert not wrong, f"{table}: rows differ from the table: {wrong[:5]}"
     return records
 
 
 def _assert_keyless_equal(pipe: Pipeline) -> int:
     """The keyless table's rows as a multiset; returns its snapshot records."""
-    source = Counter(tuple(r) for r in sql(pipe.stack.primary_dsn,
-                                           f"SELECT at, payload FROM {SCHEMA}.events"))
+    source = Counter(
+        tuple(r) for r in sql(pipe.stack.primary_dsn, f"SELECT at, payload FROM {SCHEMA}.events")
+    )
     records = pipe.changes(f"{SCHEMA}.events", _READ_S)
     topic = Counter((r.value["after"]["at"], r.value["after"]["payload"]) for r in records)
-    assert topic == source, (f"events: {sum((topic - source).values())} extra, "
-                             f"{sum((source - topic).values())} missing")
+    assert topic == source, (
+        f"events: {sum((topic - source).values())} extra, {sum((source - topic).values())} missing"
+    )
     return sum(1 for r in records if r.value["op"] == "r")
 
 
 @pytest.mark.slow
-def test_chunked_snapshot_resumes_under_writes_kill_and_ddl(stack: Stack,
-                                                           tmp_path: Path) -> None:
+def test_chunked_snapshot_resumes_under_writes_kill_and_ddl(stack: Stack, tmp_path: Path) -> None:
     """2M rows (composite key, keyless) with a 10 s Kafka transaction timeout and writes
     running; SIGKILL mid-snapshot, restart resumes; ADD and DROP COLUMN mid-snapshot."""
     dsn = stack.primary_dsn
@@ -171,26 +189,37 @@ def test_chunked_snapshot_resumes_under_writes_kill_and_ddl(stack: Stack,
         pipe.wait_for_log("streaming", 60)
         writer.start()
         orders = f"{SCHEMA}.orders"
-        wait_for(lambda: _snapshot_rows(pipe).get(orders, 0) >= ROWS["orders"] * 0.25, 600,
-                 f"a quarter of {orders} published\n{pipe.output()[-2000:]}", interval=1)
+        wait_for(
+            lambda: _snapshot_rows(pipe).get(orders, 0) >= ROWS["orders"] * 0.25,
+            600,
+            f"a quarter of {orders} published\n{pipe.output()[-2000:]}",
+            interval=1,
+        )
         pipe.kill()
         at_kill = _snapshot_rows(pipe)
         assert 0 < at_kill[orders] < ROWS["orders"], at_kill
         pipe.start()
         pipe.wait_for_log("streaming", 60)
-        wait_for(lambda: _snapshot_rows(pipe).get(orders, 0) >= ROWS["orders"] * 0.5, 600,
-                 f"half of {orders} published", interval=1)
+        wait_for(
+            lambda: _snapshot_rows(pipe).get(orders, 0) >= ROWS["orders"] * 0.5,
+            600,
+            f"half of {orders} published",
+            interval=1,
+        )
         sql(dsn, f"ALTER TABLE {SCHEMA}.orders ADD COLUMN extra int DEFAULT 7")
         time.sleep(2)
         sql(dsn, f"ALTER TABLE {SCHEMA}.orders DROP COLUMN gone")
-        wait_for(lambda: pipe.output().count("snapshot of table published") >= 3, 600,
-                 "all three tables published")
+        wait_for(
+            lambda: pipe.output().count("snapshot of table published") >= 3,
+            600,
+            "all three tables published",
+        )
         writer.finish()
         pipe.wait_caught_up(300)
         assert pipe.stop() == 0
         log = pipe.output()
         assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
-        run2 = log[log.rindex("--- run 2"):]
+        run2 = log[log.rindex("--- run 2") :]
         resumed = re.search(rf"{orders} \(initial, (\d+) chunks done\)", run2)
         assert resumed and int(resumed[1]) > 0, "the restart did not resume the snapshot"
         snapshot_records = 0
@@ -199,15 +228,18 @@ def test_chunked_snapshot_resumes_under_writes_kill_and_ddl(stack: Stack,
             records = _assert_equal(pipe, table, key)
             snapshot_records += sum(1 for r in records if r.value["op"] == "r")
             if table == "orders":
-                versions = {r.value["source"]["schema_version"] for r in records
-                            if r.value["op"] == "r"}
+                versions = {
+                    r.value["source"]["schema_version"] for r in records if r.value["op"] == "r"
+                }
         snapshot_records += _assert_keyless_equal(pipe)
         # What both runs published as snapshot rows: the tables once, not twice.
         assert snapshot_records < 1.3 * total, (snapshot_records, total)
         assert len(versions) >= 2, "no chunk was read with the table's new shape"
         pipe.audit()
-        print(f"\nsnapshot: {total} rows, {snapshot_records} snapshot records, writes "
-              f"{writer.done}, published at the kill {at_kill}")
+        print(
+            f"\nsnapshot: {total} rows, {snapshot_records} snapshot records, writes "
+            f"{writer.done}, published at the kill {at_kill}"
+        )
     finally:
         writer.stop_flag.set()
         pipe.cleanup()
@@ -222,29 +254,47 @@ def _healthz(port: int) -> tuple[int, str]:
 
 
 def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
-        stack: Stack, tmp_path: Path) -> None:
+    stack: Stack, tmp_path: Path
+) -> None:
     """An initial snapshot longer than the chart's liveness window (70 s) never reports
     unhealthy; SIGTERM stops it at a chunk boundary and the next start resumes; an
     on-demand re-snapshot with --where lands while writes run; a stalled snapshot turns
     /healthz unhealthy."""
     dsn = stack.primary_dsn
-    sql(dsn, """
+    sql(
+        dsn,
+        """
         DROP SCHEMA IF EXISTS ondemand CASCADE; CREATE SCHEMA ondemand;
         CREATE TABLE ondemand.t (id int PRIMARY KEY, v int NOT NULL);
-        INSERT INTO ondemand.t SELECT g, 0 FROM generate_series(1, 9000) g;""")
+        INSERT INTO ondemand.t SELECT g, 0 FROM generate_series(1, 9000) g;""",
+    )
     pipe = Pipeline(stack, ["ondemand.t"], tmp_path)
     (port,) = free_ports(1)
-    pipe.extra.update({"SLOTBRIDGE_HTTP_PORT": str(port), "SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS": "100",
-                       "SLOTBRIDGE_SNAPSHOT_STALL_S": "8"})
-    writer = _Writer(dsn, lambda conn, n: conn.execute(
-        "UPDATE ondemand.t SET v = v + 1 WHERE id = %s", (n % 9000 + 1,)), 0.01)
+    pipe.extra.update(
+        {
+            "SLOTBRIDGE_HTTP_PORT": str(port),
+            "SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS": "100",
+            "SLOTBRIDGE_SNAPSHOT_STALL_S": "8",
+        }
+    )
+    writer = _Writer(
+        dsn,
+        lambda conn, n: conn.execute(
+            "UPDATE ondemand.t SET v = v + 1 WHERE id = %s", (n % 9000 + 1,)
+        ),
+        0.01,
+    )
     try:
         # 90 chunks, 0.5 s each: 45 s, then (after a SIGTERM) the rest.
         pipe.start(SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.5")
         pipe.wait_for_log("streaming", 60)
         writer.start()
-        wait_for(lambda: _snapshot_rows(pipe).get("ondemand.t", 0) >= 2000, 120,
-                 "a few chunks published", interval=1)
+        wait_for(
+            lambda: _snapshot_rows(pipe).get("ondemand.t", 0) >= 2000,
+            120,
+            "a few chunks published",
+            interval=1,
+        )
         started = time.monotonic()
         assert pipe.stop(60) == 0, pipe.output()[-3000:]
         assert time.monotonic() - started < 45
@@ -266,8 +316,16 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
         assert 'slotbridge_snapshot_chunks_done{slot="' in metrics, metrics[-2000:]
         assert 'table="ondemand.t"' in metrics
         # On demand, with a condition, while the writer goes on.
-        code, out = run_cli("snapshot", "ondemand.t", "--where", "id % 3 = 0", "--timeout",
-                            "120", env=pipe.env(), timeout=180)
+        code, out = run_cli(
+            "snapshot",
+            "ondemand.t",
+            "--where",
+            "id % 3 = 0",
+            "--timeout",
+            "120",
+            env=pipe.env(),
+            timeout=180,
+        )
         assert code == 0 and "published" in out, out
         code, out = run_cli("snapshot", "ondemand.t", "--where", "nosuch > 1", env=pipe.env())
         assert code == 1 and out.startswith("slotbridge: --where") and "nosuch" in out, out
@@ -278,8 +336,11 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
         request = json.loads(out)["request"]
         with psycopg.connect(dsn) as locker:
             locker.execute("LOCK TABLE ondemand.t IN ACCESS EXCLUSIVE MODE")
-            unhealthy = wait_for(lambda: (lambda h: h if h[0] == 503 else None)(_healthz(port)),
-                                 60, "/healthz to report the stalled snapshot")
+            unhealthy = wait_for(
+                lambda: (lambda h: h if h[0] == 503 else None)(_healthz(port)),
+                60,
+                "/healthz to report the stalled snapshot",
+            )
             assert "snapshot made no progress" in unhealthy[1], unhealthy
         code, out = run_cli("snapshot", "--cancel", request, env=pipe.env())
         assert code == 0, out
@@ -296,8 +357,7 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
         # for its first chunks; less a row whose key the writer changed while its chunk
         # was read.
         expected = {k: 1 + (k % 3 == 0) for k in source}
-        assert all(snapshots[k] <= n + 1 for k, n in expected.items()), \
-            Counter(snapshots.values())
+        assert all(snapshots[k] <= n + 1 for k, n in expected.items()), Counter(snapshots.values())
         assert sum(snapshots[k] >= n for k, n in expected.items()) > 0.95 * len(source)
         pipe.audit()
     finally:
@@ -308,7 +368,9 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
 def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> None:
     """A least-privilege role (REPLICATION + origin functions, no superuser)."""
     dsn = stack.primary_dsn
-    sql(dsn, """
+    sql(
+        dsn,
+        """
         DROP SCHEMA IF EXISTS snapdeny CASCADE; CREATE SCHEMA snapdeny;
         CREATE TABLE snapdeny.open (id int PRIMARY KEY); INSERT INTO snapdeny.open VALUES (1);
         CREATE TABLE snapdeny.secret (id int PRIMARY KEY); INSERT INTO snapdeny.secret VALUES (1);
@@ -318,7 +380,8 @@ def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> 
         GRANT USAGE ON SCHEMA snapdeny TO sb_cdc; GRANT SELECT ON snapdeny.open TO sb_cdc;
         GRANT EXECUTE ON FUNCTION pg_replication_origin_create(text),
               pg_replication_origin_advance(text, pg_lsn),
-              pg_replication_origin_progress(text, boolean) TO sb_cdc;""")
+              pg_replication_origin_progress(text, boolean) TO sb_cdc;""",
+    )
     pipe = Pipeline(stack, ["snapdeny.open", "snapdeny.secret"], tmp_path)
     sql(dsn, f"CREATE PUBLICATION {pipe.name} FOR TABLE snapdeny.open, snapdeny.secret")
     pipe.extra["SLOTBRIDGE_SOURCE_DSN"] = dsn.replace("user=postgres", "user=sb_cdc")
@@ -342,15 +405,19 @@ def _added_writes(conn: Conn, n: int) -> None:
 
 
 def test_table_added_to_publication_is_snapshotted_while_streaming(
-        stack: Stack, tmp_path: Path) -> None:
+    stack: Stack, tmp_path: Path
+) -> None:
     """ALTER PUBLICATION ... ADD TABLE under writes, a kill in the middle of the added
     table's snapshot: the topic replayed per key equals the table, no key twice."""
     dsn = stack.primary_dsn
-    sql(dsn, """
+    sql(
+        dsn,
+        """
         DROP SCHEMA IF EXISTS snapadd CASCADE; CREATE SCHEMA snapadd;
         CREATE TABLE snapadd.base (id int PRIMARY KEY, note text);
         CREATE TABLE snapadd.late (id int PRIMARY KEY, v int NOT NULL, note text);
-        INSERT INTO snapadd.late SELECT g, 0, md5(g::text) FROM generate_series(1, 40000) g;""")
+        INSERT INTO snapadd.late SELECT g, 0, md5(g::text) FROM generate_series(1, 40000) g;""",
+    )
     pipe = Pipeline(stack, ["snapadd.base"], tmp_path)
     pipe.extra["SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS"] = "2000"
     writer = _Writer(dsn, _added_writes, 0.0)
@@ -369,8 +436,7 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
         assert pipe.stop() == 0
         for table in ("base", "late"):
             source = {r["id"]: r for (r,) in sql(dsn, f"SELECT to_jsonb(t) FROM snapadd.{table} t")}
-            replayed, snapshots = _replay(pipe.changes(f"snapadd.{table}"),
-                                          lambda r: r.key["id"])
+            replayed, snapshots = _replay(pipe.changes(f"snapadd.{table}"), lambda r: r.key["id"])
             assert replayed == source, table
             assert all(n == 1 for n in snapshots.values()), table
         assert "snapshot requested table=snapadd.late request=added" in pipe.output()
@@ -381,21 +447,27 @@ def test_table_added_to_publication_is_snapshotted_while_streaming(
 
 
 def test_initial_only_publishes_the_snapshot_then_drops_its_slot_and_exits(
-        stack: Stack, tmp_path: Path) -> None:
+    stack: Stack, tmp_path: Path
+) -> None:
     """snapshot_mode initial_only: a one-off copy, no slot left behind holding WAL."""
     dsn = stack.primary_dsn
-    sql(dsn, """DROP SCHEMA IF EXISTS snaponce CASCADE; CREATE SCHEMA snaponce;
+    sql(
+        dsn,
+        """DROP SCHEMA IF EXISTS snaponce CASCADE; CREATE SCHEMA snaponce;
         CREATE TABLE snaponce.t (id int PRIMARY KEY, v text);
-        INSERT INTO snaponce.t SELECT g, 'v' || g FROM generate_series(1, 5000) g;""")
+        INSERT INTO snaponce.t SELECT g, 'v' || g FROM generate_series(1, 5000) g;""",
+    )
     pipe = Pipeline(stack, ["snaponce.t"], tmp_path)
     try:
-        code, output = pipe.run_to_exit(120, SLOTBRIDGE_SNAPSHOT_MODE="initial_only",
-                                        SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS="1000")
+        code, output = pipe.run_to_exit(
+            120, SLOTBRIDGE_SNAPSHOT_MODE="initial_only", SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS="1000"
+        )
         assert code == 0, output
         assert "initial_only: snapshot published, slot dropped" in output, output
         assert " ERROR " not in output and " WARNING session ended" not in output, output
-        assert sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
-                   (pipe.name,)) == []
+        assert (
+            sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pipe.name,)) == []
+        )
         ids = Counter(r.value["after"]["id"] for r in pipe.changes("snaponce.t"))
         assert ids == Counter(range(1, 5001))
         pipe.audit()
@@ -403,15 +475,17 @@ def test_initial_only_publishes_the_snapshot_then_drops_its_slot_and_exits(
         pipe.cleanup()
 
 
-def test_a_locked_published_table_does_not_stall_the_stream(stack: Stack,
-                                                            tmp_path: Path) -> None:
+def test_a_locked_published_table_does_not_stall_the_stream(stack: Stack, tmp_path: Path) -> None:
     """A long ALTER TABLE holds its table's ACCESS EXCLUSIVE lock; the bridge's check for
     tables added to the publication must not wait for it, or the socket loop stops and
     every other table's changes wait too."""
     dsn = stack.primary_dsn
-    sql(dsn, """DROP SCHEMA IF EXISTS snaplock CASCADE; CREATE SCHEMA snaplock;
+    sql(
+        dsn,
+        """DROP SCHEMA IF EXISTS snaplock CASCADE; CREATE SCHEMA snaplock;
         CREATE TABLE snaplock.busy (id int PRIMARY KEY);
-        CREATE TABLE snaplock.free (id int PRIMARY KEY);""")
+        CREATE TABLE snaplock.free (id int PRIMARY KEY);""",
+    )
     pipe = Pipeline(stack, ["snaplock.busy", "snaplock.free"], tmp_path)
     try:
         pipe.start()
@@ -425,9 +499,11 @@ def test_a_locked_published_table_does_not_stall_the_stream(stack: Stack,
                 written += 1
                 sql(dsn, "INSERT INTO snaplock.free VALUES (%s)", (written,))
                 time.sleep(0.5)
-            wait_for(lambda: len(pipe.changes("snaplock.free")) == written, 15,
-                     f"all {written} rows of snaplock.free in Kafka while snaplock.busy is "
-                     "locked")
+            wait_for(
+                lambda: len(pipe.changes("snaplock.free")) == written,
+                15,
+                f"all {written} rows of snaplock.free in Kafka while snaplock.busy is locked",
+            )
             locker.rollback()
         assert "publication check skipped: a published table is locked" in pipe.output()
         assert pipe.stop() == 0
@@ -442,7 +518,9 @@ def test_keyless_chunks_cut_by_size_lose_no_row(stack: Stack, tmp_path: Path) ->
     next page. A partitioned one (no position spans its partitions) is read whole."""
     dsn = stack.primary_dsn
     pipe = Pipeline(stack, None, tmp_path)
-    sql(dsn, f"""DROP SCHEMA IF EXISTS snapwide CASCADE; CREATE SCHEMA snapwide;
+    sql(
+        dsn,
+        f"""DROP SCHEMA IF EXISTS snapwide CASCADE; CREATE SCHEMA snapwide;
         CREATE TABLE snapwide.heap (n int, pad text) WITH (autovacuum_enabled = false);
         ALTER TABLE snapwide.heap REPLICA IDENTITY FULL;
         CREATE TABLE snapwide.parts (n int, pad text) PARTITION BY RANGE (n);
@@ -456,21 +534,27 @@ def test_keyless_chunks_cut_by_size_lose_no_row(stack: Stack, tmp_path: Path) ->
         INSERT INTO snapwide.parts SELECT * FROM snapwide.heap;
         ANALYZE snapwide.heap; ANALYZE snapwide.parts;
         CREATE PUBLICATION {pipe.name} FOR TABLE snapwide.heap, snapwide.parts
-            WITH (publish_via_partition_root = true);""")
+            WITH (publish_via_partition_root = true);""",
+    )
     try:
         # ~400 bytes a row: a 20,000-row page range holds ~8 MB, cut at 64 kB.
-        code, output = pipe.run_to_exit(180, SLOTBRIDGE_SNAPSHOT_MODE="initial_only",
-                                        SLOTBRIDGE_SNAPSHOT_CHUNK_BYTES=str(64 * 1024))
+        code, output = pipe.run_to_exit(
+            180,
+            SLOTBRIDGE_SNAPSHOT_MODE="initial_only",
+            SLOTBRIDGE_SNAPSHOT_CHUNK_BYTES=str(64 * 1024),
+        )
         assert code == 0, output
         for table in ("snapwide.heap", "snapwide.parts"):
             ns = Counter(r.value["after"]["n"] for r in pipe.changes(table))
             assert ns == Counter(range(1, 6001)), (
                 f"{table}: {len(set(range(1, 6001)) - set(ns))} rows missing, "
-                f"{sum(c - 1 for c in ns.values() if c > 1)} twice")
+                f"{sum(c - 1 for c in ns.values() if c > 1)} twice"
+            )
         # Rows are fetched 2,000 at a time (~800 kB here), each fetch past the 64 kB cut:
         # 6,000 rows make 3-4 chunks; the partitioned table is one chunk.
-        chunks = dict(re.findall(r"snapshot of table published.*?table=(\S+).*?chunks=(\d+)",
-                                 output))
+        chunks = dict(
+            re.findall(r"snapshot of table published.*?table=(\S+).*?chunks=(\d+)", output)
+        )
         assert int(chunks["snapwide.heap"]) >= 3 and chunks["snapwide.parts"] == "1", chunks
         pipe.audit()
     finally:
@@ -478,13 +562,17 @@ def test_keyless_chunks_cut_by_size_lose_no_row(stack: Stack, tmp_path: Path) ->
 
 
 def test_healthz_stays_live_while_slot_creation_waits_for_an_open_transaction(
-        stack: Stack, tmp_path: Path) -> None:
+    stack: Stack, tmp_path: Path
+) -> None:
     """Creating a slot waits for every transaction open at that moment (hours, for a
     forgotten session); a liveness probe that killed the bridge then would only start the
     wait again. /healthz says live and why; /readyz says not streaming."""
     dsn = stack.primary_dsn
-    sql(dsn, """DROP SCHEMA IF EXISTS slotwait CASCADE; CREATE SCHEMA slotwait;
-        CREATE TABLE slotwait.t (id int PRIMARY KEY); CREATE TABLE slotwait.other (id int);""")
+    sql(
+        dsn,
+        """DROP SCHEMA IF EXISTS slotwait CASCADE; CREATE SCHEMA slotwait;
+        CREATE TABLE slotwait.t (id int PRIMARY KEY); CREATE TABLE slotwait.other (id int);""",
+    )
     pipe = Pipeline(stack, ["slotwait.t"], tmp_path)
     (port,) = free_ports(1)
     pipe.extra["SLOTBRIDGE_HTTP_PORT"] = str(port)

@@ -21,15 +21,20 @@ RSS_BOUND = 400 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def pipe(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    sql(stack.primary_dsn, f"""
+    sql(
+        stack.primary_dsn,
+        f"""
         DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA};
         CREATE TABLE {SCHEMA}.big (id int PRIMARY KEY, payload text);
-        CREATE TABLE {SCHEMA}.small (id int PRIMARY KEY, tag text);""")
-    pipeline = Pipeline(stack, [f"{SCHEMA}.big", f"{SCHEMA}.small"],
-                        Path(tmp_path_factory.mktemp("txn")))
+        CREATE TABLE {SCHEMA}.small (id int PRIMARY KEY, tag text);""",
+    )
+    pipeline = Pipeline(
+        stack, [f"{SCHEMA}.big", f"{SCHEMA}.small"], Path(tmp_path_factory.mktemp("txn"))
+    )
     # Tiny decoding memory: the server streams every transaction past 64 kB in chunks.
     pipeline.extra["SLOTBRIDGE_SOURCE_DSN"] = (
-        f"{stack.primary_dsn} options='-c logical_decoding_work_mem=64kB'")
+        f"{stack.primary_dsn} options='-c logical_decoding_work_mem=64kB'"
+    )
     pipeline.extra["SLOTBRIDGE_SPOOL_MEMORY_BYTES"] = str(1024 * 1024)
     pipeline.start()
     try:
@@ -42,16 +47,22 @@ def pipe(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pip
 
 
 def _stats(stack: Stack, slot: str) -> tuple[int, int]:
-    row = sql(stack.primary_dsn, "SELECT stream_txns, stream_count FROM "
-              "pg_stat_replication_slots WHERE slot_name = %s", (slot,))
+    row = sql(
+        stack.primary_dsn,
+        "SELECT stream_txns, stream_count FROM pg_stat_replication_slots WHERE slot_name = %s",
+        (slot,),
+    )
     return (int(row[0][0]), int(row[0][1])) if row else (0, 0)
 
 
 def test_large_transaction_streams_once_in_order_with_bounded_memory(pipe: Pipeline) -> None:
     dsn = pipe.stack.primary_dsn
     streamed_before = _stats(pipe.stack, pipe.name)
-    sql(dsn, f"INSERT INTO {SCHEMA}.big SELECT g, md5(g::text) FROM generate_series(1, %s) g",
-        (BIG_ROWS,))
+    sql(
+        dsn,
+        f"INSERT INTO {SCHEMA}.big SELECT g, md5(g::text) FROM generate_series(1, %s) g",
+        (BIG_ROWS,),
+    )
     pipe.wait_caught_up(600)
     rss = pipe.peak_rss_bytes()
     stream_txns, stream_chunks = _stats(pipe.stack, pipe.name)
@@ -67,23 +78,28 @@ def test_large_transaction_streams_once_in_order_with_bounded_memory(pipe: Pipel
 
 
 def test_aborted_large_transaction_and_rolled_back_subtransaction_leave_no_trace(
-        pipe: Pipeline) -> None:
+    pipe: Pipeline,
+) -> None:
     dsn = pipe.stack.primary_dsn
     with psycopg.connect(dsn) as conn:
-        conn.execute(f"INSERT INTO {SCHEMA}.small SELECT g, 'aborted' "
-                     "FROM generate_series(100000, 120000) g")
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.small SELECT g, 'aborted' FROM generate_series(100000, 120000) g"
+        )
         conn.rollback()
         conn.execute(f"INSERT INTO {SCHEMA}.small VALUES (1, 'kept-before')")
         conn.execute("SAVEPOINT s1")
         # Big enough to be streamed before the rollback of the subtransaction.
-        conn.execute(f"INSERT INTO {SCHEMA}.small SELECT g, 'sub-aborted' "
-                     "FROM generate_series(200000, 210000) g")
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.small SELECT g, 'sub-aborted' "
+            "FROM generate_series(200000, 210000) g"
+        )
         conn.execute("ROLLBACK TO SAVEPOINT s1")
         conn.execute(f"INSERT INTO {SCHEMA}.small VALUES (2, 'kept-after')")
         conn.commit()
     pipe.wait_caught_up(120)
-    tags = [(r.value["after"]["id"], r.value["after"]["tag"])
-            for r in pipe.changes(f"{SCHEMA}.small")]
+    tags = [
+        (r.value["after"]["id"], r.value["after"]["tag"]) for r in pipe.changes(f"{SCHEMA}.small")
+    ]
     assert tags == [(1, "kept-before"), (2, "kept-after")]
 
 
@@ -94,8 +110,10 @@ def test_prepared_transaction_appears_only_after_commit_prepared(pipe: Pipeline)
         conn.execute(f"INSERT INTO {SCHEMA}.small VALUES (10, 'prepared-then-committed')")
         conn.execute("PREPARE TRANSACTION 'sb-commit'")
         conn.execute("BEGIN")
-        conn.execute(f"INSERT INTO {SCHEMA}.small SELECT g, 'prepared-then-rolled-back' "
-                     "FROM generate_series(300000, 305000) g")
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.small SELECT g, 'prepared-then-rolled-back' "
+            "FROM generate_series(300000, 305000) g"
+        )
         conn.execute("PREPARE TRANSACTION 'sb-rollback'")
         conn.execute(f"INSERT INTO {SCHEMA}.small VALUES (11, 'after-prepares')")
     # Give the bridge time to publish what it may: the prepared rows must not show yet.
@@ -115,5 +133,8 @@ def test_prepared_transaction_appears_only_after_commit_prepared(pipe: Pipeline)
 
 
 def _wait_for_tag(pipe: Pipeline, tag: str) -> None:
-    wait_for(lambda: tag in {r.value["after"]["tag"] for r in pipe.changes(f"{SCHEMA}.small")},
-             60, f"record tagged {tag}")
+    wait_for(
+        lambda: tag in {r.value["after"]["tag"] for r in pipe.changes(f"{SCHEMA}.small")},
+        60,
+        f"record tagged {tag}",
+    )

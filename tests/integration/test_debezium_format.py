@@ -71,34 +71,71 @@ BRIDGE_ONLY = {"ia"}
 def _connect(tmp: Path, bootstrap: str, dsn: dict[str, str]) -> subprocess.Popen[bytes]:
     (rest_port,) = free_ports(1)
     worker = tmp / "worker.properties"
-    worker.write_text("\n".join([
-        f"bootstrap.servers={bootstrap}",
-        "key.converter=org.apache.kafka.connect.json.JsonConverter",
-        "value.converter=org.apache.kafka.connect.json.JsonConverter",
-        f"offset.storage.file.filename={tmp / 'offsets'}",
-        "offset.flush.interval.ms=1000",
-        f"listeners=http://127.0.0.1:{rest_port}",
-        "plugin.discovery=only_scan", ""]))
+    worker.write_text(
+        "\n".join(
+            [
+                f"bootstrap.servers={bootstrap}",
+                "key.converter=org.apache.kafka.connect.json.JsonConverter",
+                "value.converter=org.apache.kafka.connect.json.JsonConverter",
+                f"offset.storage.file.filename={tmp / 'offsets'}",
+                "offset.flush.interval.ms=1000",
+                f"listeners=http://127.0.0.1:{rest_port}",
+                "plugin.discovery=only_scan",
+                "",
+            ]
+        )
+    )
     connector = tmp / "pg.properties"
-    connector.write_text("\n".join([
-        "name=dbzcmp", "connector.class=io.debezium.connector.postgresql.PostgresConnector",
-        "tasks.max=1", f"database.hostname={dsn['host']}", f"database.port={dsn['port']}",
-        f"database.user={dsn['user']}", "database.password=", f"database.dbname={dsn['dbname']}",
-        f"topic.prefix={PREFIX}", "plugin.name=pgoutput", f"slot.name={SCHEMA}_dbz",
-        f"publication.name={SCHEMA}_dbz", "publication.autocreate.mode=disabled",
-        f"table.include.list={SCHEMA}.alltypes", "snapshot.mode=no_data",
-        # The bridge always writes transaction metadata and truncates (documented).
-        "provide.transaction.metadata=true", "skipped.operations=none", ""]))
+    connector.write_text(
+        "\n".join(
+            [
+                "name=dbzcmp",
+                "connector.class=io.debezium.connector.postgresql.PostgresConnector",
+                "tasks.max=1",
+                f"database.hostname={dsn['host']}",
+                f"database.port={dsn['port']}",
+                f"database.user={dsn['user']}",
+                "database.password=",
+                f"database.dbname={dsn['dbname']}",
+                f"topic.prefix={PREFIX}",
+                "plugin.name=pgoutput",
+                f"slot.name={SCHEMA}_dbz",
+                f"publication.name={SCHEMA}_dbz",
+                "publication.autocreate.mode=disabled",
+                f"table.include.list={SCHEMA}.alltypes",
+                "snapshot.mode=no_data",
+                # The bridge always writes transaction metadata and truncates (documented).
+                "provide.transaction.metadata=true",
+                "skipped.operations=none",
+                "",
+            ]
+        )
+    )
     log = (tmp / "connect.log").open("wb")
     return subprocess.Popen(
-        ["java", "-cp", f"{JARS}/*", "org.apache.kafka.connect.cli.ConnectStandalone",
-         str(worker), str(connector)], stdout=log, stderr=subprocess.STDOUT)
+        [
+            "java",
+            "-cp",
+            f"{JARS}/*",
+            "org.apache.kafka.connect.cli.ConnectStandalone",
+            str(worker),
+            str(connector),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[Any]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"cmp-{time.time_ns()}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False,
-                         "isolation.level": "read_committed"})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"cmp-{time.time_ns()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
     consumer.subscribe([topic])
     out: list[Any] = []
     deadline = time.monotonic() + timeout
@@ -114,11 +151,13 @@ def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[A
 
 
 @pytest.fixture(scope="module")
-def both(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any,
-                                                                                  str, str]]:
+def both(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Any, str, str]]:
     if not (JARS / ".stamp").exists():
-        pytest.skip(f"Debezium/Connect jars absent from {JARS}: run "
-                    "`python3 -m services.stack.bootstrap`")
+        pytest.skip(
+            f"Debezium/Connect jars absent from {JARS}: run `python3 -m services.stack.bootstrap`"
+        )
     dsn = stack.primary_dsn
     sql(dsn, DDL)
     tmp = Path(tmp_path_factory.mktemp("dbz"))
@@ -128,8 +167,16 @@ def both(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     try:
         pipe.start(SLOTBRIDGE_VALUE_FORMAT="debezium")
         pipe.wait_caught_up(60)
-        wait_for(lambda: sql(dsn, "SELECT active FROM pg_replication_slots WHERE slot_name = "
-                                  f"'{SCHEMA}_dbz'") == [(True,)], 120, "Debezium streaming")
+        wait_for(
+            lambda: (
+                sql(
+                    dsn, f"SELECT active FROM pg_replication_slots WHERE slot_name = '{SCHEMA}_dbz'"
+                )
+                == [(True,)]
+            ),
+            120,
+            "Debezium streaming",
+        )
         for statement in WORKLOAD:
             sql(dsn, statement)
         pipe.wait_caught_up(90)
@@ -142,10 +189,22 @@ def both(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
         connect.terminate()
         connect.wait(30)
         pipe.cleanup()
-        wait_for(lambda: not sql(dsn, "SELECT 1 FROM pg_replication_slots WHERE active AND "
-                                      f"slot_name = '{SCHEMA}_dbz'"), 30, "Connect gone")
-        sql(dsn, f"SELECT pg_drop_replication_slot('{SCHEMA}_dbz') FROM pg_replication_slots"
-                 f" WHERE slot_name = '{SCHEMA}_dbz'")
+        wait_for(
+            lambda: (
+                not sql(
+                    dsn,
+                    "SELECT 1 FROM pg_replication_slots WHERE active AND "
+                    f"slot_name = '{SCHEMA}_dbz'",
+                )
+            ),
+            30,
+            "Connect gone",
+        )
+        sql(
+            dsn,
+            f"SELECT pg_drop_replication_slot('{SCHEMA}_dbz') FROM pg_replication_slots"
+            f" WHERE slot_name = '{SCHEMA}_dbz'",
+        )
 
 
 def _parse(raw: bytes | None, topic: str) -> Any:
@@ -175,8 +234,9 @@ def test_keys_values_and_headers_match_debezium(both: tuple[Any, Any, str, str])
     for n, ((ok, ov, oh), (tk, tv, th)) in enumerate(zip(ours, theirs, strict=True)):
         assert _parse(ok, our_topic) == _parse(tk, their_topic), n
         assert [h[0] for h in oh] == [h[0] for h in th], n
-        assert {k: v for k, v in oh if k.endswith("key")} == \
-            {k: v for k, v in th if k.endswith("key")}, n
+        assert {k: v for k, v in oh if k.endswith("key")} == {
+            k: v for k, v in th if k.endswith("key")
+        }, n
         if tv is None:
             assert ov is None, n
             continue
@@ -186,14 +246,24 @@ def test_keys_values_and_headers_match_debezium(both: tuple[Any, Any, str, str])
         assert (p["op"], p["before"], p["after"]) == (q["op"], q["before"], q["after"]), n
         ps, qs = p["source"], q["source"]
         assert set(ps) == set(qs), n
-        for key in ("connector", "snapshot", "db", "schema", "table", "xmin", "origin",
-                    "origin_lsn"):
+        for key in (
+            "connector",
+            "snapshot",
+            "db",
+            "schema",
+            "table",
+            "xmin",
+            "origin",
+            "origin_lsn",
+        ):
             assert ps[key] == qs[key], (n, key)
         for src in (ps, qs):
             prev, lsn = json.loads(src["sequence"])
             assert lsn == str(src["lsn"]) and (prev is None or int(prev) <= src["lsn"])
             assert src["ts_us"] // 1000 == src["ts_ms"] and src["ts_ns"] == src["ts_us"] * 1000
         assert p["transaction"] is not None and q["transaction"] is not None
-        assert (p["transaction"]["total_order"], p["transaction"]["data_collection_order"]) \
-            == (q["transaction"]["total_order"], q["transaction"]["data_collection_order"]), n
+        assert (p["transaction"]["total_order"], p["transaction"]["data_collection_order"]) == (
+            q["transaction"]["total_order"],
+            q["transaction"]["data_collection_order"],
+        ), n
         assert set(p) == set(q), n

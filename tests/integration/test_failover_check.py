@@ -33,8 +33,13 @@ SLOTBRIDGE = str(Path(sys.executable).parent / "slotbridge")
 
 
 def check(config: Path) -> tuple[int, dict[str, Any]]:
-    proc = subprocess.run([SLOTBRIDGE, "failover", "check", "-c", str(config), "--json"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [SLOTBRIDGE, "failover", "check", "-c", str(config), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
@@ -73,8 +78,9 @@ def test_check_pinpoints_each_broken_setup(fresh_stack: Callable[[], Stack]) -> 
     stack = fresh_stack()
     subscribe(stack, "orders")
     with stack.node("primary").connect() as conn:
-        conn.execute("SELECT pg_create_logical_replication_slot('bridge', 'pgoutput', "
-                     "false, false, true)")
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot('bridge', 'pgoutput', false, false, true)"
+        )
     stack.wait_slot_synced("bridge", advance=True)
     config = settings_for(stack, stack.state_dir / "failover.yaml", bridge_slots=["bridge"])
     assert_ready(config, timeout=5)
@@ -110,28 +116,40 @@ def test_check_pinpoints_each_broken_setup(fresh_stack: Callable[[], Stack]) -> 
     def sender_waits() -> bool:
         rows = stack.node("primary").query(
             "SELECT a.wait_event FROM pg_stat_activity a JOIN pg_replication_slots s "
-            "ON s.active_pid = a.pid WHERE s.slot_name = 'orders_sub'")
+            "ON s.active_pid = a.pid WHERE s.slot_name = 'orders_sub'"
+        )
         return rows == [("WaitForStandbyConfirmation",)]
 
     assert wait_until(sender_waits, 30), "walsender not waiting for the standby"
-    data = assert_pinpointed(config, "standby_reachable", "synchronized_standby_slots",
-                             "logical_senders_blocked")
+    data = assert_pinpointed(
+        config, "standby_reachable", "synchronized_standby_slots", "logical_senders_blocked"
+    )
     blocked = next(c for c in data["checks"] if c["code"] == "logical_senders_blocked")
     assert "WaitForStandbyConfirmation" in blocked["detail"]
     assert stack.node("subscriber").query(
-        "SELECT count(*) FROM orders WHERE payload = 'held back'") == [(0,)]
+        "SELECT count(*) FROM orders WHERE payload = 'held back'"
+    ) == [(0,)]
     stack.node("standby").start()
     assert_ready(config)
-    assert wait_until(lambda: stack.node("subscriber").query(
-        "SELECT count(*) FROM orders WHERE payload = 'held back'") == [(1,)], 30)
+    assert wait_until(
+        lambda: (
+            stack.node("subscriber").query(
+                "SELECT count(*) FROM orders WHERE payload = 'held back'"
+            )
+            == [(1,)]
+        ),
+        30,
+    )
 
     # An invalidated slot: a failover slot nobody consumes, WAL past max_slot_wal_keep_size.
     with stack.node("primary").connect() as conn:
-        conn.execute("SELECT pg_create_logical_replication_slot('stale', 'pgoutput', "
-                     "false, false, true)")
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot('stale', 'pgoutput', false, false, true)"
+        )
     stack.wait_slot_synced("stale", advance=True)
-    stale_config = settings_for(stack, stack.state_dir / "stale.yaml",
-                                bridge_slots=["bridge", "stale"])
+    stale_config = settings_for(
+        stack, stack.state_dir / "stale.yaml", bridge_slots=["bridge", "stale"]
+    )
     alter(stack, "primary", "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
     with stack.node("primary").connect() as conn:
         for _ in range(4):
@@ -170,11 +188,17 @@ def test_check_is_ready_under_write_load(fresh_stack: Callable[[], Stack]) -> No
     config = settings_for(stack, stack.state_dir / "failover.yaml")
     primary, subscriber = stack.node("primary"), stack.node("subscriber")
     with writing(stack.primary_dsn, "orders"):
-        assert wait_until(lambda: subscriber.query("SELECT count(*) FROM orders")[0][0] > 100,
-                          30), "the subscription does not stream"
-        waits = [primary.query("SELECT a.wait_event FROM pg_stat_activity a JOIN "
-                               "pg_replication_slots s ON s.active_pid = a.pid "
-                               "WHERE s.slot_name = 'orders_sub'") for _ in range(20)]
+        assert wait_until(
+            lambda: subscriber.query("SELECT count(*) FROM orders")[0][0] > 100, 30
+        ), "the subscription does not stream"
+        waits = [
+            primary.query(
+                "SELECT a.wait_event FROM pg_stat_activity a JOIN "
+                "pg_replication_slots s ON s.active_pid = a.pid "
+                "WHERE s.slot_name = 'orders_sub'"
+            )
+            for _ in range(20)
+        ]
         assert [("WaitForStandbyConfirmation",)] in waits, "the load does not make it wait"
         verdicts = [check(config) for _ in range(8)]
     assert [failed(data) for rc, data in verdicts if rc != 0] == []
@@ -184,31 +208,42 @@ def test_watch_exports_metrics_and_stops_on_sigterm(fresh_stack: Callable[[], St
     stack = fresh_stack()
     subscribe(stack, "orders")
     port = free_ports(1)[0]
-    config = settings_for(stack, stack.state_dir / "failover.yaml", check_interval_s=1,
-                          http_port=port, log_format="json")
+    config = settings_for(
+        stack,
+        stack.state_dir / "failover.yaml",
+        check_interval_s=1,
+        http_port=port,
+        log_format="json",
+    )
 
     watcher = Watcher(load_settings(FailoverSettings, config))  # in-process: no HTTP server
     report = watcher.round()
     assert report.ready and watcher.ready()[0]
     value = watcher.registry.get_sample_value
     assert value("slotbridge_failover_ready", {"standby": "standby"}) == 1
-    assert value("slotbridge_failover_slot_ready",
-                 {"standby": "standby", "slot": "orders_sub"}) == 1
-    assert value("slotbridge_failover_slot_lag_bytes",
-                 {"standby": "standby", "slot": "orders_sub"}) is not None
+    assert (
+        value("slotbridge_failover_slot_ready", {"standby": "standby", "slot": "orders_sub"}) == 1
+    )
+    assert (
+        value("slotbridge_failover_slot_lag_bytes", {"standby": "standby", "slot": "orders_sub"})
+        is not None
+    )
     assert value("slotbridge_failover_replay_lag_bytes", {"standby": "standby"}) is not None
     labels = {"subscriber": "subscriber", "subscription": "orders_sub"}
     assert value("slotbridge_failover_subscription_enabled", labels) == 1
     assert value("slotbridge_failover_subscription_streaming", labels) == 1
 
     # The daemon itself: serves health, logs JSON, exits cleanly on SIGTERM.
-    proc = subprocess.Popen([SLOTBRIDGE, "failover", "watch", "-c", str(config)],
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [SLOTBRIDGE, "failover", "watch", "-c", str(config)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     assert proc.stderr is not None
     events = []
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any(e.get("msg") == "round done"
-                                                  for e in events):
+    while time.monotonic() < deadline and not any(e.get("msg") == "round done" for e in events):
         events.append(json.loads(proc.stderr.readline()))
     assert any(e.get("port") == port for e in events), events
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
@@ -226,22 +261,31 @@ def test_watch_follows_a_promotion_and_repoints(fresh_stack: Callable[[], Stack]
     """Someone promoted the standby behind our back: watch finishes the failover itself."""
     stack = fresh_stack()
     subscribe(stack, "orders")
-    config = settings_for(stack, stack.state_dir / "failover.yaml", auto_repoint=True,
-                          http_port=0)
+    config = settings_for(stack, stack.state_dir / "failover.yaml", auto_repoint=True, http_port=0)
     watcher = Watcher(load_settings(FailoverSettings, config))
     assert watcher.round().ready
     with stack.node("standby").connect() as conn:
         conn.execute("SELECT pg_promote()")
     watcher.round()
-    assert watcher.registry.get_sample_value("slotbridge_failover_promotions_detected_total",
-                                             {"standby": "standby"}) == 1
+    assert (
+        watcher.registry.get_sample_value(
+            "slotbridge_failover_promotions_detected_total", {"standby": "standby"}
+        )
+        == 1
+    )
     assert f"port={stack.node('standby').port}" in watcher.settings.primary.dsn
     conninfo = stack.node("subscriber").query(
-        "SELECT subconninfo FROM pg_subscription WHERE subname = 'orders_sub'")[0][0]
+        "SELECT subconninfo FROM pg_subscription WHERE subname = 'orders_sub'"
+    )[0][0]
     assert f"port={stack.node('standby').port}" in conninfo
     # The old primary was fenced; writes on the new one reach the subscriber.
     assert stack.node("primary").query("SHOW default_transaction_read_only") == [("on",)]
     with stack.node("standby").connect() as conn:
         conn.execute("INSERT INTO orders (payload) VALUES ('after')")
-    assert wait_until(lambda: stack.node("subscriber").query(
-        "SELECT count(*) FROM orders WHERE payload = 'after'") == [(1,)], 30)
+    assert wait_until(
+        lambda: (
+            stack.node("subscriber").query("SELECT count(*) FROM orders WHERE payload = 'after'")
+            == [(1,)]
+        ),
+        30,
+    )

@@ -42,23 +42,29 @@ def _assert_after_failover(stack: Stack, result: DrillResult, sub: str) -> None:
     assert result.summary["ok"], result.output
     assert result.committed_after_promote > 0, "the workload did not resume on the new primary"
     # The workload stopped: the subscriber must end with exactly the new primary's rows.
-    assert wait_until(lambda: _rows(stack, "subscriber") == _rows(stack, "standby"), 60), \
+    assert wait_until(lambda: _rows(stack, "subscriber") == _rows(stack, "standby"), 60), (
         "subscriber differs from the new primary"
+    )
     assert len(_rows(stack, "standby")) >= result.workload.committed
     old = stack.node("primary")
     old.start()
     time.sleep(3)  # time for a subscriber that still pointed at it to connect
-    senders = old.query("SELECT count(*) FROM pg_stat_replication r JOIN pg_replication_slots s"
-                        " ON s.active_pid = r.pid WHERE s.slot_type = 'logical'")
+    senders = old.query(
+        "SELECT count(*) FROM pg_stat_replication r JOIN pg_replication_slots s"
+        " ON s.active_pid = r.pid WHERE s.slot_type = 'logical'"
+    )
     assert senders == [(0,)], "a subscriber went back to the old primary"
     conninfo = stack.node("subscriber").query(
-        "SELECT subconninfo FROM pg_subscription WHERE subname = %s", (sub,))[0][0]
+        "SELECT subconninfo FROM pg_subscription WHERE subname = %s", (sub,)
+    )[0][0]
     assert f"port={stack.node('standby').port}" in conninfo
-    print(f"\nDRILL promote_seconds={result.promote_seconds:.2f} "
-          f"seconds_to_streaming={result.summary['seconds_to_streaming']} "
-          f"workload_commits={result.workload.committed} "
-          f"longest_write_gap_s={result.workload.longest_gap_s:.2f} "
-          f"steps={[(s['step'], s['result'], round(s['seconds'], 2)) for s in result.steps]}")
+    print(
+        f"\nDRILL promote_seconds={result.promote_seconds:.2f} "
+        f"seconds_to_streaming={result.summary['seconds_to_streaming']} "
+        f"workload_commits={result.workload.committed} "
+        f"longest_write_gap_s={result.workload.longest_gap_s:.2f} "
+        f"steps={[(s['step'], s['result'], round(s['seconds'], 2)) for s in result.steps]}"
+    )
 
 
 def _setup(stack: Stack, **extra: Any) -> tuple[Path, str]:
@@ -83,16 +89,23 @@ def test_drill_old_primary_crashed(fresh_stack: Callable[[], Stack]) -> None:
     stack = fresh_stack()
     config, sub = _setup(stack)
     workload = Workload(follow_primary(stack.primary_dsn, stack.standby_dsn), TABLE)
-    result = drill(config, "standby", workload, extra=("--force",),
-                   before=lambda: stack.node("primary").stop("immediate"))
+    result = drill(
+        config,
+        "standby",
+        workload,
+        extra=("--force",),
+        before=lambda: stack.node("primary").stop("immediate"),
+    )
     fence = next(s for s in result.steps if s["step"] == "fence")
     assert fence["result"] == "skipped"
     # It is down, not read-only: say so, and that it would come back writable.
     stop = next(s for s in result.steps if s["step"] == "stop_old_primary")
     assert stop["result"] == "warn", stop
-    assert stop["detail"].startswith("old primary is down or unreachable, so it was not "
-                                     "fenced: if restarted it comes back WRITABLE; keep it "
-                                     "down, or run `slotbridge failover watch`"), stop
+    assert stop["detail"].startswith(
+        "old primary is down or unreachable, so it was not "
+        "fenced: if restarted it comes back WRITABLE; keep it "
+        "down, or run `slotbridge failover watch`"
+    ), stop
     assert "configure fence_command" in stop["detail"], stop
     assert "read-only" not in stop["detail"], stop
     _assert_after_failover(stack, result, sub)
@@ -102,15 +115,21 @@ def _catalog(stack: Stack) -> dict[str, Any]:
     """Everything promote could change, read from every node."""
     q = {n: stack.node(n).query for n in ("primary", "standby", "subscriber")}
     return {
-        "subscriptions": q["subscriber"]("SELECT subname, subenabled, subconninfo, subfailover "
-                                         "FROM pg_subscription ORDER BY 1"),
+        "subscriptions": q["subscriber"](
+            "SELECT subname, subenabled, subconninfo, subfailover FROM pg_subscription ORDER BY 1"
+        ),
         "recovery": [q[n]("SELECT pg_is_in_recovery()") for n in ("primary", "standby")],
-        "auto_conf": [q[n]("SELECT name, setting FROM pg_file_settings WHERE "
-                           "right(sourcefile, 9) = 'auto.conf' ORDER BY 1")
-                      for n in ("primary", "standby")],
+        "auto_conf": [
+            q[n](
+                "SELECT name, setting FROM pg_file_settings WHERE "
+                "right(sourcefile, 9) = 'auto.conf' ORDER BY 1"
+            )
+            for n in ("primary", "standby")
+        ],
         "read_only": q["primary"]("SHOW default_transaction_read_only"),
-        "slots": q["standby"]("SELECT slot_name, synced, temporary FROM pg_replication_slots "
-                              "ORDER BY 1"),
+        "slots": q["standby"](
+            "SELECT slot_name, synced, temporary FROM pg_replication_slots ORDER BY 1"
+        ),
     }
 
 
@@ -118,28 +137,42 @@ def test_dry_run_changes_nothing(fresh_stack: Callable[[], Stack]) -> None:
     stack = fresh_stack()
     config, _ = _setup(stack)
     before = _catalog(stack)
-    proc = subprocess.run([str(Path(sys.executable).parent / "slotbridge"), "failover",
-                           "promote", "-c", str(config), "--standby", "standby", "--dry-run"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "slotbridge"),
+            "failover",
+            "promote",
+            "-c",
+            str(config),
+            "--standby",
+            "standby",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "would disable subscriber/drill_sub" in proc.stdout
     assert "would run pg_promote()" in proc.stdout
     # The old primary answers and no fence_command is set: it stays up, only soft-fenced.
-    assert "no fence_command configured: the old primary keeps running, soft-fenced" \
-        in proc.stdout
+    assert "no fence_command configured: the old primary keeps running, soft-fenced" in proc.stdout
     assert _catalog(stack) == before
 
 
 @pytest.mark.parametrize("action", ["error", "kill"])
-def test_interrupted_after_disable_then_rerun(fresh_stack: Callable[[], Stack],
-                                              action: str) -> None:
+def test_interrupted_after_disable_then_rerun(
+    fresh_stack: Callable[[], Stack], action: str
+) -> None:
     stack = fresh_stack()
     config, sub = _setup(stack)
     env = {**os.environ, "SLOTBRIDGE_FAILPOINTS": f"promote_after_disable={action}"}
     first = run_promote(config, "standby", env=env)
     assert first.returncode != 0
     state = stack.node("subscriber").query(
-        "SELECT subenabled FROM pg_subscription WHERE subname = %s", (sub,))
+        "SELECT subenabled FROM pg_subscription WHERE subname = %s", (sub,)
+    )
     assert state == [(False,)], "the failpoint fired before the subscription was disabled"
     assert stack.node("standby").in_recovery()
 

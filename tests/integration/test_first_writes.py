@@ -54,7 +54,10 @@ def _write_two_transactions(sink: KafkaSink, topics: list[str]) -> int:
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guard", "no-guard"])
 def test_first_writes_to_new_partitions_survive_a_failed_first_request(
-        stack: Stack, proxy: KafkaFaultProxy, guard: bool, monkeypatch: pytest.MonkeyPatch,
+    stack: Stack,
+    proxy: KafkaFaultProxy,
+    guard: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     name = f"fw{uuid.uuid4().hex[:8]}"
     # One topic the sink creates (three partitions), one that exists but this producer id
@@ -62,9 +65,14 @@ def test_first_writes_to_new_partitions_survive_a_failed_first_request(
     existing = f"{name}.existing"
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     admin.create_topics([NewTopic(existing, 2, 1)])[existing].result()
-    settings = BridgeSettings(source_dsn="host=unused", kafka_bootstrap=proxy.bootstrap,
-                              slot_name=name, topic_prefix=name, topic_partitions=3,
-                              http_port=0)
+    settings = BridgeSettings(
+        source_dsn="host=unused",
+        kafka_bootstrap=proxy.bootstrap,
+        slot_name=name,
+        topic_prefix=name,
+        topic_partitions=3,
+        http_port=0,
+    )
     sink = KafkaSink(settings)
     if not guard:
         monkeypatch.setattr(sink._first, "is_new", lambda _topic, _partition: False)
@@ -77,8 +85,7 @@ def test_first_writes_to_new_partitions_survive_a_failed_first_request(
         sink.close()
 
     report, committed = audit_topics(stack.kafka, topics)
-    print(f"\nguard={guard} sent={sent} sabotaged={len(proxy.stats.sabotaged)} "
-          f"{report.summary()}")
+    print(f"\nguard={guard} sent={sent} sabotaged={len(proxy.stats.sabotaged)} {report.summary()}")
     assert len(proxy.stats.sabotaged) == 5, proxy.stats  # every partition's first request
     consumed = read_topics(stack.kafka, topics)
     if guard:
@@ -97,8 +104,9 @@ def test_sink_partitions_keys_as_librdkafka_does(stack: Stack) -> None:
     topic = f"part{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     admin.create_topics([NewTopic(topic, 7, 1)])[topic].result()
-    producer = Producer({"bootstrap.servers": stack.kafka_bootstrap,
-                         "partitioner": "murmur2_random"})
+    producer = Producer(
+        {"bootstrap.servers": stack.kafka_bootstrap, "partitioner": "murmur2_random"}
+    )
     placed: dict[bytes, int] = {}
 
     def remember(err: object, msg: object) -> None:

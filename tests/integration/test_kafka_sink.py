@@ -22,10 +22,14 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
     name = f"sink{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     # A topic made elsewhere with a small record limit: the broker refuses our big record.
-    admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": "2000"})])[
-        name].result()
-    settings = BridgeSettings(source_dsn="host=unused", kafka_bootstrap=stack.kafka_bootstrap,
-                              slot_name=name, topic_prefix=name, http_port=0)
+    admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": "2000"})])[name].result()
+    settings = BridgeSettings(
+        source_dsn="host=unused",
+        kafka_bootstrap=stack.kafka_bootstrap,
+        slot_name=name,
+        topic_prefix=name,
+        http_port=0,
+    )
     sink = KafkaSink(settings)
     try:
         sink.start()
@@ -36,8 +40,9 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
         # Purged when the big one fails: the purge must not hide the broker's reason.
         for n in range(200):
             sink.produce(name, b"k%d" % n, b'"behind it"')
-        with pytest.raises(KafkaRefused, match="Kafka delivery failed: MSG_SIZE_TOO_LARGE"
-                           ) as refused:
+        with pytest.raises(
+            KafkaRefused, match="Kafka delivery failed: MSG_SIZE_TOO_LARGE"
+        ) as refused:
             sink.commit()
     finally:
         sink.close()  # aborts
@@ -50,9 +55,14 @@ def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
     """The broker aborts it and fences the producer; the error must name the setting, not
     blame another bridge."""
     name = f"sink{uuid.uuid4().hex[:8]}"
-    settings = BridgeSettings(source_dsn="host=unused", kafka_bootstrap=stack.kafka_bootstrap,
-                              slot_name=name, topic_prefix=name, http_port=0,
-                              kafka_transaction_timeout_ms=1000)
+    settings = BridgeSettings(
+        source_dsn="host=unused",
+        kafka_bootstrap=stack.kafka_bootstrap,
+        slot_name=name,
+        topic_prefix=name,
+        http_port=0,
+        kafka_transaction_timeout_ms=1000,
+    )
     sink = KafkaSink(settings)
     try:
         sink.start()

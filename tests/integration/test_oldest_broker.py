@@ -38,5 +38,7 @@ def test_exactly_once_across_a_kill(stack: Stack, oldest_kafka: Kafka, tmp_path:
     finally:
         workload.stop_flag.set()  # a failed wait must not leave it writing for the session
         pipe.cleanup()
-    print(f"Kafka {bootstrap.KAFKA_OLDEST_VERSION}: {workload.committed} source transactions, "
-          f"{checked} records verified")
+    print(
+        f"Kafka {bootstrap.KAFKA_OLDEST_VERSION}: {workload.committed} source transactions, "
+        f"{checked} records verified"
+    )

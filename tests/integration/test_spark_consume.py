@@ -53,10 +53,15 @@ TS_FORMAT = "yyyy-MM-dd HH:mm:ss.SSSSSS"
 
 def consumer_settings(stack: Stack, prefix: str, root: Path, **extra: Any) -> ConsumerSettings:
     extra.setdefault("http_port", 0)
-    return ConsumerSettings(kafka_bootstrap=stack.kafka_bootstrap, topic_prefix=prefix,
-                            warehouse=str(root / "warehouse"),
-                            checkpoint_dir=str(root / "checkpoint"),
-                            status_path=root / "status.json", shuffle_partitions=2, **extra)
+    return ConsumerSettings(
+        kafka_bootstrap=stack.kafka_bootstrap,
+        topic_prefix=prefix,
+        warehouse=str(root / "warehouse"),
+        checkpoint_dir=str(root / "checkpoint"),
+        status_path=root / "status.json",
+        shuffle_partitions=2,
+        **extra,
+    )
 
 
 def consume_once(spark: SparkSession, settings: ConsumerSettings) -> Status:
@@ -71,13 +76,19 @@ def consume_once(spark: SparkSession, settings: ConsumerSettings) -> Status:
 def delta_rows(spark: SparkSession, path: str) -> list[dict[str, Any]]:
     frame = spark.read.format("delta").load(path)
     # Timestamps as UTC text: Python's datetime conversion would use the local zone.
-    frame = frame.select(*[F.date_format(f.name, TS_FORMAT).alias(f.name)
-                           if isinstance(f.dataType, TimestampType) else F.col(f"`{f.name}`")
-                           for f in frame.schema.fields])
+    frame = frame.select(
+        *[
+            F.date_format(f.name, TS_FORMAT).alias(f.name)
+            if isinstance(f.dataType, TimestampType)
+            else F.col(f"`{f.name}`")
+            for f in frame.schema.fields
+        ]
+    )
     return [r.asDict(recursive=True) for r in frame.collect()]
 
 
 # -- every Delta reader, not only Spark ----------------------------------------------------
+
 
 def _delta_log_state(path: Path) -> tuple[list[str], dict[str, str]]:
     """A Delta table's data files at its latest version and its column names (physical
@@ -94,8 +105,10 @@ def _delta_log_state(path: Path) -> tuple[list[str], dict[str, str]]:
     if last.exists():
         after = int(json.loads(last.read_text())["version"])
         parts = sorted(str(p) for p in log_dir.glob(f"{after:020d}.checkpoint*.parquet"))
-        rows = duckdb.sql(f"SELECT add.path, add.deletionVector, metaData.schemaString "
-                          f"FROM read_parquet({parts!r})").fetchall()
+        rows = duckdb.sql(
+            f"SELECT add.path, add.deletionVector, metaData.schemaString "
+            f"FROM read_parquet({parts!r})"
+        ).fetchall()
         assert all(dv is None for _, dv, _ in rows), f"{path}: deletion vectors"
         live.update(p for p, _, _ in rows if p is not None)
         schema = next((s for _, _, s in rows if s is not None), schema)
@@ -109,8 +122,10 @@ def _delta_log_state(path: Path) -> tuple[list[str], dict[str, str]]:
                 live.discard(action["remove"]["path"])
             elif "metaData" in action:
                 schema = action["metaData"]["schemaString"]
-    names = {f["metadata"].get("delta.columnMapping.physicalName", f["name"]): f["name"]
-             for f in json.loads(schema)["fields"]}
+    names = {
+        f["metadata"].get("delta.columnMapping.physicalName", f["name"]): f["name"]
+        for f in json.loads(schema)["fields"]
+    }
     return sorted(str(path / unquote(p)) for p in live), names
 
 
@@ -132,8 +147,10 @@ def _canonical(value: Any) -> Any:
 
 
 def _rows(table: pa.Table) -> list[tuple[tuple[str, Any], ...]]:
-    return sorted((tuple(sorted((k, _canonical(v)) for k, v in row.items()))
-                   for row in table.to_pylist()), key=repr)
+    return sorted(
+        (tuple(sorted((k, _canonical(v)) for k, v in row.items())) for row in table.to_pylist()),
+        key=repr,
+    )
 
 
 def assert_every_reader_agrees(spark: SparkSession, warehouse: str) -> set[str]:
@@ -154,16 +171,25 @@ def assert_every_reader_agrees(spark: SparkSession, warehouse: str) -> set[str]:
             # delta-rs's pyarrow path ignores column mapping (all nulls, no error).
             assert _rows(by_delta_rs.to_pyarrow_table()) == by_spark, path
         columns = ", ".join(f'"{physical}" AS "{name}"' for physical, name in names.items())
-        by_duckdb = _rows(duck.sql(f"SELECT {columns} FROM read_parquet({files!r}, "
-                                   "union_by_name=true)").to_arrow_table()) if files else []
+        by_duckdb = (
+            _rows(
+                duck.sql(
+                    f"SELECT {columns} FROM read_parquet({files!r}, union_by_name=true)"
+                ).to_arrow_table()
+            )
+            if files
+            else []
+        )
         assert by_duckdb == by_spark, f"DuckDB reads {path} differently"
     return {str(p.relative_to(warehouse)) for p in tables}
 
 
 # -- synthetic records through real Kafka: crash, restart, aborted transactions -------------
 
-def _workload(table: SynthTable, seed: int, transactions: int, lsn0: int
-              ) -> tuple[list[list[Record]], dict[int, dict[str, Any]], int]:
+
+def _workload(
+    table: SynthTable, seed: int, transactions: int, lsn0: int
+) -> tuple[list[list[Record]], dict[int, dict[str, Any]], int]:
     """Random committed transactions, the state they leave, and their change count."""
     rng = random.Random(seed)
     state: dict[int, dict[str, Any]] = {}
@@ -179,8 +205,12 @@ def _workload(table: SynthTable, seed: int, transactions: int, lsn0: int
                 del state[key]
             else:
                 op = "u" if key in state else "c"
-                row = {"id": key, "name": f"n{n}-{order}", "amount": f"{rng.randint(0, 99999)}.25",
-                       "at": f"2024-01-{1 + n % 28:02d}T00:00:0{order}.5Z"}
+                row = {
+                    "id": key,
+                    "name": f"n{n}-{order}",
+                    "amount": f"{rng.randint(0, 99999)}.25",
+                    "at": f"2024-01-{1 + n % 28:02d}T00:00:0{order}.5Z",
+                }
                 records += table.change(op, row, lsn, order, n)
                 state[key] = row
             changes += 1
@@ -189,9 +219,10 @@ def _workload(table: SynthTable, seed: int, transactions: int, lsn0: int
 
 
 def _expected(state: dict[int, dict[str, Any]]) -> dict[int, tuple[Any, ...]]:
-    return {k: (r["name"], Decimal(r["amount"]),
-                r["at"].replace("T", " ").replace("Z", "") + "00000")
-            for k, r in state.items()}
+    return {
+        k: (r["name"], Decimal(r["amount"]), r["at"].replace("T", " ").replace("Z", "") + "00000")
+        for k, r in state.items()
+    }
 
 
 def _current(spark: SparkSession, path: str) -> dict[int, tuple[Any, ...]]:
@@ -199,11 +230,15 @@ def _current(spark: SparkSession, path: str) -> dict[int, tuple[Any, ...]]:
 
 
 def test_kill_restart_aborted_transactions_and_dead_letters(
-        stack: Stack, spark: SparkSession, tmp_path: Path) -> None:
+    stack: Stack, spark: SparkSession, tmp_path: Path
+) -> None:
     prefix = f"sp{uuid.uuid4().hex[:8]}"
-    columns = (SynthColumn("id", "integer", 23, key=True), SynthColumn("name", "text", 25),
-               SynthColumn("amount", "numeric(10,2)", 1700, NUM),
-               SynthColumn("at", "timestamp with time zone", 1184))
+    columns = (
+        SynthColumn("id", "integer", 23, key=True),
+        SynthColumn("name", "text", 25),
+        SynthColumn("amount", "numeric(10,2)", 1700, NUM),
+        SynthColumn("at", "timestamp with time zone", 1184),
+    )
     table = SynthTable(prefix, "public", "items", columns)
     writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
@@ -212,27 +247,47 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     for records in txs[:60]:
         writer.send(records)
     # Never committed: must never reach a table.
-    writer.send(table.change("c", {"id": 999, "name": "aborted", "amount": "1.00",
-                                   "at": "2024-01-01T00:00:00Z"}, 999_999, 1, 1), abort=True)
+    writer.send(
+        table.change(
+            "c",
+            {"id": 999, "name": "aborted", "amount": "1.00", "at": "2024-01-01T00:00:00Z"},
+            999_999,
+            1,
+            1,
+        ),
+        abort=True,
+    )
     writer.send([(table.topic, b'{"id": 5}', b'{"op": "c", "after": "oops"}')])
 
     settings = consumer_settings(stack, prefix, tmp_path, tables=["public.items"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
-    env.update({
-        "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "SLOTBRIDGE_TOPIC_PREFIX": prefix,
-        "SLOTBRIDGE_TABLES": '["public.items"]', "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
-        "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
-        "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
-        "SLOTBRIDGE_TRIGGER_INTERVAL_S": "0", "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "40",
-        "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_SHUFFLE_PARTITIONS": "1",
-        "SLOTBRIDGE_LOG_FORMAT": "text", "SLOTBRIDGE_HTTP_PORT": "0",
-    })
+    env.update(
+        {
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": stack.kafka_bootstrap,
+            "SLOTBRIDGE_TOPIC_PREFIX": prefix,
+            "SLOTBRIDGE_TABLES": '["public.items"]',
+            "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
+            "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
+            "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
+            "SLOTBRIDGE_TRIGGER_INTERVAL_S": "0",
+            "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "40",
+            "SLOTBRIDGE_SPARK_MASTER": "local[1]",
+            "SLOTBRIDGE_SHUFFLE_PARTITIONS": "1",
+            "SLOTBRIDGE_LOG_FORMAT": "text",
+            "SLOTBRIDGE_HTTP_PORT": "0",
+        }
+    )
     # The driver SIGKILLs itself in the third batch, after the history MERGE committed
     # and before the current-state MERGE: the restart must replay that batch.
     log = (tmp_path / "consume.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "consume"], cwd=REPO,
-                            env={**env, "SLOTBRIDGE_FAILPOINTS": "consume_after_history=3*kill"},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "consume"],
+        cwd=REPO,
+        env={**env, "SLOTBRIDGE_FAILPOINTS": "consume_after_history=3*kill"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         code = proc.wait(300)
     finally:
@@ -256,15 +311,21 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     assert code == 3, output[-3000:]
     final = json.loads(settings.status_path.read_text())
     assert (final["state"], final["error"], final["total_lag"], final["quarantined"]) == (
-        "stopped", None, 0, 1), final
+        "stopped",
+        None,
+        0,
+        1,
+    ), final
     assert "records quarantined in this run" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     paths = table_paths(settings.warehouse, "public.items")
     assert _current(spark, paths.current) == _expected(state)
     history = delta_rows(spark, paths.history)
     assert len(history) == changes
-    assert len({(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"])
-                for r in history}) == changes
+    assert (
+        len({(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history})
+        == changes
+    )
     assert all(r["name"] != "aborted" for r in history)
     dead = delta_rows(spark, dead_letter_path(settings.warehouse))
     assert [d["table"] for d in dead] == ["public.items"]
@@ -275,8 +336,11 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     assert _current(spark, paths.current) == _expected(state)
     assert len(delta_rows(spark, paths.history)) == changes
     assert assert_every_reader_agrees(spark, settings.warehouse) == {
-        "current/public.items", "history/public.items", "_tombstones/public.items",
-        "_dead_letter"}
+        "current/public.items",
+        "history/public.items",
+        "_tombstones/public.items",
+        "_dead_letter",
+    }
 
 
 def test_once_on_a_prefix_without_topics(stack: Stack, tmp_path: Path) -> None:
@@ -295,29 +359,45 @@ def test_health_and_metrics_of_a_running_job(stack: Stack, tmp_path: Path) -> No
     ServiceMonitor read): applied and quarantined records per table, then a SIGTERM ends
     the job cleanly."""
     prefix = f"sp{uuid.uuid4().hex[:8]}"
-    table = SynthTable(prefix, "public", "items", (SynthColumn("id", "integer", 23, key=True),
-                                                  SynthColumn("name", "text", 25)))
+    table = SynthTable(
+        prefix,
+        "public",
+        "items",
+        (SynthColumn("id", "integer", 23, key=True), SynthColumn("name", "text", 25)),
+    )
     writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
     writer.send([table.schema_record()])
-    writer.send([r for k in range(1, 6)
-                 for r in table.change("c", {"id": k, "name": f"n{k}"}, 100 + k, 1, k)])
+    writer.send(
+        [
+            r
+            for k in range(1, 6)
+            for r in table.change("c", {"id": k, "name": f"n{k}"}, 100 + k, 1, k)
+        ]
+    )
     writer.send([(table.topic, b'{"id": 9}', b'{"op": "c", "after": "oops"}')])
     port = free_ports(1)[0]
     settings = consumer_settings(stack, prefix, tmp_path, http_port=port)
     env = {**_consumer_env(settings), "SLOTBRIDGE_TRIGGER_INTERVAL_S": "1"}
     log = (tmp_path / "consume.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "consume"], cwd=REPO,
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "consume"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     applied = 'slotbridge_consumer_records_applied_total{table="public.items"} 5.0'
     quarantined = 'slotbridge_consumer_records_quarantined_total{table="public.items"} 1.0'
     try:
-        assert wait_until(lambda: _get(f"{base}/readyz")[0] == 200, 180), \
-            (tmp_path / "consume.log").read_text()[-3000:]
-        assert wait_until(lambda: applied in _get(f"{base}/metrics")[1], 180), \
-            _get(f"{base}/metrics")[1]
+        assert wait_until(lambda: _get(f"{base}/readyz")[0] == 200, 180), (
+            tmp_path / "consume.log"
+        ).read_text()[-3000:]
+        assert wait_until(lambda: applied in _get(f"{base}/metrics")[1], 180), _get(
+            f"{base}/metrics"
+        )[1]
         code, metrics = _get(f"{base}/metrics")
         assert quarantined in metrics, metrics
         assert "slotbridge_consumer_last_batch_seconds" in metrics, metrics
@@ -348,13 +428,18 @@ def _get(url: str) -> tuple[int, str]:
 def _consumer_env(settings: ConsumerSettings) -> dict[str, str]:
     """The environment of a ``slotbridge consume`` child with ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
-    env.update({"SLOTBRIDGE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-                "SLOTBRIDGE_TOPIC_PREFIX": settings.topic_prefix,
-                "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
-                "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
-                "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
-                "SLOTBRIDGE_SPARK_MASTER": "local[1]", "SLOTBRIDGE_LOG_FORMAT": "text",
-                "SLOTBRIDGE_HTTP_PORT": str(settings.http_port)})
+    env.update(
+        {
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "SLOTBRIDGE_TOPIC_PREFIX": settings.topic_prefix,
+            "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
+            "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
+            "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
+            "SLOTBRIDGE_SPARK_MASTER": "local[1]",
+            "SLOTBRIDGE_LOG_FORMAT": "text",
+            "SLOTBRIDGE_HTTP_PORT": str(settings.http_port),
+        }
+    )
     return env
 
 
@@ -363,18 +448,36 @@ def test_printed_spark_submit_line_runs_the_job(stack: Stack, tmp_path: Path) ->
     cleanly, here on a prefix whose bridge has not written yet."""
     settings = consumer_settings(stack, f"sp{uuid.uuid4().hex[:8]}", tmp_path)
     config = tmp_path / "consumer.yaml"
-    config.write_text(json.dumps({"kafka_bootstrap": settings.kafka_bootstrap,
-                                  "topic_prefix": settings.topic_prefix,
-                                  "warehouse": settings.warehouse,
-                                  "checkpoint_dir": settings.checkpoint_dir,
-                                  "status_path": str(settings.status_path),
-                                  "spark_master": "local[1]", "log_format": "text",
-                                  "http_port": 0}))
-    code, line = run_cli("consume", "--config", str(config), "--print-spark-submit", "--once",
-                         env=_consumer_env(settings))
+    config.write_text(
+        json.dumps(
+            {
+                "kafka_bootstrap": settings.kafka_bootstrap,
+                "topic_prefix": settings.topic_prefix,
+                "warehouse": settings.warehouse,
+                "checkpoint_dir": settings.checkpoint_dir,
+                "status_path": str(settings.status_path),
+                "spark_master": "local[1]",
+                "log_format": "text",
+                "http_port": 0,
+            }
+        )
+    )
+    code, line = run_cli(
+        "consume",
+        "--config",
+        str(config),
+        "--print-spark-submit",
+        "--once",
+        env=_consumer_env(settings),
+    )
     assert code == 0 and "spark-submit" in line, line
-    proc = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    proc = subprocess.run(
+        shlex.split(line),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert settings.status_path is not None
     final = json.loads(settings.status_path.read_text())
@@ -391,7 +494,8 @@ def test_unwritable_warehouse_is_one_line(stack: Stack, tmp_path: Path) -> None:
     writer.send([table.schema_record(), *table.change("c", {"id": 1}, 100, 1, 1)])
     (tmp_path / "file").write_text("not a folder")
     settings = consumer_settings(stack, prefix, tmp_path).model_copy(
-        update={"warehouse": str(tmp_path / "file" / "warehouse")})
+        update={"warehouse": str(tmp_path / "file" / "warehouse")}
+    )
     code, output = run_cli("consume", "--once", env=_consumer_env(settings), timeout=300)
     assert code == 1, output[-3000:]
     line = one_line_error(output)
@@ -406,8 +510,9 @@ def test_unwritable_warehouse_is_one_line(stack: Stack, tmp_path: Path) -> None:
 Change = tuple[str, int | None, int, int]  # op, key (None: truncate), commit LSN, total order
 
 
-def _truncating_workload(table: SynthTable, seed: int, transactions: int
-                         ) -> tuple[list[list[Record]], list[Change], dict[int, str]]:
+def _truncating_workload(
+    table: SynthTable, seed: int, transactions: int
+) -> tuple[list[list[Record]], list[Change], dict[int, str]]:
     """Transactions of inserts, updates, deletes and truncates (some in the middle of a
     transaction, changes after them); the changes in order and the live keys' names."""
     rng = random.Random(seed)
@@ -445,19 +550,29 @@ def _expected_ends(changes: list[Change]) -> dict[tuple[int, int], int | None]:
         if op in ("d", "t"):
             ends[(lsn, order)] = lsn
             continue
-        ends[(lsn, order)] = next((later_lsn for later_op, later_key, later_lsn, _ in
-                                   changes[i + 1:] if later_op == "t" or later_key == key),
-                                  None)
+        ends[(lsn, order)] = next(
+            (
+                later_lsn
+                for later_op, later_key, later_lsn, _ in changes[i + 1 :]
+                if later_op == "t" or later_key == key
+            ),
+            None,
+        )
     return ends
 
 
 def test_history_is_the_same_whatever_the_batch_split(
-        stack: Stack, spark: SparkSession, tmp_path: Path) -> None:
+    stack: Stack, spark: SparkSession, tmp_path: Path
+) -> None:
     """Three partitions: a truncate (no key) lands on any partition, each key on its own,
     so small batches see truncates before or after the changes around them."""
     prefix = f"sp{uuid.uuid4().hex[:8]}"
-    table = SynthTable(prefix, "public", "trunc", (
-        SynthColumn("id", "integer", 23, key=True), SynthColumn("name", "text", 25)))
+    table = SynthTable(
+        prefix,
+        "public",
+        "trunc",
+        (SynthColumn("id", "integer", 23, key=True), SynthColumn("name", "text", 25)),
+    )
     writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"], partitions=3)
     txs, changes, live = _truncating_workload(table, 15, 60)
@@ -468,64 +583,91 @@ def test_history_is_the_same_whatever_the_batch_split(
 
     histories = []
     for name, cap in (("whole", None), ("split", 20)):
-        settings = consumer_settings(stack, prefix, tmp_path / name, tables=["public.trunc"],
-                                     max_offsets_per_trigger=cap)
+        settings = consumer_settings(
+            stack, prefix, tmp_path / name, tables=["public.trunc"], max_offsets_per_trigger=cap
+        )
         status = consume_once(spark, settings)
         assert status.batches >= (1 if cap is None else 10), status.batches
         paths = table_paths(settings.warehouse, "public.trunc")
         assert {r["id"]: r["name"] for r in delta_rows(spark, paths.current)} == live, name
         history = delta_rows(spark, paths.history)
-        ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"]
-                for r in history}
+        ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"] for r in history}
         assert len(ends) == len(history) == len(changes), name
-        wrong = {position: (end, ends[position])
-                 for position, end in _expected_ends(changes).items()
-                 if ends[position] != end}
+        wrong = {
+            position: (end, ends[position])
+            for position, end in _expected_ends(changes).items()
+            if ends[position] != end
+        }
         assert not wrong, f"{name}: (commit LSN, order): (expected end, stored end) {wrong}"
-        histories.append(sorted(history, key=lambda r: (r["_cdc_commit_lsn"],
-                                                        r["_cdc_total_order"])))
+        histories.append(
+            sorted(history, key=lambda r: (r["_cdc_commit_lsn"], r["_cdc_total_order"]))
+        )
     assert histories[0] == histories[1]
     for name in ("whole", "split"):
         assert assert_every_reader_agrees(spark, str(tmp_path / name / "warehouse")) == {
-            "current/public.trunc", "history/public.trunc", "_tombstones/public.trunc"}
+            "current/public.trunc",
+            "history/public.trunc",
+            "_tombstones/public.trunc",
+        }
 
 
 # -- one bad table stops alone ---------------------------------------------------------
 
-def test_one_bad_table_stops_alone(stack: Stack, spark: SparkSession, tmp_path: Path,
-                                   caplog: pytest.LogCaptureFixture) -> None:
+
+def test_one_bad_table_stops_alone(
+    stack: Stack, spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Names Delta refuses unmapped are mapped; names it cannot hold at all (x and X) stop
     that table alone, loudly and across restarts; a configured table without a topic
     stops nothing."""
     prefix = f"sp{uuid.uuid4().hex[:8]}"
     key = SynthColumn("id", "integer", 23, key=True)
     good = SynthTable(prefix, "public", "good", (key, SynthColumn("name", "text", 25)))
-    mixed = SynthTable(prefix, "public", "mixed", (
-        key, SynthColumn("Mixed Case", "text", 25), SynthColumn("a=b (c)", "integer", 23)))
-    clash = SynthTable(prefix, "public", "clash", (
-        SynthColumn("x", "integer", 23, key=True), SynthColumn("X", "text", 25)))
+    mixed = SynthTable(
+        prefix,
+        "public",
+        "mixed",
+        (key, SynthColumn("Mixed Case", "text", 25), SynthColumn("a=b (c)", "integer", 23)),
+    )
+    clash = SynthTable(
+        prefix,
+        "public",
+        "clash",
+        (SynthColumn("x", "integer", 23, key=True), SynthColumn("X", "text", 25)),
+    )
     writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
-    writer.create_topics([t.topic for t in (good, mixed, clash)],
-                         compacted=[f"{prefix}.schema"])
+    writer.create_topics([t.topic for t in (good, mixed, clash)], compacted=[f"{prefix}.schema"])
     writer.send([t.schema_record() for t in (good, mixed, clash)])
 
     def send(lsn: int) -> None:
-        writer.send([*good.change("c", {"id": lsn, "name": f"g{lsn}"}, lsn, 1, lsn),
-                     *mixed.change("c", {"id": lsn, "Mixed Case": f"m{lsn}", "a=b (c)": lsn},
-                                   lsn, 2, lsn),
-                     *clash.change("c", {"x": lsn, "X": f"c{lsn}"}, lsn, 3, lsn)])
+        writer.send(
+            [
+                *good.change("c", {"id": lsn, "name": f"g{lsn}"}, lsn, 1, lsn),
+                *mixed.change(
+                    "c", {"id": lsn, "Mixed Case": f"m{lsn}", "a=b (c)": lsn}, lsn, 2, lsn
+                ),
+                *clash.change("c", {"x": lsn, "X": f"c{lsn}"}, lsn, 3, lsn),
+            ]
+        )
 
     send(100)
     send(200)
-    settings = consumer_settings(stack, prefix, tmp_path, tables=[
-        "public.good", "public.mixed", "public.clash", "public.absent"])
+    settings = consumer_settings(
+        stack,
+        prefix,
+        tmp_path,
+        tables=["public.good", "public.mixed", "public.clash", "public.absent"],
+    )
     with caplog.at_level(logging.WARNING, logger="slotbridge.consume"):
         first = consume_once(spark, settings)
     stopped = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert [r.getMessage() for r in stopped] == [
-        "table stopped; its records go to the dead-letter table from now on"], stopped
-    why = "columns x and X differ only in case; a Delta table cannot hold both " \
-          "(rename one at the source)"
+        "table stopped; its records go to the dead-letter table from now on"
+    ], stopped
+    why = (
+        "columns x and X differ only in case; a Delta table cannot hold both "
+        "(rename one at the source)"
+    )
     assert first.tables["public.clash"].stopped == why
     assert first.as_dict()["stopped_tables"] == ["public.clash"]
 
@@ -535,17 +677,26 @@ def test_one_bad_table_stops_alone(stack: Stack, spark: SparkSession, tmp_path: 
     assert (second.tables["public.good"].applied, second.tables["public.mixed"].applied) == (1, 1)
     paths = {t: table_paths(settings.warehouse, f"public.{t}") for t in ("good", "mixed")}
     assert sorted(r["name"] for r in delta_rows(spark, paths["good"].current)) == [
-        "g100", "g200", "g300"]
-    assert sorted((r["Mixed Case"], r["a=b (c)"]) for r in
-                  delta_rows(spark, paths["mixed"].current)) == [
-        ("m100", 100), ("m200", 200), ("m300", 300)]
+        "g100",
+        "g200",
+        "g300",
+    ]
+    assert sorted(
+        (r["Mixed Case"], r["a=b (c)"]) for r in delta_rows(spark, paths["mixed"].current)
+    ) == [("m100", 100), ("m200", 200), ("m300", 300)]
     dead = delta_rows(spark, dead_letter_path(settings.warehouse))
-    assert sorted((d["table"], d["reason"]) for d in dead) == [
-        ("public.clash", f"table stopped: {why}")] * 3
+    assert (
+        sorted((d["table"], d["reason"]) for d in dead)
+        == [("public.clash", f"table stopped: {why}")] * 3
+    )
     assert not os.path.exists(table_paths(settings.warehouse, "public.clash").current)
     assert assert_every_reader_agrees(spark, settings.warehouse) == {
-        "current/public.good", "history/public.good", "current/public.mixed",
-        "history/public.mixed", "_dead_letter"}
+        "current/public.good",
+        "history/public.good",
+        "current/public.mixed",
+        "history/public.mixed",
+        "_dead_letter",
+    }
 
 
 # -- end to end: PostgreSQL -> bridge -> Kafka -> Spark -> Delta ---------------------------
@@ -573,8 +724,9 @@ def _pg_rows(dsn: str, table: str, columns: list[tuple[str, str]]) -> dict[int, 
         else:
             select.append(name)
     # One statement per call: with two, psycopg returns the first (the SET's empty) result.
-    rows = sql(f"{dsn} options='-c intervalstyle=iso_8601'",
-               f"SELECT {', '.join(select)} FROM {table}")
+    rows = sql(
+        f"{dsn} options='-c intervalstyle=iso_8601'", f"SELECT {', '.join(select)} FROM {table}"
+    )
     out = {}
     for values in rows:
         row = dict(zip([c for c, _ in columns], values, strict=True))
@@ -597,8 +749,9 @@ def _norm(value: Any, pg_type: str) -> Any:
     return value
 
 
-def _delta_rows(spark: SparkSession, path: str, columns: list[tuple[str, str]]
-                ) -> dict[int, dict[str, Any]]:
+def _delta_rows(
+    spark: SparkSession, path: str, columns: list[tuple[str, str]]
+) -> dict[int, dict[str, Any]]:
     frame = spark.read.format("delta").load(path)
     select = []
     for f in frame.schema.fields:
@@ -619,39 +772,67 @@ def _delta_rows(spark: SparkSession, path: str, columns: list[tuple[str, str]]
 
 
 def _columns(dsn: str, table: str) -> list[tuple[str, str]]:
-    return [(n, t) for n, t in sql(
-        dsn, "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
-             "attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-        (table,))]
+    return [
+        (n, t)
+        for n, t in sql(
+            dsn,
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE "
+            "attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            (table,),
+        )
+    ]
 
 
 def _typed_workload(dsn: str, table: str, seed: int) -> None:
     rng = random.Random(seed)
     big = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(6000))
     for i in range(1, 41):
-        sql(dsn, f"""INSERT INTO {table} VALUES (
+        sql(
+            dsn,
+            f"""INSERT INTO {table} VALUES (
             %s, %s, %s, %s, %s, %s, %s, %s, %s, gen_random_uuid(), %s, %s, %s, %s, %s, %s,
             %s, %s, %s, %s)""",
-            (i, i % 100, 2**40 + i, Decimal(f"{i}.{i % 100:02d}"), i / 3, float("nan")
-             if i == 7 else i / 7, i % 2 == 0, f"label {i} 'q' \u00e9", f"c{i}",
-             json.dumps({"i": i, "nested": [1, "two", None], "s": "x\"y"}), bytes([i, 0, 255]),
-             dt.date(2024, 1, 1) + dt.timedelta(days=i),
-             dt.datetime(2024, 1, 1, 12, 0, 0, 123456) + dt.timedelta(hours=i),
-             dt.datetime(2024, 1, 1, 12, 0, 0, 654321, tzinfo=dt.UTC) + dt.timedelta(minutes=i),
-             dt.time(1, 2, 3), dt.timedelta(days=i, hours=2), ["a", None, f"t{i}"], [i, None],
-             big if i % 5 == 0 else None))
+            (
+                i,
+                i % 100,
+                2**40 + i,
+                Decimal(f"{i}.{i % 100:02d}"),
+                i / 3,
+                float("nan") if i == 7 else i / 7,
+                i % 2 == 0,
+                f"label {i} 'q' \u00e9",
+                f"c{i}",
+                json.dumps({"i": i, "nested": [1, "two", None], "s": 'x"y'}),
+                bytes([i, 0, 255]),
+                dt.date(2024, 1, 1) + dt.timedelta(days=i),
+                dt.datetime(2024, 1, 1, 12, 0, 0, 123456) + dt.timedelta(hours=i),
+                dt.datetime(2024, 1, 1, 12, 0, 0, 654321, tzinfo=dt.UTC) + dt.timedelta(minutes=i),
+                dt.time(1, 2, 3),
+                dt.timedelta(days=i, hours=2),
+                ["a", None, f"t{i}"],
+                [i, None],
+                big if i % 5 == 0 else None,
+            ),
+        )
     for i in range(1, 41, 3):
         # big_text untouched: the bridge sends it as an unchanged-TOAST marker.
-        sql(dsn, f"UPDATE {table} SET label = label || ' upd', amount = amount + 1 "
-                 "WHERE id = %s", (i,))
+        sql(
+            dsn,
+            f"UPDATE {table} SET label = label || ' upd', amount = amount + 1 WHERE id = %s",
+            (i,),
+        )
     sql(dsn, f"DELETE FROM {table} WHERE id % 9 = 0")
     sql(dsn, f"UPDATE {table} SET doc = '\"just a string\"', nums = '{{}}' WHERE id = 2")
-    sql(dsn, f"BEGIN; UPDATE {table} SET small = -1 WHERE id = 4; "
-             f"UPDATE {table} SET small = -2 WHERE id = 4; COMMIT")
+    sql(
+        dsn,
+        f"BEGIN; UPDATE {table} SET small = -1 WHERE id = 4; "
+        f"UPDATE {table} SET small = -2 WHERE id = 4; COMMIT",
+    )
 
 
-def _assert_equal(spark: SparkSession, dsn: str, settings: ConsumerSettings,
-                  tables: list[str]) -> None:
+def _assert_equal(
+    spark: SparkSession, dsn: str, settings: ConsumerSettings, tables: list[str]
+) -> None:
     for table in tables:
         columns = _columns(dsn, table)
         path = table_paths(settings.warehouse, table).current
@@ -665,16 +846,19 @@ def _assert_equal(spark: SparkSession, dsn: str, settings: ConsumerSettings,
             assert actual[key] == row, (table, key)
 
 
-def _history_matches_kafka(spark: SparkSession, pipeline: Pipeline, settings: ConsumerSettings,
-                           table: str) -> None:
+def _history_matches_kafka(
+    spark: SparkSession, pipeline: Pipeline, settings: ConsumerSettings, table: str
+) -> None:
     records = pipeline.changes(table)
     history = delta_rows(spark, table_paths(settings.warehouse, table).history)
     assert len(history) == len(records)
-    assert ({(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
-            == {(r.value["source"]["commit_lsn"], r.value["transaction"]["total_order"],
-                 r.value["op"]) for r in records})
+    assert {(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history} == {
+        (r.value["source"]["commit_lsn"], r.value["transaction"]["total_order"], r.value["op"])
+        for r in records
+    }
     assert sum(1 for r in history if r["valid_to_lsn"] is None) == len(
-        sql(pipeline.stack.primary_dsn, f"SELECT 1 FROM {table}"))
+        sql(pipeline.stack.primary_dsn, f"SELECT 1 FROM {table}")
+    )
 
 
 def test_end_to_end_with_bridge(stack: Stack, spark: SparkSession, tmp_path: Path) -> None:
@@ -690,8 +874,7 @@ def test_end_to_end_with_bridge(stack: Stack, spark: SparkSession, tmp_path: Pat
         for seed, table in enumerate(tables):
             _typed_workload(dsn, table, seed)
         pipeline.wait_caught_up()
-        settings = consumer_settings(stack, pipeline.prefix, tmp_path,
-                                     tables=[t for t in tables])
+        settings = consumer_settings(stack, pipeline.prefix, tmp_path, tables=[t for t in tables])
         consume_once(spark, settings)
         _assert_equal(spark, dsn, settings, tables)
         for table in tables:
@@ -706,7 +889,8 @@ def test_end_to_end_with_bridge(stack: Stack, spark: SparkSession, tmp_path: Pat
         _history_matches_kafka(spark, pipeline, settings, tables[0])
         # The workload may all land before the snapshot (then no deletes, no tombstones).
         assert assert_every_reader_agrees(spark, settings.warehouse) >= {
-            f"{kind}/{table}" for kind in ("current", "history") for table in tables}
+            f"{kind}/{table}" for kind in ("current", "history") for table in tables
+        }
     finally:
         pipeline.cleanup()
         for table in tables:

@@ -39,8 +39,14 @@ def _eventually(check: Callable[[], object], timeout: float = 30) -> object:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SLOTBRIDGE, "stack", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300, check=False)
+    return subprocess.run(
+        [SLOTBRIDGE, "stack", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+        check=False,
+    )
 
 
 def _assert_one_line_failure(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -56,8 +62,11 @@ def _assert_one_line_failure(proc: subprocess.CompletedProcess[str], *needles: s
 def empty_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="slotbridge-stack-"))
     yield path
-    subprocess.run([SLOTBRIDGE, "stack", "down", "--purge", "--dir", str(path)],
-                   capture_output=True, check=False)
+    subprocess.run(
+        [SLOTBRIDGE, "stack", "down", "--purge", "--dir", str(path)],
+        capture_output=True,
+        check=False,
+    )
     for child in sorted(path.rglob("*"), reverse=True):
         child.unlink() if not child.is_dir() or child.is_symlink() else child.rmdir()
     path.rmdir()
@@ -85,17 +94,22 @@ def test_standby_streams_and_replays_rows(stack: Stack) -> None:
 def test_failover_slot_becomes_sync_ready(stack: Stack) -> None:
     slot = _name("failover_slot")
     with psycopg.connect(stack.primary_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, "
-                     "true)", (slot,))
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)", (slot,)
+        )
     try:
         # A fresh slot can stay temporary until it moves on the primary (the catalog-xmin
         # trap, seen on 17 and 18); nobody consumes this one, so advancing loses nothing.
         waited = stack.wait_slot_synced(slot, timeout=60, advance=True)
-        print(f"failover slot sync-ready on the standby after {waited:.1f}s "
-              f"(PostgreSQL {stack.pg_major})")
+        print(
+            f"failover slot sync-ready on the standby after {waited:.1f}s "
+            f"(PostgreSQL {stack.pg_major})"
+        )
         rows = stack.node("standby").query(
             "SELECT synced, temporary, invalidation_reason FROM pg_replication_slots "
-            "WHERE slot_name = %s", (slot,))
+            "WHERE slot_name = %s",
+            (slot,),
+        )
         assert rows == [(True, False, None)]
         synced = {s["name"] for s in stack.status()["parts"]["standby"]["synced_slots"]}
         assert slot in synced
@@ -107,19 +121,25 @@ def test_failover_slot_becomes_sync_ready(stack: Stack) -> None:
 def test_failover_subscription_replicates(stack: Stack) -> None:
     table, pub, sub = _name("t_sub"), _name("pub"), _name("sub")
     ddl = f"CREATE TABLE {table} (id int PRIMARY KEY, v text)"
-    with psycopg.connect(stack.primary_dsn, autocommit=True) as primary, \
-            psycopg.connect(stack.subscriber_dsn, autocommit=True) as subscriber:
+    with (
+        psycopg.connect(stack.primary_dsn, autocommit=True) as primary,
+        psycopg.connect(stack.subscriber_dsn, autocommit=True) as subscriber,
+    ):
         primary.execute(ddl)
         primary.execute(f"CREATE PUBLICATION {pub} FOR TABLE {table}")
         subscriber.execute(ddl)
-        subscriber.execute(f"CREATE SUBSCRIPTION {sub} CONNECTION '{stack.primary_dsn}' "
-                           f"PUBLICATION {pub} WITH (failover = true)")
+        subscriber.execute(
+            f"CREATE SUBSCRIPTION {sub} CONNECTION '{stack.primary_dsn}' "
+            f"PUBLICATION {pub} WITH (failover = true)"
+        )
         try:
             primary.execute(f"INSERT INTO {table} VALUES (1, 'replicated')")
-            assert _eventually(lambda: subscriber.execute(
-                f"SELECT v FROM {table}").fetchall() == [("replicated",)]), "row never arrived"
-            failover = primary.execute("SELECT failover FROM pg_replication_slots "
-                                       "WHERE slot_name = %s", (sub,)).fetchall()
+            assert _eventually(
+                lambda: subscriber.execute(f"SELECT v FROM {table}").fetchall() == [("replicated",)]
+            ), "row never arrived"
+            failover = primary.execute(
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (sub,)
+            ).fetchall()
             assert failover == [(True,)]
         finally:
             subscriber.execute(f"DROP SUBSCRIPTION {sub}")
@@ -128,8 +148,9 @@ def test_failover_subscription_replicates(stack: Stack) -> None:
 
 def test_transactional_producer_read_committed(stack: Stack) -> None:
     topic = _name("stack_txn")
-    producer = Producer({"bootstrap.servers": stack.kafka_bootstrap,
-                         "transactional.id": _name("txn")})
+    producer = Producer(
+        {"bootstrap.servers": stack.kafka_bootstrap, "transactional.id": _name("txn")}
+    )
     producer.init_transactions(60)
     producer.begin_transaction()
     producer.produce(topic, b"aborted")
@@ -138,8 +159,14 @@ def test_transactional_producer_read_committed(stack: Stack) -> None:
     producer.produce(topic, b"committed")
     producer.commit_transaction(30)
 
-    consumer = Consumer({"bootstrap.servers": stack.kafka_bootstrap, "group.id": _name("g"),
-                         "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": stack.kafka_bootstrap,
+            "group.id": _name("g"),
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+        }
+    )
     consumer.subscribe([topic])
     seen: list[bytes] = []
     try:
@@ -160,8 +187,9 @@ def test_transactional_producer_read_committed(stack: Stack) -> None:
 def test_broker_log_dump_shows_producer_sequences(stack: Stack) -> None:
     """DumpLogSegments, the ground truth of exactly-once audits, reads the broker's files."""
     topic = _name("stack_dump")
-    producer = Producer({"bootstrap.servers": stack.kafka_bootstrap,
-                         "transactional.id": _name("txn")})
+    producer = Producer(
+        {"bootstrap.servers": stack.kafka_bootstrap, "transactional.id": _name("txn")}
+    )
     producer.init_transactions(60)
     for value in (b"first", b"second"):
         producer.begin_transaction()
@@ -176,8 +204,7 @@ def test_broker_log_dump_shows_producer_sequences(stack: Stack) -> None:
 
     dump = _eventually(both_committed)
     assert isinstance(dump, str), "commit markers never reached the segment"
-    batches = re.findall(r"baseSequence: (-?\d+) .* isTransactional: (\w+) isControl: false",
-                         dump)
+    batches = re.findall(r"baseSequence: (-?\d+) .* isTransactional: (\w+) isControl: false", dump)
     assert batches == [("0", "true"), ("1", "true")], dump
     assert "payload: first" in dump and "payload: second" in dump
 
@@ -211,8 +238,11 @@ def test_up_twice_then_down_leaves_no_process(fresh_stack: Callable[[], Stack]) 
 
 def test_up_refuses_a_taken_port(empty_dir: Path) -> None:
     ports = free_ports(5)
-    state = {"pg_major": "17", "kafka_cluster_id": "AAAAAAAAAAAAAAAAAAAAAA",
-             "ports": dict(zip([*NODE_NAMES, "kafka", "kafka_controller"], ports, strict=True))}
+    state = {
+        "pg_major": "17",
+        "kafka_cluster_id": "AAAAAAAAAAAAAAAAAAAAAA",
+        "ports": dict(zip([*NODE_NAMES, "kafka", "kafka_controller"], ports, strict=True)),
+    }
     (empty_dir / "stack.json").write_text(json.dumps(state))
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", ports[0]))

@@ -48,64 +48,126 @@ def encode(msg: m.Message) -> bytes:
         case m.Begin():
             return b"B" + struct.pack("!QqI", msg.final_lsn, msg.commit_ts, msg.xid)
         case m.Commit():
-            return b"C" + struct.pack("!BQQq", msg.flags, msg.commit_lsn, msg.end_lsn,
-                                      msg.commit_ts)
+            return b"C" + struct.pack(
+                "!BQQq", msg.flags, msg.commit_lsn, msg.end_lsn, msg.commit_ts
+            )
         case m.Origin():
             return b"O" + struct.pack("!Q", msg.origin_lsn) + cstring(msg.name)
         case m.Relation():
             cols = b"".join(
-                struct.pack("!B", int(c.is_key)) + cstring(c.name)
+                struct.pack("!B", int(c.is_key))
+                + cstring(c.name)
                 + struct.pack("!Ii", c.type_oid, c.type_modifier)
-                for c in msg.columns)
-            return (b"R" + _xid(msg.xid) + struct.pack("!I", msg.oid) + cstring(msg.namespace)
-                    + cstring(msg.name) + msg.replica_identity.encode()
-                    + struct.pack("!H", len(msg.columns)) + cols)
+                for c in msg.columns
+            )
+            return (
+                b"R"
+                + _xid(msg.xid)
+                + struct.pack("!I", msg.oid)
+                + cstring(msg.namespace)
+                + cstring(msg.name)
+                + msg.replica_identity.encode()
+                + struct.pack("!H", len(msg.columns))
+                + cols
+            )
         case m.TypeMsg():
-            return (b"Y" + _xid(msg.xid) + struct.pack("!I", msg.oid) + cstring(msg.namespace)
-                    + cstring(msg.name))
+            return (
+                b"Y"
+                + _xid(msg.xid)
+                + struct.pack("!I", msg.oid)
+                + cstring(msg.namespace)
+                + cstring(msg.name)
+            )
         case m.Insert():
-            return (b"I" + _xid(msg.xid) + struct.pack("!I", msg.relation_oid) + b"N"
-                    + tuple_data(msg.new))
+            return (
+                b"I"
+                + _xid(msg.xid)
+                + struct.pack("!I", msg.relation_oid)
+                + b"N"
+                + tuple_data(msg.new)
+            )
         case m.Update():
             old = b""
             if msg.old is not None:
                 old = (b"K" if msg.old_is_key_only else b"O") + tuple_data(msg.old)
-            return (b"U" + _xid(msg.xid) + struct.pack("!I", msg.relation_oid) + old + b"N"
-                    + tuple_data(msg.new))
+            return (
+                b"U"
+                + _xid(msg.xid)
+                + struct.pack("!I", msg.relation_oid)
+                + old
+                + b"N"
+                + tuple_data(msg.new)
+            )
         case m.Delete():
-            return (b"D" + _xid(msg.xid) + struct.pack("!I", msg.relation_oid)
-                    + (b"K" if msg.old_is_key_only else b"O") + tuple_data(msg.old))
+            return (
+                b"D"
+                + _xid(msg.xid)
+                + struct.pack("!I", msg.relation_oid)
+                + (b"K" if msg.old_is_key_only else b"O")
+                + tuple_data(msg.old)
+            )
         case m.Truncate():
             n = len(msg.relation_oids)
-            return (b"T" + _xid(msg.xid) + struct.pack(f"!IB{n}I", n, msg.options,
-                                                        *msg.relation_oids))
+            return (
+                b"T" + _xid(msg.xid) + struct.pack(f"!IB{n}I", n, msg.options, *msg.relation_oids)
+            )
         case m.LogicalMessage():
-            return (b"M" + _xid(msg.xid) + struct.pack("!BQ", int(msg.transactional), msg.lsn)
-                    + cstring(msg.prefix) + struct.pack("!I", len(msg.content)) + msg.content)
+            return (
+                b"M"
+                + _xid(msg.xid)
+                + struct.pack("!BQ", int(msg.transactional), msg.lsn)
+                + cstring(msg.prefix)
+                + struct.pack("!I", len(msg.content))
+                + msg.content
+            )
         case m.StreamStart():
             return b"S" + struct.pack("!IB", msg.xid, int(msg.first_segment))
         case m.StreamStop():
             return b"E"
         case m.StreamCommit():
-            return b"c" + struct.pack("!IBQQq", msg.xid, msg.flags, msg.commit_lsn,
-                                      msg.end_lsn, msg.commit_ts)
+            return b"c" + struct.pack(
+                "!IBQQq", msg.xid, msg.flags, msg.commit_lsn, msg.end_lsn, msg.commit_ts
+            )
         case m.StreamAbort():
             out = b"A" + struct.pack("!II", msg.xid, msg.subxid)
             if msg.abort_lsn is not None:
                 out += struct.pack("!Qq", msg.abort_lsn, msg.abort_ts or 0)
             return out
         case m.BeginPrepare():
-            return b"b" + struct.pack("!QQqI", msg.prepare_lsn, msg.end_lsn, msg.prepare_ts,
-                                      msg.xid) + cstring(msg.gid)
+            return (
+                b"b"
+                + struct.pack("!QQqI", msg.prepare_lsn, msg.end_lsn, msg.prepare_ts, msg.xid)
+                + cstring(msg.gid)
+            )
         case m.Prepare() | m.StreamPrepare():
             kind = b"P" if isinstance(msg, m.Prepare) else b"p"
-            return kind + struct.pack("!BQQqI", msg.flags, msg.prepare_lsn, msg.end_lsn,
-                                      msg.prepare_ts, msg.xid) + cstring(msg.gid)
+            return (
+                kind
+                + struct.pack(
+                    "!BQQqI", msg.flags, msg.prepare_lsn, msg.end_lsn, msg.prepare_ts, msg.xid
+                )
+                + cstring(msg.gid)
+            )
         case m.CommitPrepared():
-            return b"K" + struct.pack("!BQQqI", msg.flags, msg.commit_lsn, msg.end_lsn,
-                                      msg.commit_ts, msg.xid) + cstring(msg.gid)
+            return (
+                b"K"
+                + struct.pack(
+                    "!BQQqI", msg.flags, msg.commit_lsn, msg.end_lsn, msg.commit_ts, msg.xid
+                )
+                + cstring(msg.gid)
+            )
         case m.RollbackPrepared():
-            return b"r" + struct.pack("!BQQqqI", msg.flags, msg.prepare_end_lsn,
-                                      msg.rollback_end_lsn, msg.prepare_ts, msg.rollback_ts,
-                                      msg.xid) + cstring(msg.gid)
+            return (
+                b"r"
+                + struct.pack(
+                    "!BQQqqI",
+                    msg.flags,
+                    msg.prepare_end_lsn,
+                    msg.rollback_end_lsn,
+                    msg.prepare_ts,
+                    msg.rollback_ts,
+                    msg.xid,
+                )
+                + cstring(msg.gid)
+            )
     raise TypeError(f"cannot encode {msg!r}")

@@ -19,14 +19,14 @@ from spark_consumers.settings import ConsumerSettings
 
 def test_http_endpoints_default_to_loopback() -> None:
     bridge = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092")
-    topology: dict[str, Any] = {"primary": {"dsn": "host=a"},
-                                "standbys": {"b": {"dsn": "host=b"}}}
+    topology: dict[str, Any] = {"primary": {"dsn": "host=a"}, "standbys": {"b": {"dsn": "host=b"}}}
     failover = FailoverSettings(**topology)
     assert (bridge.http_host, failover.http_host) == ("127.0.0.1", "127.0.0.1")
 
 
-def test_spool_defaults_to_a_folder_of_the_user(monkeypatch: pytest.MonkeyPatch,
-                                                tmp_path: Path) -> None:
+def test_spool_defaults_to_a_folder_of_the_user(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     spool_dir = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092").spool_dir
@@ -36,13 +36,17 @@ def test_spool_defaults_to_a_folder_of_the_user(monkeypatch: pytest.MonkeyPatch,
 def test_client_settings_accept_yaml_numbers_and_booleans() -> None:
     # As a YAML file gives them (typed here as Any, like the file's contents).
     yaml_values: dict[str, Any] = {"linger.ms": 5, "enable.idempotence": True}
-    bridge = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092",
-                            kafka_config=yaml_values)
+    bridge = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092", kafka_config=yaml_values)
     assert bridge.kafka_config == {"linger.ms": "5", "enable.idempotence": "true"}
     options: dict[str, Any] = {"fetch.max.bytes": 1048576}
     conf: dict[str, Any] = {"spark.sql.ansi.enabled": False}
-    consumer = ConsumerSettings(kafka_bootstrap="k:9092", warehouse="/w", checkpoint_dir="/c",
-                                kafka_options=options, spark_conf=conf)
+    consumer = ConsumerSettings(
+        kafka_bootstrap="k:9092",
+        warehouse="/w",
+        checkpoint_dir="/c",
+        kafka_options=options,
+        spark_conf=conf,
+    )
     assert consumer.kafka_options == {"fetch.max.bytes": "1048576"}
     assert consumer.spark_conf == {"spark.sql.ansi.enabled": "false"}
 
@@ -62,8 +66,9 @@ def file_size_limit() -> Iterator[None]:
 
 def test_a_spool_write_that_fails_names_spool_dir(tmp_path: Path, file_size_limit: None) -> None:
     spool = Spool(tmp_path, "stream-1", 0, SpoolStats())
-    with pytest.raises(SpoolError, match=f"^spool_dir {tmp_path}: File too large; check "
-                                         "spool_dir$"):
+    with pytest.raises(
+        SpoolError, match=f"^spool_dir {tmp_path}: File too large; check spool_dir$"
+    ):
         for lsn in range(100):
             spool.append(lsn, b"x" * 4096)
     spool.discard()

@@ -23,8 +23,9 @@ def test_stream_xids_are_widened_across_the_epoch() -> None:
     assert not snap.sees(6) and snap.sees(8) and not snap.sees(9)
 
 
-def _chunk(snap: str, rows: list[tuple[str | None, ...]], watch: StreamWatch
-           ) -> list[tuple[str | None, ...]] | None:
+def _chunk(
+    snap: str, rows: list[tuple[str | None, ...]], watch: StreamWatch
+) -> list[tuple[str | None, ...]] | None:
     return watch.fresh(T, XidSnapshot.parse(snap), rows, [0], None)
 
 

@@ -23,78 +23,118 @@ def _value(oid: int, text: str, typmod: int = -1) -> object:
     return column_encoding(ColumnType(oid, typmod))[1](text)
 
 
-@pytest.mark.parametrize(("oid", "typmod", "text", "expected"), [
-    (21, -1, "1", 1),
-    (20, -1, "3", 3),
-    (26, -1, "42", 42),
-    (1700, NUMERIC_10_2, "12.50", "BOI="),
-    (1700, NUMERIC_10_2, "-0.50", "zg=="),
-    (1700, NUMERIC_7, "1234567", "EtaH"),
-    (1700, -1, "1.23456789012345678901", {"scale": 20, "value": "BrFOn4EvNmw1"}),
-    (1700, -1, "100", {"scale": 0, "value": "ZA=="}),
-    (1700, -1, "NaN", None),
-    (700, -1, "NaN", "NaN"),
-    (701, -1, "-Infinity", "-Infinity"),
-    (701, -1, "2.25", 2.25),
-    (16, -1, "t", True),
-    (1042, -1, "ab   ", "ab   "),
-    (17, -1, "\\xdeadbeef", "3q2+7w=="),
-    (17, -1, "\\x00", "AA=="),
-    (1082, -1, "2024-02-29", 19782),
-    (1082, -1, "1900-01-01", -25567),
-    (1082, -1, "0044-03-15 BC", -735160),
-    (1082, -1, "infinity", 2146033979),
-    (1083, -1, "13:14:15.123456", 47655123456),
-    (1083, -1, "24:00:00", 86400000000),
-    (1083, 3, "13:14:15.123", 47655123),
-    (1266, -1, "13:14:15.5+02", "11:14:15.5Z"),
-    (1266, -1, "10:00:00+00", "10:00:00Z"),
-    (1114, -1, "2024-02-29 13:14:15.123456", 1709212455123456),
-    (1114, -1, "1900-01-01 00:00:00", -2208988800000000),
-    (1114, -1, "infinity", 9223372036854775807),
-    (1114, 3, "2024-02-29 13:14:15.123", 1709212455123),
-    (1184, -1, "2024-02-29 12:14:15.654321+00", "2024-02-29T12:14:15.654321Z"),
-    (1184, -1, "1900-01-01 00:00:00+00", "1900-01-01T00:00:00.000000Z"),
-    (1184, -1, "-infinity", "-infinity"),
-    (1184, -1, "infinity", "infinity"),
-    (1186, -1, "P1Y2M3DT4H5M6.789S", 37091106789000),
-    (1186, -1, "P-1DT-2H", -93600000000),
-    (2950, -1, "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
-    (114, -1, '{"a": 1, "a": 2}', '{"a": 1, "a": 2}'),
-    (790, -1, "$12.34", "BNI="),
-    (790, -1, "-$1,234.56", "/h3A"),
-    (600, -1, "(1.5,-2.25)",
-     {"x": 1.5, "y": -2.25, "wkb": "AQEAAAAAAAAAAAD4PwAAAAAAAALA", "srid": None}),
-    (1007, -1, "{1,NULL,3}", [1, None, 3]),
-    (1009, -1, '{"x y","NULL",z}', ["x y", "NULL", "z"]),
-    (1231, -1, "{1.5,NULL}", [{"scale": 1, "value": "Dw=="}, None]),
-    (142, -1, "<a>1</a>", "<a>1</a>"),
-])
-def test_values_as_debezium_wrote_them(oid: int, typmod: int, text: str,
-                                       expected: object) -> None:
+@pytest.mark.parametrize(
+    ("oid", "typmod", "text", "expected"),
+    [
+        (21, -1, "1", 1),
+        (20, -1, "3", 3),
+        (26, -1, "42", 42),
+        (1700, NUMERIC_10_2, "12.50", "BOI="),
+        (1700, NUMERIC_10_2, "-0.50", "zg=="),
+        (1700, NUMERIC_7, "1234567", "EtaH"),
+        (1700, -1, "1.23456789012345678901", {"scale": 20, "value": "BrFOn4EvNmw1"}),
+        (1700, -1, "100", {"scale": 0, "value": "ZA=="}),
+        (1700, -1, "NaN", None),
+        (700, -1, "NaN", "NaN"),
+        (701, -1, "-Infinity", "-Infinity"),
+        (701, -1, "2.25", 2.25),
+        (16, -1, "t", True),
+        (1042, -1, "ab   ", "ab   "),
+        (17, -1, "\\xdeadbeef", "3q2+7w=="),
+        (17, -1, "\\x00", "AA=="),
+        (1082, -1, "2024-02-29", 19782),
+        (1082, -1, "1900-01-01", -25567),
+        (1082, -1, "0044-03-15 BC", -735160),
+        (1082, -1, "infinity", 2146033979),
+        (1083, -1, "13:14:15.123456", 47655123456),
+        (1083, -1, "24:00:00", 86400000000),
+        (1083, 3, "13:14:15.123", 47655123),
+        (1266, -1, "13:14:15.5+02", "11:14:15.5Z"),
+        (1266, -1, "10:00:00+00", "10:00:00Z"),
+        (1114, -1, "2024-02-29 13:14:15.123456", 1709212455123456),
+        (1114, -1, "1900-01-01 00:00:00", -2208988800000000),
+        (1114, -1, "infinity", 9223372036854775807),
+        (1114, 3, "2024-02-29 13:14:15.123", 1709212455123),
+        (1184, -1, "2024-02-29 12:14:15.654321+00", "2024-02-29T12:14:15.654321Z"),
+        (1184, -1, "1900-01-01 00:00:00+00", "1900-01-01T00:00:00.000000Z"),
+        (1184, -1, "-infinity", "-infinity"),
+        (1184, -1, "infinity", "infinity"),
+        (1186, -1, "P1Y2M3DT4H5M6.789S", 37091106789000),
+        (1186, -1, "P-1DT-2H", -93600000000),
+        (2950, -1, "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+        (114, -1, '{"a": 1, "a": 2}', '{"a": 1, "a": 2}'),
+        (790, -1, "$12.34", "BNI="),
+        (790, -1, "-$1,234.56", "/h3A"),
+        (
+            600,
+            -1,
+            "(1.5,-2.25)",
+            {"x": 1.5, "y": -2.25, "wkb": "AQEAAAAAAAAAAAD4PwAAAAAAAALA", "srid": None},
+        ),
+        (1007, -1, "{1,NULL,3}", [1, None, 3]),
+        (1009, -1, '{"x y","NULL",z}', ["x y", "NULL", "z"]),
+        (1231, -1, "{1.5,NULL}", [{"scale": 1, "value": "Dw=="}, None]),
+        (142, -1, "<a>1</a>", "<a>1</a>"),
+    ],
+)
+def test_values_as_debezium_wrote_them(oid: int, typmod: int, text: str, expected: object) -> None:
     assert _value(oid, text, typmod) == expected
 
 
-@pytest.mark.parametrize(("column", "schema"), [
-    (ColumnType(1700, NUMERIC_10_2), {
-        "type": "bytes", "name": "org.apache.kafka.connect.data.Decimal", "version": 1,
-        "parameters": {"scale": "2", "connect.decimal.precision": "10"}}),
-    (ColumnType(1083, 3), {"type": "int32", "name": "io.debezium.time.Time", "version": 1}),
-    (ColumnType(1114, -1), {"type": "int64", "name": "io.debezium.time.MicroTimestamp",
-                            "version": 1}),
-    (ColumnType(790, -1), {"type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
-                           "version": 1, "parameters": {"scale": "2"}}),
-    (ColumnType(99_999, -1, ("sad", "ok", "happy")), {
-        "type": "string", "name": "io.debezium.data.Enum", "version": 1,
-        "parameters": {"allowed": "sad,ok,happy"}}),
-    (ColumnType(99_998, -1, ("a", "b"), enum_array=True), {"type": "array", "items": {
-        "type": "string", "name": "io.debezium.data.Enum", "version": 1,
-        "parameters": {"allowed": "a,b"}, "optional": True}}),
-    (ColumnType(1007, -1), {"type": "array", "items": {"type": "int32", "optional": True}}),
-    # No mapping in the connector (it leaves the column out): the server's text.
-    (ColumnType(1187, -1), {"type": "string"}),
-    (ColumnType(99_997, -1), {"type": "string"}),
-])
+@pytest.mark.parametrize(
+    ("column", "schema"),
+    [
+        (
+            ColumnType(1700, NUMERIC_10_2),
+            {
+                "type": "bytes",
+                "name": "org.apache.kafka.connect.data.Decimal",
+                "version": 1,
+                "parameters": {"scale": "2", "connect.decimal.precision": "10"},
+            },
+        ),
+        (ColumnType(1083, 3), {"type": "int32", "name": "io.debezium.time.Time", "version": 1}),
+        (
+            ColumnType(1114, -1),
+            {"type": "int64", "name": "io.debezium.time.MicroTimestamp", "version": 1},
+        ),
+        (
+            ColumnType(790, -1),
+            {
+                "type": "bytes",
+                "name": "org.apache.kafka.connect.data.Decimal",
+                "version": 1,
+                "parameters": {"scale": "2"},
+            },
+        ),
+        (
+            ColumnType(99_999, -1, ("sad", "ok", "happy")),
+            {
+                "type": "string",
+                "name": "io.debezium.data.Enum",
+                "version": 1,
+                "parameters": {"allowed": "sad,ok,happy"},
+            },
+        ),
+        (
+            ColumnType(99_998, -1, ("a", "b"), enum_array=True),
+            {
+                "type": "array",
+                "items": {
+                    "type": "string",
+                    "name": "io.debezium.data.Enum",
+                    "version": 1,
+                    "parameters": {"allowed": "a,b"},
+                    "optional": True,
+                },
+            },
+        ),
+        (ColumnType(1007, -1), {"type": "array", "items": {"type": "int32", "optional": True}}),
+        # No mapping in the connector (it leaves the column out): the server's text.
+        (ColumnType(1187, -1), {"type": "string"}),
+        (ColumnType(99_997, -1), {"type": "string"}),
+    ],
+)
 def test_schemas(column: ColumnType, schema: dict[str, object]) -> None:
     assert column_encoding(column)[0] == schema
 
@@ -113,15 +153,23 @@ def test_run_id_is_a_version_7_uuid() -> None:
 
 
 def _builder() -> DebeziumEventBuilder:
-    facts = TableFacts({"id": ColumnFacts("integer", False), "t": ColumnFacts("text", True)},
-                       ("id",))
-    return DebeziumEventBuilder(RelationCatalog("dbz", lambda oid: facts), "dbz", "dbzt",
-                                1 << 20, None)
+    facts = TableFacts(
+        {"id": ColumnFacts("integer", False), "t": ColumnFacts("text", True)}, ("id",)
+    )
+    return DebeziumEventBuilder(
+        RelationCatalog("dbz", lambda oid: facts), "dbz", "dbzt", 1 << 20, None
+    )
 
 
 def _relation() -> m.Relation:
-    return m.Relation(None, 16_400, "public", "t", "d", (
-        m.Column("id", 23, -1, True), m.Column("t", 25, -1, False)))
+    return m.Relation(
+        None,
+        16_400,
+        "public",
+        "t",
+        "d",
+        (m.Column("id", 23, -1, True), m.Column("t", 25, -1, False)),
+    )
 
 
 def test_records_of_a_key_change() -> None:
@@ -140,6 +188,9 @@ def test_records_of_a_key_change() -> None:
     assert orjson.loads(change[2][1])["payload"] == {"id": 2}  # type: ignore[arg-type]
     # The next transaction names this one's end as the previous commit.
     changes = [(300, m.Insert(None, 16_400, ("3", "y")))]
-    record = next(r for r in builder.transaction(8, 320, 0, iter(changes), end_lsn=360)
-                  if r[0] == "dbz.public.t")
+    record = next(
+        r
+        for r in builder.transaction(8, 320, 0, iter(changes), end_lsn=360)
+        if r[0] == "dbz.public.t"
+    )
     assert orjson.loads(record[2])["payload"]["source"]["sequence"] == '["248","300"]'  # type: ignore[arg-type]

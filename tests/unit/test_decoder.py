@@ -102,47 +102,59 @@ def test_explicit_streamed_flag_overrides_and_leaves_state_alone() -> None:
 def test_hand_built_bytes() -> None:
     """Bytes written from the manual, not from the test encoder."""
     decoder = PgOutputDecoder(4, parallel_abort=True)
-    begin = bytes.fromhex("42" "000000016b374d48" "0002c9f0e2a3e240" "000002de")
+    begin = bytes.fromhex("42000000016b374d480002c9f0e2a3e240000002de")
     assert decoder.decode(begin) == m.Begin(0x16B374D48, 0x0002C9F0E2A3E240, 734)
-    insert = (b"I" b"\x00\x00\x40\x11" b"N" b"\x00\x03"
-              b"t\x00\x00\x00\x02" b"42" b"n" b"u")
+    insert = b"I\x00\x00\x40\x11N\x00\x03t\x00\x00\x00\x0242nu"
     assert decoder.decode(insert) == m.Insert(None, 0x4011, ["42", None, m.UNCHANGED_TOAST])
-    abort = b"A" + bytes.fromhex("000002de" "000002df" "0000000000000100" "0000000000000200")
+    abort = b"A" + bytes.fromhex("000002de000002df00000000000001000000000000000200")
     assert decoder.decode(abort) == m.StreamAbort(734, 735, 0x100, 0x200)
-    relation = (b"R" b"\x00\x00\x40\x11" b"public\x00" b"t\x00" b"d" b"\x00\x01"
-                b"\x01" b"id\x00" b"\x00\x00\x00\x17" b"\xff\xff\xff\xff")
+    relation = (
+        b"R\x00\x00\x40\x11public\x00t\x00d\x00\x01\x01id\x00\x00\x00\x00\x17\xff\xff\xff\xff"
+    )
     assert decoder.decode(relation) == m.Relation(
-        None, 0x4011, "public", "t", "d", (m.Column("id", 23, -1, True),))
+        None, 0x4011, "public", "t", "d", (m.Column("id", 23, -1, True),)
+    )
 
 
-@pytest.mark.parametrize(("proto", "parallel", "expected"), [
-    (2, False, m.StreamAbort(734, 735, None, None)),
-    (3, True, m.StreamAbort(734, 735, None, None)),  # parallel needs protocol 4
-    (4, False, m.StreamAbort(734, 735, None, None)),
-    (4, True, m.StreamAbort(734, 735, LSN, TS)),
-])
+@pytest.mark.parametrize(
+    ("proto", "parallel", "expected"),
+    [
+        (2, False, m.StreamAbort(734, 735, None, None)),
+        (3, True, m.StreamAbort(734, 735, None, None)),  # parallel needs protocol 4
+        (4, False, m.StreamAbort(734, 735, None, None)),
+        (4, True, m.StreamAbort(734, 735, LSN, TS)),
+    ],
+)
 def test_stream_abort_fields_depend_on_protocol_and_parallel(
-        proto: int, parallel: bool, expected: m.StreamAbort) -> None:
+    proto: int, parallel: bool, expected: m.StreamAbort
+) -> None:
     decoder = PgOutputDecoder(proto, parallel_abort=parallel)
     assert decoder.decode(encode(expected)) == expected
     # The other layout is refused, not misread.
-    other = m.StreamAbort(734, 735, None, None) if expected.abort_lsn else \
-        m.StreamAbort(734, 735, LSN, TS)
+    other = (
+        m.StreamAbort(734, 735, None, None)
+        if expected.abort_lsn
+        else m.StreamAbort(734, 735, LSN, TS)
+    )
     with pytest.raises(DecodeError, match="Stream Abort"):
         decoder.decode(encode(other))
 
 
-@pytest.mark.parametrize(("proto", "msg"), [
-    (1, m.StreamStart(1, True)),
-    (1, m.StreamStop()),
-    (1, m.StreamCommit(1, 0, LSN, LSN, TS)),
-    (1, m.StreamAbort(1, 1, None, None)),
-    (2, m.BeginPrepare(LSN, LSN, TS, 1, "g")),
-    (2, m.Prepare(0, LSN, LSN, TS, 1, "g")),
-    (2, m.CommitPrepared(0, LSN, LSN, TS, 1, "g")),
-    (2, m.RollbackPrepared(0, LSN, LSN, TS, TS, 1, "g")),
-    (2, m.StreamPrepare(0, LSN, LSN, TS, 1, "g")),
-], ids=repr)
+@pytest.mark.parametrize(
+    ("proto", "msg"),
+    [
+        (1, m.StreamStart(1, True)),
+        (1, m.StreamStop()),
+        (1, m.StreamCommit(1, 0, LSN, LSN, TS)),
+        (1, m.StreamAbort(1, 1, None, None)),
+        (2, m.BeginPrepare(LSN, LSN, TS, 1, "g")),
+        (2, m.Prepare(0, LSN, LSN, TS, 1, "g")),
+        (2, m.CommitPrepared(0, LSN, LSN, TS, 1, "g")),
+        (2, m.RollbackPrepared(0, LSN, LSN, TS, TS, 1, "g")),
+        (2, m.StreamPrepare(0, LSN, LSN, TS, 1, "g")),
+    ],
+    ids=repr,
+)
 def test_messages_newer_than_the_protocol_are_refused(proto: int, msg: m.Message) -> None:
     with pytest.raises(DecodeError, match=f"not part of pgoutput protocol version {proto}"):
         PgOutputDecoder(proto).decode(encode(msg))
@@ -218,8 +230,11 @@ def test_trailing_bytes_are_refused() -> None:
             PgOutputDecoder().decode(encode(msg) + b"\x00")
 
 
-@pytest.mark.parametrize("msg", CONTROL + data_messages(None) + [
-    m.StreamStart(1, True), m.StreamAbort(1, 2, LSN, TS)], ids=repr)
+@pytest.mark.parametrize(
+    "msg",
+    CONTROL + data_messages(None) + [m.StreamStart(1, True), m.StreamAbort(1, 2, LSN, TS)],
+    ids=repr,
+)
 def test_every_truncation_is_a_decode_error(msg: m.Message) -> None:
     payload = encode(msg)
     for cut in range(len(payload)):
@@ -252,15 +267,57 @@ def test_recorded_regular_stream() -> None:
     """PostgreSQL 17's own bytes (see data/record_pgoutput.py), typed by values.py."""
     msgs = decode_recording("regular")
     assert [type(x).__name__ for x in msgs] == [
-        "Begin", "TypeMsg", "Relation", "Insert", "Commit",
-        "Begin", "Insert", "Commit", "Begin", "Update", "Commit", "Begin", "Update", "Commit",
-        "Begin", "Relation", "Insert", "Insert", "Commit", "Begin", "Update", "Commit",
-        "Begin", "Delete", "Commit", "Begin", "Delete", "Commit",
-        "Begin", "Relation", "Relation", "Truncate", "Commit",
-        "Begin", "LogicalMessage", "Commit", "LogicalMessage",
-        "Begin", "Origin", "Relation", "Insert", "Commit",
-        "BeginPrepare", "Insert", "Prepare", "CommitPrepared",
-        "BeginPrepare", "Insert", "Prepare", "RollbackPrepared"]
+        "Begin",
+        "TypeMsg",
+        "Relation",
+        "Insert",
+        "Commit",
+        "Begin",
+        "Insert",
+        "Commit",
+        "Begin",
+        "Update",
+        "Commit",
+        "Begin",
+        "Update",
+        "Commit",
+        "Begin",
+        "Relation",
+        "Insert",
+        "Insert",
+        "Commit",
+        "Begin",
+        "Update",
+        "Commit",
+        "Begin",
+        "Delete",
+        "Commit",
+        "Begin",
+        "Delete",
+        "Commit",
+        "Begin",
+        "Relation",
+        "Relation",
+        "Truncate",
+        "Commit",
+        "Begin",
+        "LogicalMessage",
+        "Commit",
+        "LogicalMessage",
+        "Begin",
+        "Origin",
+        "Relation",
+        "Insert",
+        "Commit",
+        "BeginPrepare",
+        "Insert",
+        "Prepare",
+        "CommitPrepared",
+        "BeginPrepare",
+        "Insert",
+        "Prepare",
+        "RollbackPrepared",
+    ]
     begin, commit = of(m.Begin, msgs[0]), of(m.Commit, msgs[4])
     assert (commit.commit_lsn, commit.commit_ts) == (begin.final_lsn, begin.commit_ts)
     mood = of(m.TypeMsg, msgs[1])
@@ -269,22 +326,40 @@ def test_recorded_regular_stream() -> None:
     assert (rel.namespace, rel.name, rel.replica_identity) == ("public", "t", "d")
     assert [c.name for c in rel.columns if c.is_key] == ["id"]
     assert rel.columns[8].type_modifier == 14  # varchar(10): typmod is length + 4
-    typed = {c.name: converter_for(c.type_oid)(v) if isinstance(v, str) else v
-             for c, v in zip(rel.columns, insert.new, strict=True)}
+    typed = {
+        c.name: converter_for(c.type_oid)(v) if isinstance(v, str) else v
+        for c, v in zip(rel.columns, insert.new, strict=True)
+    }
     big = typed.pop("big")
     assert isinstance(big, str) and len(big) == 12_800
     # json and jsonb go into records as the text the server printed.
-    assert orjson.dumps([typed.pop("j"), typed.pop("jb")]) == \
-        b'[ [1, "two"] ,{"a": "x", "b": [1, 2.5, null]}]'
+    assert (
+        orjson.dumps([typed.pop("j"), typed.pop("jb")])
+        == b'[ [1, "two"] ,{"a": "x", "b": [1, 2.5, null]}]'
+    )
     assert typed == {
-        "id": 1, "i2": -32768, "i4": 2147483647, "num": "-12.340", "f4": "NaN",
-        "f8": "-Infinity", "b": True, "txt": 'h\u00e9llo "q" \\ ,{}', "vc": "NULL",
-        "bp": "ab ", "u": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
-        "by": "AP8K", "d": "0044-03-15 BC",
-        "tm": "23:59:59.999999", "ttz": "12:00:00+05:30", "ts": "infinity",
-        "tstz": "2024-11-21T00:43:10.5Z", "iv": "P1Y2M3DT4H5M6.5S", "ia": [1, None, 3],
+        "id": 1,
+        "i2": -32768,
+        "i4": 2147483647,
+        "num": "-12.340",
+        "f4": "NaN",
+        "f8": "-Infinity",
+        "b": True,
+        "txt": 'h\u00e9llo "q" \\ ,{}',
+        "vc": "NULL",
+        "bp": "ab ",
+        "u": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+        "by": "AP8K",
+        "d": "0044-03-15 BC",
+        "tm": "23:59:59.999999",
+        "ttz": "12:00:00+05:30",
+        "ts": "infinity",
+        "tstz": "2024-11-21T00:43:10.5Z",
+        "iv": "P1Y2M3DT4H5M6.5S",
+        "ia": [1, None, 3],
         "ta": ["plain", "with space", 'q"uote', "back\\slash", "NULL", None, ""],
-        "m": "happy"}
+        "m": "happy",
+    }
     toast_update = of(m.Update, msgs[9])
     assert toast_update.old is None
     assert toast_update.new[7] == "changed" and toast_update.new[-1] is m.UNCHANGED_TOAST
@@ -318,8 +393,13 @@ def test_recorded_streamed_transactions() -> None:
     starts = [x for x in msgs if isinstance(x, m.StreamStart)]
     assert starts[0].first_segment and not any(s.first_segment for s in starts[1:-2])
     top = starts[0].xid
-    data = [x for x in msgs if isinstance(x, m.Insert | m.Update | m.Delete | m.Truncate
-                                          | m.LogicalMessage | m.Relation)]
+    data = [
+        x
+        for x in msgs
+        if isinstance(
+            x, m.Insert | m.Update | m.Delete | m.Truncate | m.LogicalMessage | m.Relation
+        )
+    ]
     assert all(x.xid is not None for x in data)  # every data message carries its xid
     sub_abort, whole_abort = [x for x in msgs if isinstance(x, m.StreamAbort)]
     rolled_back = next(x for x in data if isinstance(x, m.Insert) and x.new[0] == "32")

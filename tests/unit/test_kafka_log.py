@@ -8,8 +8,10 @@ import pytest
 
 from services.common.kafka import KafkaLog
 
-_FAIL = ("FAIL [rdkafka#producer-%d] [thrd:h:1/bootstrap]: h:1/bootstrap: Connect to "
-         "ipv4#127.0.0.1:1 failed: Connection refused (after %dms in state CONNECT)")
+_FAIL = (
+    "FAIL [rdkafka#producer-%d] [thrd:h:1/bootstrap]: h:1/bootstrap: Connect to "
+    "ipv4#127.0.0.1:1 failed: Connection refused (after %dms in state CONNECT)"
+)
 
 
 class _Clock:
@@ -35,7 +37,8 @@ def test_repeats_are_held_back_and_counted(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_levels_below_the_logger_are_dropped_before_any_work(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     target = logging.getLogger("kafka.test.quiet")
     target.setLevel(logging.WARNING)
     KafkaLog(target).log(logging.DEBUG, "%s", "chatter")

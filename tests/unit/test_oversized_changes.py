@@ -13,9 +13,11 @@ from tests.unit.pgoutput_builder import encode
 
 def test_only_changes_over_the_limit_are_replaced(tmp_path: Path) -> None:
     decoder = PgOutputDecoder(4)
-    assembler = Assembler(lambda payload: decoder.decode(payload, False),
-                          lambda name: Spool(tmp_path, name, 1 << 20, SpoolStats()),
-                          max_change_bytes=1000)
+    assembler = Assembler(
+        lambda payload: decoder.decode(payload, False),
+        lambda name: Spool(tmp_path, name, 1 << 20, SpoolStats()),
+        max_change_bytes=1000,
+    )
     small = encode(m.Insert(None, 42, ("1", "x")))
     huge = encode(m.Insert(None, 42, ("2", "x" * 5000)))
     assembler.feed(1, encode(m.Begin(100, 0, 7)))
@@ -33,14 +35,16 @@ def test_only_changes_over_the_limit_are_replaced(tmp_path: Path) -> None:
 def test_a_streamed_stand_in_keeps_its_subtransaction(tmp_path: Path) -> None:
     """A Stream Abort of a subtransaction drops its changes by the xid in bytes 1-4."""
     decoder = PgOutputDecoder(4)
-    assembler = Assembler(lambda payload: decoder.decode(payload, True),
-                          lambda name: Spool(tmp_path, name, 1 << 20, SpoolStats()),
-                          max_change_bytes=1000)
+    assembler = Assembler(
+        lambda payload: decoder.decode(payload, True),
+        lambda name: Spool(tmp_path, name, 1 << 20, SpoolStats()),
+        max_change_bytes=1000,
+    )
     assembler.feed(1, encode(m.StreamStart(7, True)))
     assembler.feed(2, encode(m.Insert(9, 42, ("2", "x" * 5000))))
     assembler.feed(3, encode(m.StreamStop()))
     txn = assembler.feed(4, encode(m.StreamCommit(7, 0, 100, 110, 0)))
     assert txn is not None
-    (_, stand_in), = list(txn.spool)
+    ((_, stand_in),) = list(txn.spool)
     assert int.from_bytes(stand_in[1:5], "big") == 9
     assert oversized(stand_in, True)[0] == 42

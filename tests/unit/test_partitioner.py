@@ -8,11 +8,14 @@ from services.bridge.partitioner import murmur2, partition_for
 from services.bridge.sink import FirstWrites
 
 # Kafka's own UtilsTest.testMurmur2 vectors (signed Java ints).
-JAVA = [(b"21", -973932308), (b"foobar", -790332482),
-        (b"a-little-bit-long-string", -985981536),
-        (b"a-little-bit-longer-string", -1486304829),
-        (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
-        (b"abc", 479470107)]
+JAVA = [
+    (b"21", -973932308),
+    (b"foobar", -790332482),
+    (b"a-little-bit-long-string", -985981536),
+    (b"a-little-bit-longer-string", -1486304829),
+    (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
+    (b"abc", 479470107),
+]
 
 
 @pytest.mark.parametrize(("key", "expected"), JAVA)

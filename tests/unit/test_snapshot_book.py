@@ -17,9 +17,19 @@ def _read(book: SnapshotBook, first: int, n: int, last: bool = False) -> Chunk:
     state = book.claim(0)
     assert state is not None
     assert state.cursor == ([str(first - 1)] if first > 1 else None)
-    chunk = Chunk(f"c{first}", T, _RELATION, [[str(i)] for i in range(first, first + n)],
-                  True, None, XidSnapshot(10, 10, frozenset()), state.cursor,
-                  [str(first + n - 1)], last, 100)
+    chunk = Chunk(
+        f"c{first}",
+        T,
+        _RELATION,
+        [[str(i)] for i in range(first, first + n)],
+        True,
+        None,
+        XidSnapshot(10, 10, frozenset()),
+        state.cursor,
+        [str(first + n - 1)],
+        last,
+        100,
+    )
     assert book.offer(chunk)
     book.release(T)
     return chunk
@@ -65,7 +75,18 @@ def test_a_chunk_read_from_a_stale_cursor_is_refused() -> None:
     book = _book()
     first = _read(book, 1, 10)
     book.withdraw(first)  # its watermark did not commit
-    stale = Chunk("late", T, _RELATION, [["11"]], True, None, XidSnapshot(10, 10, frozenset()),
-                  ["10"], ["11"], False, 100)
+    stale = Chunk(
+        "late",
+        T,
+        _RELATION,
+        [["11"]],
+        True,
+        None,
+        XidSnapshot(10, 10, frozenset()),
+        ["10"],
+        ["11"],
+        False,
+        100,
+    )
     assert not book.offer(stale)  # read after chunk one, which is to be read again
     assert book.take(first.token) is None

@@ -32,12 +32,14 @@ Caused by: java.nio.file.AccessDeniedException: /warehouse/history/public.t/_del
 def test_python_error_inside_a_query_failure() -> None:
     assert error_line(_BATCH_FUNCTION_RAISED).startswith(
         "pyspark.errors.exceptions.captured.AnalysisException: "
-        "[DELTA_INVALID_CHARACTERS_IN_COLUMN_NAMES] Found invalid character(s)")
+        "[DELTA_INVALID_CHARACTERS_IN_COLUMN_NAMES] Found invalid character(s)"
+    )
 
 
 def test_innermost_java_cause() -> None:
     assert error_line(_JAVA_ONLY) == (
-        "java.nio.file.AccessDeniedException: /warehouse/history/public.t/_delta_log")
+        "java.nio.file.AccessDeniedException: /warehouse/history/public.t/_delta_log"
+    )
 
 
 def test_plain_and_long_errors() -> None:
@@ -57,4 +59,5 @@ file:/w/history/public.t/_delta_log
 """
     assert error_line(text) == (
         "org.apache.spark.sql.delta.DeltaIOException: [DELTA_CANNOT_CREATE_LOG_PATH] Cannot "
-        "create file:/w/history/public.t/_delta_log")
+        "create file:/w/history/public.t/_delta_log"
+    )

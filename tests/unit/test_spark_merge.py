@@ -42,11 +42,15 @@ from spark_consumers.tables import dead_letter_path, table_paths
 
 pytestmark = pytest.mark.spark
 
-_RAW = StructType([
-    StructField("topic", StringType()), StructField("partition", IntegerType()),
-    StructField("offset", LongType()), StructField("key", BinaryType()),
-    StructField("value", BinaryType()),
-])
+_RAW = StructType(
+    [
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+    ]
+)
 NUM = ((10 << 16) | 2) + 4  # numeric(10,2)
 
 COLUMNS = (
@@ -67,12 +71,21 @@ COLUMNS = (
 
 
 def row(id_: int, name: str = "n", **over: Any) -> dict[str, Any]:
-    base = {"id": id_, "amount": "12.50", "big": 9007199254740993, "name": name,
-            "doc": {"a": [1, "x"], "b": None}, "at": "2024-03-01T10:11:12.123456Z",
-            "local": "2024-03-01T10:11:12", "day": "2024-03-01", "ok": True,
-            "tags": ["a", None, "c"], "nums": [1, 2],
-            "blob": base64.b64encode(b"\x00\xff").decode(),
-            "score": "NaN"}
+    base = {
+        "id": id_,
+        "amount": "12.50",
+        "big": 9007199254740993,
+        "name": name,
+        "doc": {"a": [1, "x"], "b": None},
+        "at": "2024-03-01T10:11:12.123456Z",
+        "local": "2024-03-01T10:11:12",
+        "day": "2024-03-01",
+        "ok": True,
+        "tags": ["a", None, "c"],
+        "nums": [1, 2],
+        "blob": base64.b64encode(b"\x00\xff").decode(),
+        "score": "NaN",
+    }
     base.update(over)
     return base
 
@@ -87,9 +100,12 @@ class Harness:
 
     def __init__(self, spark: SparkSession, root: Path, *tables: SynthTable) -> None:
         self.spark = spark
-        self.settings = ConsumerSettings(kafka_bootstrap="unused:9", topic_prefix="p",
-                                         warehouse=str(root / "wh"),
-                                         checkpoint_dir=str(root / "ck"))
+        self.settings = ConsumerSettings(
+            kafka_bootstrap="unused:9",
+            topic_prefix="p",
+            warehouse=str(root / "wh"),
+            checkpoint_dir=str(root / "ck"),
+        )
         self.registry = SchemaRegistry()
         self.announce(*tables)
         self.processor = BatchProcessor(spark, self.settings, Status(), self.registry)
@@ -120,8 +136,10 @@ class Harness:
     def history(self, table: str = "public.t") -> list[dict[str, Any]]:
         path = table_paths(self.settings.warehouse, table).history
         rows = self.spark.read.format("delta").load(path).collect()
-        return sorted((_comparable(r.asDict()) for r in rows),
-                      key=lambda r: (r["_cdc_commit_lsn"], r["_cdc_total_order"]))
+        return sorted(
+            (_comparable(r.asDict()) for r in rows),
+            key=lambda r: (r["_cdc_commit_lsn"], r["_cdc_total_order"]),
+        )
 
     def dead_letters(self) -> list[dict[str, Any]]:
         path = dead_letter_path(self.settings.warehouse)
@@ -132,7 +150,8 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     t = SynthTable("p", "public", "t", COLUMNS)
     h = Harness(spark, tmp_path, t)
     first = [
-        *t.change("c", row(1), 100, 1, 7), *t.change("c", row(2), 100, 2, 7),
+        *t.change("c", row(1), 100, 1, 7),
+        *t.change("c", row(2), 100, 2, 7),
         *t.change("c", row(3), 100, 3, 7),
         *t.change("u", row(1, "one"), 200, 1, 8),
         *t.change("d", {"id": 2}, 200, 2, 8),
@@ -153,8 +172,11 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     assert one["nums"] == [1, 2]
     assert bytes(one["blob"]) == b"\x00\xff"
     assert one["score"] == "NaN"
-    schema = spark.read.format("delta").load(
-        table_paths(h.settings.warehouse, "public.t").current).schema
+    schema = (
+        spark.read.format("delta")
+        .load(table_paths(h.settings.warehouse, "public.t").current)
+        .schema
+    )
     assert schema["amount"].dataType == DecimalType(10, 2)
     assert schema["at"].dataType == TimestampType()
     assert schema["local"].dataType == TimestampNTZType()
@@ -162,11 +184,20 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
 
     history = h.history()
     assert [(r["id"], r["_cdc_op"]) for r in history] == [
-        (1, "c"), (2, "c"), (3, "c"), (1, "u"), (2, "d")]
-    validity = {(r["id"], r["_cdc_op"]): (r["valid_from_lsn"], r["valid_to_lsn"])
-                for r in history}
-    assert validity == {(1, "c"): (100, 200), (2, "c"): (100, 200), (3, "c"): (100, None),
-                        (1, "u"): (200, None), (2, "d"): (200, 200)}
+        (1, "c"),
+        (2, "c"),
+        (3, "c"),
+        (1, "u"),
+        (2, "d"),
+    ]
+    validity = {(r["id"], r["_cdc_op"]): (r["valid_from_lsn"], r["valid_to_lsn"]) for r in history}
+    assert validity == {
+        (1, "c"): (100, 200),
+        (2, "c"): (100, 200),
+        (3, "c"): (100, None),
+        (1, "u"): (200, None),
+        (2, "d"): (200, 200),
+    }
     assert history[3]["_cdc_tx_id"] == 8
 
     # The same batch again (a job killed before its checkpoint): nothing changes.
@@ -179,11 +210,18 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     history = h.history()
     assert len(history) == 6
     assert [(r["valid_from_lsn"], r["valid_to_lsn"]) for r in history if r["id"] == 1] == [
-        (100, 200), (200, 300), (300, None)]
+        (100, 200),
+        (200, 300),
+        (300, None),
+    ]
     # Where the batch's time went, with Delta's own metrics of each MERGE.
     status = h.processor.status.as_dict()
     assert set(status["last_batch_phases"]) == {
-        "read, parse, survey", "public.t type", "public.t history", "public.t current"}
+        "read, parse, survey",
+        "public.t type",
+        "public.t history",
+        "public.t current",
+    }
     merges = status["last_batch_merges"]
     assert set(merges) == {"public.t history", "public.t current"}
     assert merges["public.t history"]["numTargetRowsInserted"] == 1
@@ -194,8 +232,13 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
 def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
-    h.run([*t.change("c", row(1, "new"), 500, 1, 1), *t.change("c", row(2), 500, 2, 1),
-           *t.change("d", {"id": 2}, 600, 1, 2)])
+    h.run(
+        [
+            *t.change("c", row(1, "new"), 500, 1, 1),
+            *t.change("c", row(2), 500, 2, 1),
+            *t.change("d", {"id": 2}, 600, 1, 2),
+        ]
+    )
     # Late and older: an update of key 1 and the insert of the deleted key 2.
     h.run([*t.change("u", row(1, "old"), 400, 1, 0), *t.change("c", row(2, "zombie"), 450, 1, 0)])
     current = h.current()
@@ -210,9 +253,13 @@ def test_unchanged_toast_keeps_stored_value(spark: SparkSession, tmp_path: Path)
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
     h.run(t.change("c", row(1, "long text"), 100, 1, 1))
-    h.run([*t.change("u", row(1, TOAST_PLACEHOLDER, amount="1.00"), 200, 1, 2),
-           *t.change("c", row(2, "two"), 200, 2, 2),
-           *t.change("u", row(2, TOAST_PLACEHOLDER, amount="2.00"), 300, 1, 3)])
+    h.run(
+        [
+            *t.change("u", row(1, TOAST_PLACEHOLDER, amount="1.00"), 200, 1, 2),
+            *t.change("c", row(2, "two"), 200, 2, 2),
+            *t.change("u", row(2, TOAST_PLACEHOLDER, amount="2.00"), 300, 1, 3),
+        ]
+    )
     current = h.current()
     assert (current[1]["name"], current[1]["amount"]) == ("long text", Decimal("1.00"))
     assert (current[2]["name"], current[2]["amount"]) == ("two", Decimal("2.00"))
@@ -223,8 +270,13 @@ def test_truncate(spark: SparkSession, tmp_path: Path) -> None:
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
     h.run([*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)])
-    h.run([*t.change("u", row(1, "x"), 200, 1, 2), *t.change("t", None, 300, 1, 3),
-           *t.change("c", row(3), 400, 1, 4)])
+    h.run(
+        [
+            *t.change("u", row(1, "x"), 200, 1, 2),
+            *t.change("t", None, 300, 1, 3),
+            *t.change("c", row(3), 400, 1, 4),
+        ]
+    )
     assert sorted(h.current()) == [3]
     h.run(t.change("u", row(2, "late"), 250, 1, 5))  # older than the truncate
     assert sorted(h.current()) == [3]
@@ -235,13 +287,15 @@ def test_truncate(spark: SparkSession, tmp_path: Path) -> None:
 def test_bad_records_go_to_dead_letter(spark: SparkSession, tmp_path: Path) -> None:
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
-    h.run([
-        *t.change("c", row(1), 100, 1, 1),
-        (t.topic, b'{"id": 2}', b"{this is not json"),
-        *t.change("c", row(3, big="not a number"), 100, 2, 1),
-        *t.change("c", row(4), 100, 3, 1),
-        ("p.public.unknown", b'{"id": 1}', b'{"op": "c"}'),
-    ])
+    h.run(
+        [
+            *t.change("c", row(1), 100, 1, 1),
+            (t.topic, b'{"id": 2}', b"{this is not json"),
+            *t.change("c", row(3, big="not a number"), 100, 2, 1),
+            *t.change("c", row(4), 100, 3, 1),
+            ("p.public.unknown", b'{"id": 1}', b'{"op": "c"}'),
+        ]
+    )
     assert sorted(h.current()) == [1, 4]
     reasons = {(d["table"], d["offset"]): d["reason"] for d in h.dead_letters()}
     assert reasons == {
@@ -269,7 +323,8 @@ def test_new_column_evolves_tables(spark: SparkSession, tmp_path: Path) -> None:
 
 
 def test_truncate_after_a_change_closes_the_stored_version_at_the_change(
-        spark: SparkSession, tmp_path: Path) -> None:
+    spark: SparkSession, tmp_path: Path
+) -> None:
     """Issue #15 item 1: key 1's open version comes from an earlier batch; one batch holds
     its update and then a truncate. The old version ends at the update, the update at the
     truncate, never both at the truncate."""
@@ -282,15 +337,20 @@ def test_truncate_after_a_change_closes_the_stored_version_at_the_change(
 
 
 def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
-        spark: SparkSession, tmp_path: Path) -> None:
+    spark: SparkSession, tmp_path: Path
+) -> None:
     """A truncate and the changes around it on different partitions reach the job in
     either order; the history must be the one a single batch gives."""
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     changes = [
-        t.change("c", row(1), 100, 1, 1), t.change("c", row(2), 100, 2, 1),
-        t.change("u", row(1, "a"), 200, 1, 2), t.change("t", None, 300, 1, 3),
-        t.change("c", row(1, "b"), 400, 1, 4), t.change("u", row(1, "c"), 500, 1, 5),
-        t.change("t", None, 500, 2, 5), t.change("c", row(3), 600, 1, 6),
+        t.change("c", row(1), 100, 1, 1),
+        t.change("c", row(2), 100, 2, 1),
+        t.change("u", row(1, "a"), 200, 1, 2),
+        t.change("t", None, 300, 1, 3),
+        t.change("c", row(1, "b"), 400, 1, 4),
+        t.change("u", row(1, "c"), 500, 1, 5),
+        t.change("t", None, 500, 2, 5),
+        t.change("c", row(3), 600, 1, 6),
     ]
     whole = Harness(spark, tmp_path / "whole", t)
     whole.run([r for c in changes for r in c])
@@ -300,11 +360,25 @@ def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
         split.run([r for i in part for r in changes[i]])
 
     def ends(h: Harness) -> list[tuple[Any, ...]]:
-        return sorted(((r["id"] or 0), r["valid_from_lsn"], r["_cdc_total_order"],
-                       r["valid_to_lsn"] or 0) for r in h.history())
-    assert ends(split) == ends(whole) == [
-        (0, 300, 1, 300), (0, 500, 2, 500), (1, 100, 1, 200), (1, 200, 1, 300),
-        (1, 400, 1, 500), (1, 500, 1, 500), (2, 100, 2, 300), (3, 600, 1, 0)]
+        return sorted(
+            ((r["id"] or 0), r["valid_from_lsn"], r["_cdc_total_order"], r["valid_to_lsn"] or 0)
+            for r in h.history()
+        )
+
+    assert (
+        ends(split)
+        == ends(whole)
+        == [
+            (0, 300, 1, 300),
+            (0, 500, 2, 500),
+            (1, 100, 1, 200),
+            (1, 200, 1, 300),
+            (1, 400, 1, 500),
+            (1, 500, 1, 500),
+            (2, 100, 2, 300),
+            (3, 600, 1, 0),
+        ]
+    )
     assert split.current() == whole.current()
 
 
@@ -314,24 +388,61 @@ def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path
     t = SynthTable("p", "public", "t", (*COLUMNS[:4], COLUMNS[5], COLUMNS[6], COLUMNS[7]))
     h = Harness(spark, tmp_path, t)
     edge = {"id": 0, "amount": "1.00", "big": 1, "name": "e"}
-    h.run([*t.change("c", {**edge, "id": 1, "at": "infinity", "local": "-infinity",
-                           "day": "infinity"}, 100, 1, 1),
-           *t.change("c", {**edge, "id": 2, "at": "-infinity", "local": "infinity",
-                           "day": "-infinity"}, 100, 2, 1),
-           *t.change("c", {**edge, "id": 3, "at": "0044-03-15T12:00:00.5Z BC",
-                           "local": "0001-01-01T00:00:00 BC", "day": "4714-11-24 BC"},
-                     100, 3, 1)])
+    h.run(
+        [
+            *t.change(
+                "c",
+                {**edge, "id": 1, "at": "infinity", "local": "-infinity", "day": "infinity"},
+                100,
+                1,
+                1,
+            ),
+            *t.change(
+                "c",
+                {**edge, "id": 2, "at": "-infinity", "local": "infinity", "day": "-infinity"},
+                100,
+                2,
+                1,
+            ),
+            *t.change(
+                "c",
+                {
+                    **edge,
+                    "id": 3,
+                    "at": "0044-03-15T12:00:00.5Z BC",
+                    "local": "0001-01-01T00:00:00 BC",
+                    "day": "4714-11-24 BC",
+                },
+                100,
+                3,
+                1,
+            ),
+        ]
+    )
     assert not _delta_table_exists(spark, dead_letter_path(h.settings.warehouse))
     path = table_paths(h.settings.warehouse, "public.t").current
-    rows = {r["id"]: (r["at"], r["local"], r["day"]) for r in spark.read.format("delta")
-            .load(path).selectExpr("id", "unix_micros(at) AS at",
-                                   "unix_micros(cast(local AS timestamp)) AS local",
-                                   "unix_date(day) AS day").collect()}
+    rows = {
+        r["id"]: (r["at"], r["local"], r["day"])
+        for r in spark.read.format("delta")
+        .load(path)
+        .selectExpr(
+            "id",
+            "unix_micros(at) AS at",
+            "unix_micros(cast(local AS timestamp)) AS local",
+            "unix_date(day) AS day",
+        )
+        .collect()
+    }
     biggest, days = 2**63 - 1, 2**31 - 1
     assert rows[1] == (biggest, -biggest, days)
     assert rows[2] == (-biggest, biggest, -days)
-    texts = spark.read.format("delta").load(path).where("id = 3").selectExpr(
-        "cast(at AS string)", "cast(local AS string)", "cast(day AS string)").first()
+    texts = (
+        spark.read.format("delta")
+        .load(path)
+        .where("id = 3")
+        .selectExpr("cast(at AS string)", "cast(local AS string)", "cast(day AS string)")
+        .first()
+    )
     assert tuple(texts) == ("-0043-03-15 12:00:00.5", "0000-01-01 00:00:00", "-4713-11-24")
 
 
@@ -344,43 +455,62 @@ def test_json_null_is_stored_as_json_text(spark: SparkSession, tmp_path: Path) -
     def marked(records: list[Record], nulls: dict[str, list[str]]) -> list[Record]:
         topic, key, value = records[0]
         assert value is not None
-        return [(topic, key, json.dumps({**json.loads(value), "json_nulls": nulls}).encode()),
-                *records[1:]]
+        return [
+            (topic, key, json.dumps({**json.loads(value), "json_nulls": nulls}).encode()),
+            *records[1:],
+        ]
 
-    h.run([*marked(t.change("c", {"id": 1, "doc": None}, 100, 1, 1), {"after": ["doc"]}),
-           *t.change("c", {"id": 2, "doc": None}, 100, 2, 1),
-           *t.change("c", {"id": 3, "doc": {"a": None}}, 100, 3, 1)])
-    assert {k: r["doc"] for k, r in h.current().items()} == {1: "null", 2: None,
-                                                             3: '{"a":null}'}
+    h.run(
+        [
+            *marked(t.change("c", {"id": 1, "doc": None}, 100, 1, 1), {"after": ["doc"]}),
+            *t.change("c", {"id": 2, "doc": None}, 100, 2, 1),
+            *t.change("c", {"id": 3, "doc": {"a": None}}, 100, 3, 1),
+        ]
+    )
+    assert {k: r["doc"] for k, r in h.current().items()} == {1: "null", 2: None, 3: '{"a":null}'}
     h.run(marked(t.change("d", {"id": 1, "doc": None}, 200, 1, 2), {"before": ["doc"]}))
     deleted = [r for r in h.history() if r["_cdc_op"] == "d"]
     assert [(r["id"], r["doc"]) for r in deleted] == [(1, "null")]
 
 
 def test_multi_dimensional_arrays_follow_the_declared_dimensions(
-        spark: SparkSession, tmp_path: Path) -> None:
+    spark: SparkSession, tmp_path: Path
+) -> None:
     """``int[][]``/``text[][]`` columns become arrays of arrays; a value with other
     dimensions than its column declares is set aside with the column named, never stored
     as text that only looks right."""
-    t = SynthTable("p", "public", "t", (
-        COLUMNS[0], SynthColumn("grid", "integer[]", 1007, dimensions=2),
-        SynthColumn("words", "text[]", 1009, dimensions=2), SynthColumn("flat", "text[]", 1009)))
+    t = SynthTable(
+        "p",
+        "public",
+        "t",
+        (
+            COLUMNS[0],
+            SynthColumn("grid", "integer[]", 1007, dimensions=2),
+            SynthColumn("words", "text[]", 1009, dimensions=2),
+            SynthColumn("flat", "text[]", 1009),
+        ),
+    )
     h = Harness(spark, tmp_path, t)
-    good = {"grid": [[1, 2], [3, None]], "words": [["a", "b"], ["c", None]],
-            "flat": ["x", None]}
-    h.run([*t.change("c", {"id": 1, **good}, 100, 1, 1),
-           *t.change("c", {"id": 2, "grid": [], "words": [], "flat": []}, 100, 2, 1),
-           *t.change("c", {**good, "id": 3, "flat": [["a"], ["b"]]}, 100, 3, 1),
-           *t.change("c", {**good, "id": 4, "grid": [1, 2]}, 100, 4, 1),
-           *t.change("c", {**good, "id": 5, "words": [[["a"]]]}, 100, 5, 1)])
+    good = {"grid": [[1, 2], [3, None]], "words": [["a", "b"], ["c", None]], "flat": ["x", None]}
+    h.run(
+        [
+            *t.change("c", {"id": 1, **good}, 100, 1, 1),
+            *t.change("c", {"id": 2, "grid": [], "words": [], "flat": []}, 100, 2, 1),
+            *t.change("c", {**good, "id": 3, "flat": [["a"], ["b"]]}, 100, 3, 1),
+            *t.change("c", {**good, "id": 4, "grid": [1, 2]}, 100, 4, 1),
+            *t.change("c", {**good, "id": 5, "words": [[["a"]]]}, 100, 5, 1),
+        ]
+    )
     current = h.current()
     assert sorted(current) == [1, 2]
     assert {k: v for k, v in current[1].items() if k in good} == good
     assert (current[2]["grid"], current[2]["words"], current[2]["flat"]) == ([], [], [])
     reasons = sorted(d["reason"] for d in h.dead_letters())
-    assert reasons == ["column flat: cannot convert to array<string>",
-                       "column grid: cannot convert to array<array<int>>",
-                       "column words: cannot convert to array<array<string>>"], reasons
+    assert reasons == [
+        "column flat: cannot convert to array<string>",
+        "column grid: cannot convert to array<array<int>>",
+        "column words: cannot convert to array<array<string>>",
+    ], reasons
 
 
 def _delta_table_exists(spark: SparkSession, path: str) -> bool:
@@ -402,7 +532,8 @@ def _live_files(spark: SparkSession, path: str) -> int:
 
 
 def test_housekeeping_compacts_vacuums_and_trims_tombstones(
-        spark: SparkSession, tmp_path: Path) -> None:
+    spark: SparkSession, tmp_path: Path
+) -> None:
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
     hour = 3_600_000
@@ -421,8 +552,7 @@ def test_housekeeping_compacts_vacuums_and_trims_tombstones(
 
     # Due after one interval; retention 0 h for files and 1 h for tombstones: the delete
     # of key 1 is 11 hours older than the newest change, the one of key 2 just 1 hour.
-    keeper = Housekeeper(interval_s=0.001, vacuum_retention_hours=0,
-                         tombstone_retention_hours=5)
+    keeper = Housekeeper(interval_s=0.001, vacuum_retention_hours=0, tombstone_retention_hours=5)
     assert not keeper.due(time.monotonic())
     time.sleep(0.01)
     assert keeper.due(time.monotonic())

@@ -31,33 +31,36 @@ def _typmod(precision: int, scale: int) -> int:
     return ((precision << 16) | scale) + 4
 
 
-@pytest.mark.parametrize(("pg_type", "typmod", "expected"), [
-    ("smallint", -1, ShortType()),
-    ("integer", -1, IntegerType()),
-    ("bigint", -1, LongType()),
-    ("real", -1, FloatType()),
-    ("double precision", -1, DoubleType()),
-    ("boolean", -1, BooleanType()),
-    ("numeric(10,2)", _typmod(10, 2), DecimalType(10, 2)),
-    ("numeric(38,0)", _typmod(38, 0), DecimalType(38, 0)),
-    ("numeric(50,2)", _typmod(50, 2), StringType()),
-    ("numeric", -1, StringType()),
-    ("date", -1, DateType()),
-    ("timestamp without time zone", -1, TimestampNTZType()),
-    ("timestamp(3) without time zone", 3, TimestampNTZType()),
-    ("timestamp with time zone", -1, TimestampType()),
-    ("time without time zone", -1, StringType()),
-    ("interval", -1, StringType()),
-    ("text", -1, StringType()),
-    ("character varying(20)", 24, StringType()),
-    ("uuid", -1, StringType()),
-    ("jsonb", -1, StringType()),
-    ("bytea", -1, BinaryType()),
-    ("integer[]", -1, ArrayType(IntegerType())),
-    ("text[]", -1, ArrayType(StringType())),
-    ("numeric(6,3)[]", _typmod(6, 3), ArrayType(DecimalType(6, 3))),
-    ("mood", -1, StringType()),
-])
+@pytest.mark.parametrize(
+    ("pg_type", "typmod", "expected"),
+    [
+        ("smallint", -1, ShortType()),
+        ("integer", -1, IntegerType()),
+        ("bigint", -1, LongType()),
+        ("real", -1, FloatType()),
+        ("double precision", -1, DoubleType()),
+        ("boolean", -1, BooleanType()),
+        ("numeric(10,2)", _typmod(10, 2), DecimalType(10, 2)),
+        ("numeric(38,0)", _typmod(38, 0), DecimalType(38, 0)),
+        ("numeric(50,2)", _typmod(50, 2), StringType()),
+        ("numeric", -1, StringType()),
+        ("date", -1, DateType()),
+        ("timestamp without time zone", -1, TimestampNTZType()),
+        ("timestamp(3) without time zone", 3, TimestampNTZType()),
+        ("timestamp with time zone", -1, TimestampType()),
+        ("time without time zone", -1, StringType()),
+        ("interval", -1, StringType()),
+        ("text", -1, StringType()),
+        ("character varying(20)", 24, StringType()),
+        ("uuid", -1, StringType()),
+        ("jsonb", -1, StringType()),
+        ("bytea", -1, BinaryType()),
+        ("integer[]", -1, ArrayType(IntegerType())),
+        ("text[]", -1, ArrayType(StringType())),
+        ("numeric(6,3)[]", _typmod(6, 3), ArrayType(DecimalType(6, 3))),
+        ("mood", -1, StringType()),
+    ],
+)
 def test_spark_type(pg_type: str, typmod: int, expected: object) -> None:
     assert spark_type(pg_type, 0, typmod) == expected
 
@@ -82,8 +85,9 @@ def test_registry_merges_versions_and_keeps_dropped_columns() -> None:
     registry = SchemaRegistry()
     v1 = _table(1, SynthColumn("gone", "text"))
     v2 = _table(2, SynthColumn("added", "numeric(5,1)", type_modifier=_typmod(5, 1)))
-    problems = registry.add_records([v1.schema_record()[2], v2.schema_record()[2], None,
-                                     b"{not json"])
+    problems = registry.add_records(
+        [v1.schema_record()[2], v2.schema_record()[2], None, b"{not json"]
+    )
     assert len(problems) == 1
     merged = registry.merged("public.t")
     assert [c.name for c in merged.columns] == ["id", "name", "added", "gone"]
@@ -100,23 +104,31 @@ def test_registry_rejects_reserved_column_names() -> None:
 
 
 def test_settings_topics() -> None:
-    settings = ConsumerSettings(kafka_bootstrap="k:9092", warehouse="/w", checkpoint_dir="/c",
-                                topic_prefix="pg-1", tables=["public.a"])
+    settings = ConsumerSettings(
+        kafka_bootstrap="k:9092",
+        warehouse="/w",
+        checkpoint_dir="/c",
+        topic_prefix="pg-1",
+        tables=["public.a"],
+    )
     assert settings.change_topics() == ["pg-1.public.a"]
     assert settings.schema_topic == "pg-1.schema"
     assert settings.change_topic_pattern() == r"\Qpg-1.public.a\E"
     every = settings.model_copy(update={"tables": None})
     assert every.change_topic_pattern() == r"\Qpg-1\E\.[^.]+\.[^.]+"
     with pytest.raises(ValueError, match=r"schema\.table"):
-        ConsumerSettings(kafka_bootstrap="k", warehouse="/w", checkpoint_dir="/c",
-                         tables=["a"])
+        ConsumerSettings(kafka_bootstrap="k", warehouse="/w", checkpoint_dir="/c", tables=["a"])
 
 
 def test_lag_from_progress() -> None:
-    progress = {"sources": [{
-        "endOffset": json.dumps({"p.public.a": {"0": 10, "1": 5}}),
-        "latestOffset": {"p.public.a": {"0": 12, "1": 5}, "p.public.b": {"0": 3}},
-    }]}
+    progress = {
+        "sources": [
+            {
+                "endOffset": json.dumps({"p.public.a": {"0": 10, "1": 5}}),
+                "latestOffset": {"p.public.a": {"0": 12, "1": 5}, "p.public.b": {"0": 3}},
+            }
+        ]
+    }
     assert lag_from_progress(progress) == {"p.public.a": 2, "p.public.b": 3}
 
 
@@ -124,8 +136,9 @@ def test_lag_from_progress() -> None:
 def test_lag_from_progress_without_offsets(unknown: str | None) -> None:
     """A replayed batch and a pattern matching no topic yet report offsets Spark does
     not know as the text "None" (PySpark) or null: no lag, no JSONDecodeError."""
-    progress = {"sources": [{"startOffset": unknown, "endOffset": unknown,
-                             "latestOffset": unknown}]}
+    progress = {
+        "sources": [{"startOffset": unknown, "endOffset": unknown, "latestOffset": unknown}]
+    }
     assert lag_from_progress(progress) == {}
     progress["sources"][0]["latestOffset"] = json.dumps({"p.public.a": {"0": 4}})
     assert lag_from_progress(progress) == {"p.public.a": 4}
@@ -133,6 +146,14 @@ def test_lag_from_progress_without_offsets(unknown: str | None) -> None:
 
 def test_case_collisions() -> None:
     table = SchemaRegistry()
-    table.add_records([_table(1, SynthColumn("x", "integer"), SynthColumn("X", "text"),
-                              SynthColumn("Mixed Case", "text")).schema_record()[2]])
+    table.add_records(
+        [
+            _table(
+                1,
+                SynthColumn("x", "integer"),
+                SynthColumn("X", "text"),
+                SynthColumn("Mixed Case", "text"),
+            ).schema_record()[2]
+        ]
+    )
     assert table.merged("public.t").case_collisions() == [("x", "X")]

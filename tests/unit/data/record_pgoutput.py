@@ -18,8 +18,10 @@ import sys
 
 import psycopg
 
-OPTIONS = ("'proto_version', '4', 'publication_names', 'pub', 'messages', 'true', "
-           "'streaming', 'parallel', 'two_phase', 'true'")
+OPTIONS = (
+    "'proto_version', '4', 'publication_names', 'pub', 'messages', 'true', "
+    "'streaming', 'parallel', 'two_phase', 'true'"
+)
 
 SETUP = [
     "SET TimeZone = 'UTC'",
@@ -64,9 +66,13 @@ REGULAR = [
     "INSERT INTO full_t VALUES (10, 'from upstream')",
     "COMMIT",
     "SELECT pg_replication_origin_session_reset()",
-    "BEGIN", "INSERT INTO full_t VALUES (20, 'prepared')", "PREPARE TRANSACTION 'gid-1'",
+    "BEGIN",
+    "INSERT INTO full_t VALUES (20, 'prepared')",
+    "PREPARE TRANSACTION 'gid-1'",
     "COMMIT PREPARED 'gid-1'",
-    "BEGIN", "INSERT INTO full_t VALUES (21, 'rolled back')", "PREPARE TRANSACTION 'gid-2'",
+    "BEGIN",
+    "INSERT INTO full_t VALUES (21, 'rolled back')",
+    "PREPARE TRANSACTION 'gid-2'",
     "ROLLBACK PREPARED 'gid-2'",
 ]
 
@@ -81,32 +87,52 @@ STREAMED = [
     "SELECT pg_logical_emit_message(true, 'app', 'in stream')",
     "TRUNCATE bulk",
     "COMMIT",
-    "BEGIN", "INSERT INTO full_t VALUES (40, 'aborted')", "ROLLBACK",
-    "BEGIN", "INSERT INTO full_t VALUES (50, 'streamed prepared')",
-    "PREPARE TRANSACTION 'gid-3'", "COMMIT PREPARED 'gid-3'",
+    "BEGIN",
+    "INSERT INTO full_t VALUES (40, 'aborted')",
+    "ROLLBACK",
+    "BEGIN",
+    "INSERT INTO full_t VALUES (50, 'streamed prepared')",
+    "PREPARE TRANSACTION 'gid-3'",
+    "COMMIT PREPARED 'gid-3'",
 ]
 
 
 def main() -> None:
     with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+
         def run(statements: list[str]) -> None:
             for statement in statements:
                 conn.execute(statement.encode())
 
         def peek() -> list[str]:
-            rows = conn.execute(f"SELECT data FROM pg_logical_slot_peek_binary_changes("
-                                f"'rec', NULL, NULL, {OPTIONS})".encode()).fetchall()
+            rows = conn.execute(
+                f"SELECT data FROM pg_logical_slot_peek_binary_changes("
+                f"'rec', NULL, NULL, {OPTIONS})".encode()
+            ).fetchall()
             return [bytes(row[0]).hex() for row in rows]
 
         run(SETUP + REGULAR)
         regular = peek()
-        run(["SELECT pg_replication_slot_advance('rec', pg_current_wal_lsn())", *STREAMED,
-             "SET debug_logical_replication_streaming = immediate"])
+        run(
+            [
+                "SELECT pg_replication_slot_advance('rec', pg_current_wal_lsn())",
+                *STREAMED,
+                "SET debug_logical_replication_streaming = immediate",
+            ]
+        )
         streamed = peek()
         row = conn.execute("SHOW server_version").fetchone()
         assert row is not None
-        json.dump({"server_version": row[0], "options": OPTIONS, "regular": regular,
-                   "streamed": streamed}, sys.stdout, indent=0)
+        json.dump(
+            {
+                "server_version": row[0],
+                "options": OPTIONS,
+                "regular": regular,
+                "streamed": streamed,
+            },
+            sys.stdout,
+            indent=0,
+        )
         print()
 
 
