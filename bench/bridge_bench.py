@@ -50,7 +50,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.stream import ReplicationConnection
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 START_OPTIONS = {

@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.failover.drill import (  # noqa: E402
+from slotbridge_dev.drill import (  # noqa: E402
     Workload,
     drill,
     fence_by_stopping,
@@ -46,9 +46,9 @@ from services.failover.drill import (  # noqa: E402
     settings_for,
     subscribe,
 )
-from services.stack.kafka_audit import AuditReport, audit  # noqa: E402
-from services.stack.kafka_proxy import KafkaFaultProxy  # noqa: E402
-from services.stack.stack import Stack  # noqa: E402
+from slotbridge_dev.stack.kafka_audit import AuditReport, audit  # noqa: E402
+from slotbridge_dev.stack.kafka_proxy import KafkaFaultProxy  # noqa: E402
+from slotbridge_dev.stack.stack import Stack  # noqa: E402
 from tests.integration.bridge_harness import CounterWorkload, Pipeline, wait_for  # noqa: E402
 
 FAILPOINTS = [

@@ -39,7 +39,7 @@ from confluent_kafka.admin import AdminClient
 
 from bench.bridge_bench import daemon_env, drop_pipeline, say
 from services.bridge.settings import BridgeSettings
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_MAX_MS = BridgeSettings.model_fields["batch_max_ms"].default

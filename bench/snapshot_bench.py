@@ -41,7 +41,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg.types.string import TextLoader
 
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -51,11 +51,12 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from services.common.logs import setup_logging
+from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
+from slotbridge_dev.synthetic import SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers.job import build_session, start_query
 from spark_consumers.kafka import kafka_options
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.synthetic import SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers.tables import dead_letter_path, table_paths
 
 NUM = ((12 << 16) | 2) + 4
@@ -185,6 +186,7 @@ def settings_for(bootstrap: str, prefix: str, root: Path, batch: int) -> Consume
         warehouse=str(root / "wh"),
         checkpoint_dir=str(root / "ck"),
         spark_master="local[2]",
+        jars_dir=jars_dir(cache_dir(), SPARK_SET),
         max_offsets_per_trigger=batch,
         log_format="text",
     )

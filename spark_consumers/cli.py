@@ -65,6 +65,12 @@ def consume(
     setup_logging(settings.log_format, settings.log_level)
     if settings.spark_master is None:
         settings = settings.model_copy(update={"spark_master": "local[2]"})
+    if settings.jars_dir is None:
+        raise click.ClickException(
+            "jars_dir is not set: local mode needs a folder with the Kafka source and Delta "
+            "jars (set jars_dir or SLOTBRIDGE_JARS_DIR; in a checkout `slotbridge stack env` "
+            "prints it), or run the job with spark-submit (--print-spark-submit)"
+        )
     # Spark is imported only now: --status and settings errors need no JVM.
     from spark_consumers.job import run
 

@@ -34,13 +34,6 @@ log = logging.getLogger("slotbridge.consume")
 _POLL_S = 2
 
 
-def default_jars_dir() -> Path:
-    """The bootstrap's jar cache (``python -m services.stack.bootstrap`` fills it)."""
-    from services.stack.bootstrap import cache_dir
-
-    return cache_dir() / "jars" / "spark"
-
-
 def _artifact(jar: str) -> str:
     """``kafka-clients-3.9.0.jar`` -> ``kafka-clients``: the name without the version."""
     return os.path.basename(jar).rsplit("-", 1)[0]
@@ -60,7 +53,9 @@ def extra_jars(jars_dir: Path) -> list[str]:
     }
     jars = sorted(glob.glob(str(jars_dir / "*.jar")))
     if not jars:
-        raise FileNotFoundError(f"no jars in {jars_dir}; run python3 -m services.stack.bootstrap")
+        raise FileNotFoundError(
+            f"no jars in {jars_dir}: jars_dir must hold the Kafka source and Delta jars"
+        )
     return [j for j in jars if _artifact(j) not in shipped]
 
 
@@ -102,12 +97,10 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
 
 
 def _jars(settings: ConsumerSettings) -> list[str]:
-    """The jars to add: from ``jars_dir``, or the bootstrap's cache in local mode; none
-    under spark-submit without ``jars_dir`` (``--jars`` / ``--packages`` bring them)."""
-    jars_dir = settings.jars_dir
-    if jars_dir is None and settings.spark_master is not None:
-        jars_dir = default_jars_dir()
-    return extra_jars(jars_dir) if jars_dir is not None else []
+    """The jars to add: those in ``jars_dir``; none without it, as under spark-submit,
+    whose ``--jars`` / ``--packages`` bring them (``slotbridge consume`` refuses local
+    mode without ``jars_dir``: see ``spark_consumers.cli``)."""
+    return extra_jars(settings.jars_dir) if settings.jars_dir is not None else []
 
 
 def build_session(
@@ -168,8 +161,11 @@ def spark_submit_command(
     ]
     if settings.spark_master is not None:
         command += ["--master", settings.spark_master]
-    # The cached jars ship with the submission (spark-submit uploads them to a cluster).
-    command += ["--jars", ",".join(extra_jars(settings.jars_dir or default_jars_dir()))]
+    # The jars ship with the submission (spark-submit uploads them to a cluster); without
+    # jars_dir the user adds --packages or --jars.
+    jars = _jars(settings)
+    if jars:
+        command += ["--jars", ",".join(jars)]
     for key, value in session_conf(settings).items():
         command += ["--conf", f"{key}={value}"]
     command.append(str(Path(__file__).resolve().parent / "main.py"))

@@ -68,8 +68,9 @@ class ConsumerSettings(ServiceSettings):
     )
     jars_dir: Path | None = Field(
         default=None,
-        description="folder of the Kafka source and Delta jars; the bootstrap "
-        "cache when unset (spark-submit --jars may provide them)",
+        description="folder of the Kafka source and Delta jars (the chart's image has "
+        "them in /opt/slotbridge/jars/spark; a checkout: `slotbridge stack env`); needed "
+        "in local mode, optional under spark-submit (--jars / --packages bring them)",
     )
     shuffle_partitions: int = Field(default=4, ge=1)
     stop_grace_s: float = Field(

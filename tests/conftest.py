@@ -17,10 +17,10 @@ from typing import IO, Any
 
 import pytest
 
-from services.stack import bootstrap
-from services.stack.cluster import free_ports
-from services.stack.kafka import Kafka, new_cluster_id
-from services.stack.stack import Stack, StackError
+from slotbridge_dev import bootstrap
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.kafka import Kafka, new_cluster_id
+from slotbridge_dev.stack.stack import Stack, StackError
 
 REPO = Path(__file__).resolve().parents[1]
 INTEGRATION = Path(__file__).resolve().parent / "integration"
@@ -31,6 +31,10 @@ KEEP = os.environ.get("SLOTBRIDGE_KEEP_STACK") == "1"
 # code: an editable install in a virtualenv shared between checkouts points at another one.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+)
+# The Spark consumer's jars come from its settings (jars_dir); here, the bootstrap's cache.
+os.environ.setdefault(
+    "SLOTBRIDGE_JARS_DIR", str(bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.SPARK_SET))
 )
 
 

@@ -23,7 +23,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-CACHE="$(cd "$ROOT" && python3 -m services.stack.bootstrap --print-cache)"
+CACHE="$(cd "$ROOT" && python3 -m slotbridge_dev.bootstrap --print-cache)"
 IMAGES="$CACHE/images"
 mkdir -p "$IMAGES"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"

@@ -8,7 +8,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-CACHE="$(cd "$ROOT" && python3 -m services.stack.bootstrap --print-cache)"
+CACHE="$(cd "$ROOT" && python3 -m slotbridge_dev.bootstrap --print-cache)"
 TAG="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$ROOT/helm/slotbridge/Chart.yaml")"
 SPARK_IMAGE="${SPARK_IMAGE:-localhost/slotbridge-spark:$TAG}"
 MOTO="$CACHE/images/moto"

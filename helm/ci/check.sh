@@ -16,7 +16,7 @@ SKIP_KINDS="ServiceMonitor,PrometheusRule,SparkApplication"
 
 HELM="$("$ROOT/helm/ci/install-tools.sh")"
 if [[ ! -x "$ROOT/.venv/bin/kubernetes-validate" ]]; then
-    echo "check: kubernetes-validate missing from .venv; run python3 -m services.stack.bootstrap" >&2
+    echo "check: kubernetes-validate missing from .venv; run python3 -m slotbridge_dev.bootstrap" >&2
     exit 1
 fi
 

@@ -216,7 +216,7 @@ EOF
 up() {
     local CACHE BIN t0 missing=() b
     t0="$(date +%s.%N)"
-    CACHE="$(cd "$ROOT" && python3 -m services.stack.bootstrap --print-cache)"
+    CACHE="$(cd "$ROOT" && python3 -m slotbridge_dev.bootstrap --print-cache)"
     BIN="$CACHE/k8s/bin"
     for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok; do
         [[ -x "$BIN/$b" ]] || missing+=("$b")

@@ -4,9 +4,9 @@
 #   helm/ci/install-tools.sh        # prints the path of the helm binary on its last line
 #
 # helm is a Go module, so it is built with `go install` through the Go module proxy into
-# $(python3 -m services.stack.bootstrap --print-cache)/bin. A second run with the right
+# $(python3 -m slotbridge_dev.bootstrap --print-cache)/bin. A second run with the right
 # version already there does nothing. kubernetes-validate is not installed here: it is a
-# dev dependency of the project and lives in .venv (python3 -m services.stack.bootstrap).
+# dev dependency of the project and lives in .venv (python3 -m slotbridge_dev.bootstrap).
 set -euo pipefail
 
 HELM_VERSION="v3.22.0"
@@ -16,7 +16,7 @@ HELM_VERSION="v3.22.0"
 KUBE_MINOR="37"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-CACHE="$(cd "$ROOT" && python3 -m services.stack.bootstrap --print-cache)"
+CACHE="$(cd "$ROOT" && python3 -m slotbridge_dev.bootstrap --print-cache)"
 BIN="$CACHE/bin"
 HELM="$BIN/helm"
 

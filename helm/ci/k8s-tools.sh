@@ -3,7 +3,7 @@
 #
 #   helm/ci/k8s-tools.sh        # prints the bin directory on its last line
 #
-# Into $(python3 -m services.stack.bootstrap --print-cache)/k8s/bin:
+# Into $(python3 -m slotbridge_dev.bootstrap --print-cache)/k8s/bin:
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (Kubernetes v1.36.3)
 #   kwok                                                              (sigs.k8s.io/kwok v0.8.0)
 #   etcd -> the Debian etcd-server binary (apt-get install -y etcd-server when missing)
@@ -25,7 +25,7 @@ STAGING_VERSION="v0.36.3"
 KWOK_VERSION="v0.8.0"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-CACHE="$(cd "$ROOT" && python3 -m services.stack.bootstrap --print-cache)"
+CACHE="$(cd "$ROOT" && python3 -m slotbridge_dev.bootstrap --print-cache)"
 K8S="$CACHE/k8s"
 BIN="$K8S/bin"
 WRAPPER="$K8S/wrapper"

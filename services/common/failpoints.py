@@ -8,7 +8,7 @@ on purpose, not by luck. The variable holds ``name=action`` pairs separated by c
     SLOTBRIDGE_FAILPOINTS="before_kafka_commit=error"     # raise FailpointError
     SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.1"     # every time through: a slow part
 
-Without the variable ``failpoint()`` costs one dict lookup. A name not in ``NAMES`` is
+Without the variable ``failpoint()`` is an empty function. A name not in ``NAMES`` is
 refused when the variable is read, so a test cannot arm a point that no code passes.
 """
 
@@ -55,14 +55,8 @@ def _parse(spec: str) -> dict[str, tuple[int, str]]:
     return points
 
 
-_POINTS = _parse(os.environ.get("SLOTBRIDGE_FAILPOINTS", ""))
-_HITS: dict[str, int] = {}
-
-
-def failpoint(name: str) -> None:
+def _fire(name: str) -> None:
     """Fire the named failpoint if it is armed and this is the chosen pass."""
-    if not _POINTS:
-        return
     armed = _POINTS.get(name)
     if armed is None:
         return
@@ -76,3 +70,14 @@ def failpoint(name: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise FailpointError(f"failpoint {name} fired")
+
+
+def _off(name: str) -> None:
+    """No failpoint is armed in this process."""
+
+
+_POINTS = _parse(os.environ.get("SLOTBRIDGE_FAILPOINTS", ""))
+_HITS: dict[str, int] = {}
+# Chosen once at import: in a process started without the variable (every production
+# process) a failpoint is a call to an empty function.
+failpoint = _fire if _POINTS else _off

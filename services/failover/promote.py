@@ -34,7 +34,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import conninfo, sql
 
-from services.common.failpoints import FailpointError, failpoint
+from services.common.failpoints import failpoint
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn, parse_lsn
 from services.common.pg import SourceError, connect
@@ -219,7 +219,6 @@ class Runbook:
                 psycopg.Error,
                 subprocess.SubprocessError,
                 OSError,
-                FailpointError,
             ) as exc:
                 self._record(name, "failed", began, one_line(exc))
                 self.result.error = f"step {name} failed: {exc}".strip()

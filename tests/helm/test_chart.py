@@ -32,7 +32,7 @@ from services.cli import cli
 from services.common.settings import ServiceSettings, load_settings
 from services.failover.settings import FailoverSettings
 from services.failover.watch import Metrics as FailoverMetrics
-from services.stack.bootstrap import cache_dir
+from slotbridge_dev.bootstrap import cache_dir
 from spark_consumers.metrics import registry_for
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts, Upkeep

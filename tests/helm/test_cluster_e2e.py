@@ -54,7 +54,7 @@ from typing import Any
 
 import pytest
 
-from services.stack.bootstrap import cache_dir
+from slotbridge_dev.bootstrap import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "slotbridge"

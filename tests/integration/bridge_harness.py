@@ -24,9 +24,9 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from services.bridge.progress import read_kafka_progress
-from services.stack.kafka import Kafka
-from services.stack.kafka_audit import AuditReport, audit, transaction_starts_at
-from services.stack.stack import Stack
+from slotbridge_dev.stack.kafka import Kafka
+from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
+from slotbridge_dev.stack.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,8 +19,8 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from services.failover.drill import settings_for
-from services.stack.stack import Stack
+from slotbridge_dev.drill import settings_for
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (
     Pipeline,
     one_line_error,

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from services.bridge.topics import table_topic
-from services.stack.cluster import free_ports
-from services.stack.stack import Stack
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (
     Pipeline,
     _lsn,
@@ -263,3 +263,7 @@ def test_consume_bad_options_and_absent_kafka_are_one_line(stack: Stack, tmp_pat
     code, output, took = _consume(tmp_path, SLOTBRIDGE_KAFKA_BOOTSTRAP=absent)
     assert code != 0 and took < 30 and "Traceback" not in output
     assert output.strip().count("\n") == 0 and f"Kafka at {absent}" in output, output
+    # Local mode without the jars' folder: refused before a JVM starts, in one line.
+    code, output, _ = _consume(tmp_path, SLOTBRIDGE_KAFKA_BOOTSTRAP=stack.kafka_bootstrap)
+    assert code != 0 and "Traceback" not in output
+    assert output.strip().count("\n") == 0 and "jars_dir is not set" in output, output

@@ -30,7 +30,7 @@ import pytest
 
 from services.bridge.publisher import HEARTBEAT_S
 from services.bridge.stream import ReplicationConnection
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, _lsn, one_line_error, sql, wait_for
 
 SCHEMA = "badsrc"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from services.stack.kafka_proxy import KafkaFaultProxy
-from services.stack.stack import Stack
+from slotbridge_dev.stack.kafka_proxy import KafkaFaultProxy
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import CounterWorkload, Pipeline
 
 SCHEMA = "chaos"

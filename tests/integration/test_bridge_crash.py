@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import CounterWorkload, Pipeline
 
 SCHEMA = "crash"

@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from services.failover.drill import (
+from slotbridge_dev.drill import (
     Workload,
     drill,
     fence_by_stopping,
@@ -27,7 +27,7 @@ from services.failover.drill import (
     settings_for,
     subscribe,
 )
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, wait_for
 
 TABLE = "drill"

@@ -12,8 +12,8 @@ from pathlib import Path
 from confluent_kafka import Consumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.stack.cluster import free_ports
-from services.stack.stack import Stack
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, sql
 
 SCHEMA = "lat"

@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import REPO, Pipeline, read_topics, sql
 
 SCHEMA = "rec"

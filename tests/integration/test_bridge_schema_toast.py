@@ -7,8 +7,8 @@ import urllib.request
 from pathlib import Path
 
 from services.bridge.records import TOAST_PLACEHOLDER
-from services.stack.cluster import free_ports
-from services.stack.stack import Stack
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, read_topics, sql, wait_for
 
 SCHEMA = "evo"

@@ -24,8 +24,8 @@ import pytest
 
 from services.bridge.progress import read_kafka_progress
 from services.bridge.records import ProgressRecord
-from services.stack.cluster import free_ports
-from services.stack.stack import Stack
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, Record, run_cli, sql, wait_for
 
 SCHEMA = "chunked"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from services.stack.bootstrap import cache_dir, pg_bin
-from services.stack.cluster import Node, free_ports, pg_os_user
-from services.stack.stack import Stack
+from slotbridge_dev.bootstrap import cache_dir, pg_bin
+from slotbridge_dev.stack.cluster import Node, free_ports, pg_os_user
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (
     Pipeline,
     _lsn,

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer
 
-from services.stack.bootstrap import DEBEZIUM_SET, cache_dir, jars_dir
-from services.stack.cluster import free_ports
-from services.stack.stack import Stack
+from slotbridge_dev.bootstrap import DEBEZIUM_SET, cache_dir, jars_dir
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, sql, wait_for
 
 SCHEMA = "dbzcmp"
@@ -156,7 +156,7 @@ def both(
 ) -> Iterator[tuple[Any, Any, str, str]]:
     if not (JARS / ".stamp").exists():
         pytest.skip(
-            f"Debezium/Connect jars absent from {JARS}: run `python3 -m services.stack.bootstrap`"
+            f"Debezium/Connect jars absent from {JARS}: run `python3 -m slotbridge_dev.bootstrap`"
         )
     dsn = stack.primary_dsn
     sql(dsn, DDL)

@@ -23,11 +23,11 @@ from typing import Any
 import psycopg
 
 from services.common.settings import load_settings
-from services.failover.drill import settings_for, subscribe
 from services.failover.settings import FailoverSettings
 from services.failover.watch import Watcher
-from services.stack.cluster import free_ports, wait_until
-from services.stack.stack import Stack
+from slotbridge_dev.drill import settings_for, subscribe
+from slotbridge_dev.stack.cluster import free_ports, wait_until
+from slotbridge_dev.stack.stack import Stack
 
 SLOTBRIDGE = str(Path(sys.executable).parent / "slotbridge")
 

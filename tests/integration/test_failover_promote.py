@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from services.failover.drill import (
+from slotbridge_dev.drill import (
     DrillResult,
     Workload,
     drill,
@@ -26,8 +26,8 @@ from services.failover.drill import (
     settings_for,
     subscribe,
 )
-from services.stack.cluster import wait_until
-from services.stack.stack import Stack
+from slotbridge_dev.stack.cluster import wait_until
+from slotbridge_dev.stack.stack import Stack
 
 TABLE = "drill"
 

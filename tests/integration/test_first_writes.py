@@ -24,9 +24,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink
-from services.stack.kafka_audit import audit_topics
-from services.stack.kafka_proxy import KafkaFaultProxy
-from services.stack.stack import Stack
+from slotbridge_dev.stack.kafka_audit import audit_topics
+from slotbridge_dev.stack.kafka_proxy import KafkaFaultProxy
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
 

@@ -12,7 +12,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaRefused, KafkaSink, SinkError
-from services.stack.stack import Stack
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
 

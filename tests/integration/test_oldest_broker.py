@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.stack import bootstrap
-from services.stack.kafka import Kafka
-from services.stack.stack import Stack
+from slotbridge_dev import bootstrap
+from slotbridge_dev.stack.kafka import Kafka
+from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import CounterWorkload, Pipeline, wait_for
 
 TRANSACTIONS = 300

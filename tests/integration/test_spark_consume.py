@@ -34,13 +34,13 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import FloatType, StringType, TimestampType
 
-from services.stack.cluster import free_ports, wait_until
-from services.stack.stack import Stack
+from slotbridge_dev.stack.cluster import free_ports, wait_until
+from slotbridge_dev.stack.stack import Stack
+from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers.job import start_query
 from spark_consumers.schema import spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.synthetic import Record, SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers.tables import dead_letter_path, table_paths
 from tests.integration.bridge_harness import Pipeline, one_line_error, run_cli, sql
 
@@ -272,6 +272,7 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
             "SLOTBRIDGE_TRIGGER_INTERVAL_S": "0",
             "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "40",
             "SLOTBRIDGE_SPARK_MASTER": "local[1]",
+            "SLOTBRIDGE_JARS_DIR": str(settings.jars_dir),
             "SLOTBRIDGE_SHUFFLE_PARTITIONS": "1",
             "SLOTBRIDGE_LOG_FORMAT": "text",
             "SLOTBRIDGE_HTTP_PORT": "0",
@@ -436,6 +437,7 @@ def _consumer_env(settings: ConsumerSettings) -> dict[str, str]:
             "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
             "SLOTBRIDGE_STATUS_PATH": str(settings.status_path),
             "SLOTBRIDGE_SPARK_MASTER": "local[1]",
+            "SLOTBRIDGE_JARS_DIR": str(settings.jars_dir),
             "SLOTBRIDGE_LOG_FORMAT": "text",
             "SLOTBRIDGE_HTTP_PORT": str(settings.http_port),
         }

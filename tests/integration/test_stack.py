@@ -18,9 +18,9 @@ import psycopg
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from services.stack.cluster import free_ports, pid_alive
-from services.stack.kafka import dump_log_segments
-from services.stack.stack import NODE_NAMES, Stack
+from slotbridge_dev.stack.cluster import free_ports, pid_alive
+from slotbridge_dev.stack.kafka import dump_log_segments
+from slotbridge_dev.stack.stack import NODE_NAMES, Stack
 
 SLOTBRIDGE = str(Path(sys.executable).parent / "slotbridge")
 
@@ -253,4 +253,4 @@ def test_up_refuses_a_taken_port(empty_dir: Path) -> None:
 
 def test_up_without_binary_cache(empty_dir: Path, tmp_path: Path) -> None:
     proc = _cli("up", "--dir", str(empty_dir), env={"SLOTBRIDGE_CACHE": str(tmp_path)})
-    _assert_one_line_failure(proc, "services.stack.bootstrap")
+    _assert_one_line_failure(proc, "slotbridge_dev.bootstrap")

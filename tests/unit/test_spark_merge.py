@@ -32,12 +32,12 @@ from pyspark.sql.types import (
 )
 
 from services.bridge.records import TOAST_PLACEHOLDER
+from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.synthetic import Record, SynthColumn, SynthTable
 from spark_consumers.tables import dead_letter_path, table_paths
 
 pytestmark = pytest.mark.spark

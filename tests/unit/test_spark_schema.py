@@ -21,10 +21,10 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from slotbridge_dev.synthetic import SynthColumn, SynthTable
 from spark_consumers.schema import SchemaRegistry, numeric_precision_scale, spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import lag_from_progress
-from spark_consumers.synthetic import SynthColumn, SynthTable
 
 
 def _typmod(precision: int, scale: int) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from services.stack.kafka import Kafka, dump_log_segments
+from slotbridge_dev.stack.kafka import Kafka, dump_log_segments
 
 _PARTITION_DIR = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
 _FIELD = re.compile(r"(\w+): (\S+)")

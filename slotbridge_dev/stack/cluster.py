@@ -249,7 +249,7 @@ class Node:
         except FileNotFoundError:
             raise StackError(
                 f"{self.name}: {self.bin_dir / 'pg_ctl'} is missing; run "
-                "python3 -m services.stack.bootstrap"
+                "python3 -m slotbridge_dev.bootstrap"
             ) from None
         except subprocess.TimeoutExpired:
             raise StackError(

@@ -4,8 +4,9 @@ Runs with the system Python and the standard library only, because it is what cr
 virtualenv that holds everything else. Each part writes a stamp naming the inputs it was
 built from, so a second run with nothing changed only compares stamps (a few seconds).
 
-    python3 -m services.stack.bootstrap            # everything
-    python3 -m services.stack.bootstrap --print-cache
+    python3 -m slotbridge_dev.bootstrap            # everything
+    python3 -m slotbridge_dev.bootstrap --print-cache
+    python3 slotbridge_dev/bootstrap.py --image-jars DIR   # the Spark image's jars only
 
 Nothing it downloads lives in the repository: PostgreSQL and the jars go to the cache folder
 (``SLOTBRIDGE_CACHE``, default ``/var/cache/slotbridge`` for root - it must be readable by
@@ -14,6 +15,7 @@ the unprivileged user PostgreSQL runs as - else ``~/.cache/slotbridge``).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -21,9 +23,10 @@ import subprocess
 import sys
 import time
 import venv
+from collections.abc import Mapping
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
 
 # The versions the project is tested with; the stack and the Spark jobs read them from here.
@@ -51,6 +54,7 @@ KAFKA_TOOLS_SET = "kafka-tools"
 # pom is missing from Maven Central, so 3.7.0.Final.
 DEBEZIUM_VERSION = "3.7.0.Final"
 DEBEZIUM_SET = "debezium"
+SPARK_SET = "spark"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
 # Kafka logs through SLF4J 1.7 (every version above): without a binding its log stays empty.
@@ -78,7 +82,7 @@ MAVEN_SETS = {
         ),
         _KAFKA_SLF4J_BINDING,
     ],
-    "spark": [
+    SPARK_SET: [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
     ],
@@ -145,6 +149,28 @@ def ensure_venv() -> None:
     stamp.write_text(key)
 
 
+def ensure_dev_path() -> None:
+    """Put this checkout on the virtualenv's path.
+
+    The development tools (this package) are not part of the slotbridge distribution, so
+    the wheel and the images never carry them; the development virtualenv finds them in
+    the checkout, and `slotbridge stack|demo` work from any folder.
+    """
+    site = subprocess.run(
+        [
+            str(VENV / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    pth = Path(site) / "slotbridge-dev.pth"
+    if not pth.exists() or pth.read_text() != f"{ROOT}\n":
+        pth.write_text(f"{ROOT}\n")
+
+
 def ensure_postgres(cache: Path) -> None:
     target = cache / "pg"
     key = repr(sorted(PG_PACKAGES.items()))
@@ -202,10 +228,10 @@ _MAVEN_SETTINGS = (
 )
 
 
-def ensure_jars(cache: Path) -> None:
+def ensure_jars(cache: Path, sets: Mapping[str, list[str]] = MAVEN_SETS) -> None:
     if shutil.which("mvn") is None:
         sys.exit("bootstrap: mvn is missing; install Maven (it resolves the Kafka and Spark jars)")
-    for name, artifacts in MAVEN_SETS.items():
+    for name, artifacts in sets.items():
         target = jars_dir(cache, name)
         key = repr((artifacts, SPARK_PROVIDED_GROUPS))
         stamp = target / ".stamp"
@@ -231,7 +257,7 @@ def ensure_jars(cache: Path) -> None:
             f"-DoutputDirectory={target}",
             "-DincludeScope=runtime",
         ]
-        if name == "spark":
+        if name == SPARK_SET:
             cmd.append(f"-DexcludeGroupIds={SPARK_PROVIDED_GROUPS}")
         _run(cmd, f"{name} jars from Maven Central")
         stamp.write_text(key)
@@ -242,17 +268,44 @@ def ensure_helm() -> None:
     _run(["bash", str(ROOT / "helm" / "ci" / "install-tools.sh")], "helm from the Go module proxy")
 
 
+def image_jars(cache: Path) -> None:
+    """The Spark image's jars (helm/Dockerfile.spark): the job's set and the cloud file
+    systems, whose Hadoop must be the one pyspark ships (run with the image's Python)."""
+    import pyspark  # the image's virtualenv, not the system Python's
+
+    shipped = sorted(
+        p.name for p in (Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar")
+    )
+    want = f"hadoop-client-api-{HADOOP_VERSION}.jar"
+    if shipped != [want]:
+        sys.exit(f"bootstrap: pyspark ships {shipped}, the cloud jars need {want}")
+    ensure_jars(cache, {SPARK_SET: MAVEN_SETS[SPARK_SET], SPARK_CLOUD_SET: SPARK_CLOUD_JARS})
+
+
 def main() -> None:
     if sys.version_info < (3, 11):  # noqa: UP036 - runs under the system Python, not the venv
         sys.exit("bootstrap: Python >= 3.11 is required")
+    parser = argparse.ArgumentParser(prog="python3 -m slotbridge_dev.bootstrap")
+    parser.add_argument("--print-cache", action="store_true", help="print the cache folder")
+    parser.add_argument(
+        "--image-jars",
+        type=Path,
+        metavar="DIR",
+        help="only resolve the Spark image's jars into DIR/jars (helm/Dockerfile.spark)",
+    )
+    args = parser.parse_args()
+    if args.image_jars is not None:
+        image_jars(args.image_jars)
+        return
     started = time.monotonic()
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     os.chmod(cache, 0o755)
-    if "--print-cache" in sys.argv:
+    if args.print_cache:
         print(cache)
         return
     ensure_venv()
+    ensure_dev_path()
     ensure_postgres(cache)
     ensure_jars(cache)
     ensure_helm()

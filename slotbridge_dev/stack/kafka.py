@@ -16,8 +16,8 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from services.stack import bootstrap
-from services.stack.cluster import (
+from slotbridge_dev import bootstrap
+from slotbridge_dev.stack.cluster import (
     StackError,
     kill_all,
     pid_alive,
@@ -211,7 +211,7 @@ class Kafka:
             return
         if not has_broker(self.jars):
             raise StackError(
-                f"kafka: no broker jars in {self.jars}; run python3 -m services.stack.bootstrap"
+                f"kafka: no broker jars in {self.jars}; run python3 -m slotbridge_dev.bootstrap"
             )
         self.check_ports()
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ import click
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from services.stack.bootstrap import ROOT
-from services.stack.stack import Stack, StackError
+from slotbridge_dev.bootstrap import ROOT
+from slotbridge_dev.stack.stack import Stack, StackError
 
 _DDL = """
 CREATE SCHEMA IF NOT EXISTS shop;
@@ -154,6 +154,7 @@ def _consume(stack: Stack, state_dir: Path) -> None:
         "SLOTBRIDGE_WAREHOUSE": str(warehouse / "tables"),
         "SLOTBRIDGE_CHECKPOINT_DIR": str(warehouse / "checkpoint"),
         "SLOTBRIDGE_LOG_FORMAT": "text",
+        **{k: v for k, v in stack.env().items() if k == "SLOTBRIDGE_JARS_DIR"},
     }
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "consume", "--once"],

@@ -23,8 +23,8 @@ import psycopg
 import yaml
 from psycopg import conninfo
 
-from services.stack.cluster import wait_until
-from services.stack.stack import Stack, StackError
+from slotbridge_dev.stack.cluster import wait_until
+from slotbridge_dev.stack.stack import Stack, StackError
 
 SLOTBRIDGE = str(Path(sys.executable).parent / "slotbridge")
 
@@ -165,7 +165,7 @@ def drill(
 def fence_by_stopping(stack: Stack) -> list[str]:
     """A fence_command that stops the stack's primary, as a real one would stop a VM."""
     code = (
-        "import sys; from pathlib import Path; from services.stack.stack import Stack; "
+        "import sys; from pathlib import Path; from slotbridge_dev.stack.stack import Stack; "
         "sys.exit(0 if Stack(Path(sys.argv[1])).node('primary').stop('fast') else 1)"
     )
     return [sys.executable, "-c", code, str(stack.state_dir)]

@@ -19,8 +19,8 @@ import click
 import psycopg
 
 from services.common.logs import one_line
-from services.stack.bootstrap import ROOT
-from services.stack.stack import Stack, StackError
+from slotbridge_dev.bootstrap import ROOT
+from slotbridge_dev.stack.stack import Stack, StackError
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -21,8 +21,8 @@ from typing import Any
 
 import psycopg
 
-from services.stack import bootstrap
-from services.stack.cluster import (
+from slotbridge_dev import bootstrap
+from slotbridge_dev.stack.cluster import (
     Node,
     RunAs,
     StackError,
@@ -33,7 +33,7 @@ from services.stack.cluster import (
     say,
     wait_until,
 )
-from services.stack.kafka import Kafka, has_broker, new_cluster_id
+from slotbridge_dev.stack.kafka import Kafka, has_broker, new_cluster_id
 
 __all__ = ["NODE_NAMES", "Stack", "StackError"]
 
@@ -222,6 +222,8 @@ class Stack:
             "SLOTBRIDGE_STANDBY_DSN": self.standby_dsn,
             "SLOTBRIDGE_SUBSCRIBER_DSN": self.subscriber_dsn,
             "SLOTBRIDGE_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
+            # The Spark consumer's jars (its jars_dir), as the bootstrap resolved them.
+            "SLOTBRIDGE_JARS_DIR": str(bootstrap.jars_dir(self._cache(), bootstrap.SPARK_SET)),
         }
 
     # -- up -------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ class Stack:
             raise StackError(
                 f"binary cache {self._cache()} lacks PostgreSQL "
                 f"{self.pg_major} or the Kafka jars; run python3 -m "
-                "services.stack.bootstrap"
+                "slotbridge_dev.bootstrap"
             )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         user = self._user()
