@@ -39,6 +39,9 @@ for image in "$BRIDGE_IMAGE" "$SPARK_IMAGE"; do
     else
         echo "FAIL $image: entrypoint/user are $config"; failed=1
     fi
+    # The development tools (slotbridge_dev: local stack, demo) are not in the images.
+    check "$image: no development tools" "^absent$" --entrypoint /bin/sh "$image" -c \
+        'python -c "import importlib.util as u; print(\"absent\" if u.find_spec(\"slotbridge_dev\") is None else \"present\")"'
 done
 check "$BRIDGE_IMAGE: run --help" "--config" "$BRIDGE_IMAGE" run --help
 check "$BRIDGE_IMAGE: failover watch --help" "Usage: slotbridge failover watch" \
