@@ -26,7 +26,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from services.bridge.records import TOAST_PLACEHOLDER
+from services.contract.records import TOAST_PLACEHOLDER
 from spark_consumers import schema as s
 
 ENVELOPE = (
@@ -82,7 +82,7 @@ def envelope_reason(table: s.TableSchema) -> Column:
         (e["source"]["commit_lsn"].isNull(), "source.commit_lsn missing"),
         (e["transaction"]["total_order"].isNull(), "transaction.total_order missing"),
         (e["source"]["schema_version"].isNull(), "source.schema_version missing"),
-        # The topic may name the table mapped (services/bridge/topics.py); the record has
+        # The topic may name the table mapped (services/contract/topics.py); the record has
         # its real name.
         (
             (e["source"]["schema"] != F.lit(table.schema))

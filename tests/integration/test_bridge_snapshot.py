@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from services.bridge.progress import read_kafka_progress
-from services.bridge.records import ProgressRecord
+from services.contract.records import ProgressRecord
 from services.stack.cluster import free_ports
 from services.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, Record, run_cli, sql, wait_for

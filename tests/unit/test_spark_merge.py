@@ -31,7 +31,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from services.bridge.records import TOAST_PLACEHOLDER
+from services.contract.records import TOAST_PLACEHOLDER
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.schema import SchemaRegistry
