@@ -1,7 +1,7 @@
 """Change records in the bridge's exact format, for tests and the merge benchmark.
 
 The consumer must be testable (and measurable) without a running bridge: this module
-builds schema and change records as ``services.bridge.records`` defines them and publishes
+builds schema and change records as ``services.contract.records`` defines them and publishes
 them in Kafka transactions the way the bridge does (schema record first, same transaction).
 """
 
@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.bridge.records import CONNECTOR
+from services.contract.records import CONNECTOR
+from services.contract.topics import schema_topic, table_topic
 
 # One record: topic, key bytes (None for a truncate), value bytes (None for a tombstone).
 Record = tuple[str, bytes | None, bytes | None]
@@ -41,7 +42,7 @@ class SynthTable:
 
     @property
     def topic(self) -> str:
-        return f"{self.prefix}.{self.schema}.{self.table}"
+        return table_topic(self.prefix, self.schema, self.table)
 
     @property
     def key_columns(self) -> list[str]:
@@ -70,7 +71,7 @@ class SynthTable:
             "ts_ms": int(time.time() * 1000),
         }
         key = {"schema": self.schema, "table": self.table, "version": self.version}
-        return f"{self.prefix}.schema", _dumps(key).encode(), _dumps(value).encode()
+        return schema_topic(self.prefix), _dumps(key).encode(), _dumps(value).encode()
 
     def change(
         self,

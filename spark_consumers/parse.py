@@ -26,15 +26,26 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from services.bridge.records import TOAST_PLACEHOLDER
+from services.contract.records import OPS, TOAST_PLACEHOLDER, ChangeValue
 from spark_consumers import schema as s
+from spark_consumers.contract import spark_schema
 
-ENVELOPE = (
-    "before map<string,variant>, after map<string,variant>, "
-    "source struct<schema:string,table:string,txId:bigint,lsn:bigint,commit_lsn:bigint,"
-    "ts_ms:bigint,snapshot:string,schema_version:int>, op string, ts_ms bigint, "
-    "transaction struct<id:string,total_order:bigint,data_collection_order:bigint>, "
-    "json_nulls struct<before:array<string>,after:array<string>>"
+# A change record as the consumer parses it: all of it but the parts of ``source`` it
+# does not read.
+ENVELOPE = spark_schema(
+    ChangeValue,
+    only={
+        "source": (
+            "schema",
+            "table",
+            "txId",
+            "lsn",
+            "commit_lsn",
+            "ts_ms",
+            "snapshot",
+            "schema_version",
+        )
+    },
 )
 REASON = "_reason"
 TABLE = "_table"
@@ -78,11 +89,11 @@ def envelope_reason(table: s.TableSchema) -> Column:
     e = F.col("e")
     op = e["op"]
     checks: list[tuple[Column, str]] = [
-        (~op.isin("c", "u", "d", "r", "t"), "unknown op"),
+        (~op.isin(*OPS), "unknown op"),
         (e["source"]["commit_lsn"].isNull(), "source.commit_lsn missing"),
         (e["transaction"]["total_order"].isNull(), "transaction.total_order missing"),
         (e["source"]["schema_version"].isNull(), "source.schema_version missing"),
-        # The topic may name the table mapped (services/bridge/topics.py); the record has
+        # The topic may name the table mapped (services/contract/topics.py); the record has
         # its real name.
         (
             (e["source"]["schema"] != F.lit(table.schema))

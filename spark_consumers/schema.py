@@ -42,7 +42,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from services.bridge.topics import table_key
+from services.contract.topics import table_key
 
 # Metadata columns the consumer adds; a source column of the same name cannot be stored.
 OP = "_cdc_op"

@@ -12,7 +12,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from services.bridge.topics import MAX_PREFIX, table_topic
 from services.common.settings import (
     HTTP_HOST,
     ServiceSettings,
@@ -20,6 +19,7 @@ from services.common.settings import (
     qualified_tables,
     string_values,
 )
+from services.contract.topics import MAX_PREFIX, schema_topic, table_topic
 
 
 class ConsumerSettings(ServiceSettings):
@@ -121,7 +121,7 @@ class ConsumerSettings(ServiceSettings):
 
     @property
     def schema_topic(self) -> str:
-        return f"{self.topic_prefix}.schema"
+        return schema_topic(self.topic_prefix)
 
     def change_topics(self) -> list[str] | None:
         """The change topics named by ``tables``; None means "all of this prefix"."""

@@ -32,7 +32,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.bridge.records import TOAST_PLACEHOLDER
 from services.bridge.values import (
     ARRAY_ELEMENT,
     Converter,
@@ -43,6 +42,7 @@ from services.bridge.values import (
     money_decimal,
     parse_array,
 )
+from services.contract.records import TOAST_PLACEHOLDER
 
 Schema = dict[str, Any]
 

@@ -62,7 +62,6 @@ from services.bridge.publisher import (
     SnapshotRequest,
     TxnQueue,
 )
-from services.bridge.records import ProgressRecord
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import (
@@ -91,6 +90,7 @@ from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn
 from services.common.pg import SourceError, SourceRefused, connect, with_password
+from services.contract.records import ProgressRecord
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 import orjson
 
 from services.bridge import messages as m
-from services.bridge.records import CONNECTOR, TOAST_PLACEHOLDER
-from services.bridge.topics import table_topic
 from services.bridge.values import JSON_NULL, TYPE_NAMES, JsonValue, converter_for
 from services.common.lsn import format_lsn
+from services.contract.records import CONNECTOR, TOAST_PLACEHOLDER
+from services.contract.topics import message_topic, schema_topic, table_topic, transaction_topic
 
 VERSION = "0.1.0"
 _PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
@@ -250,9 +250,9 @@ class EventBuilder:
         self.topic_prefix = topic_prefix
         self.db = db
         self.max_record_bytes = max_record_bytes
-        self.schema_topic = f"{topic_prefix}.schema"
-        self.transaction_topic = f"{topic_prefix}.transaction"
-        self.message_topic = f"{topic_prefix}.message"
+        self.schema_topic = schema_topic(topic_prefix)
+        self.transaction_topic = transaction_topic(topic_prefix)
+        self.message_topic = message_topic(topic_prefix)
 
     # The record headers of change records and tombstones: none in the default format.
     headers: Headers | None = None

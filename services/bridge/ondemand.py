@@ -17,13 +17,13 @@ import psycopg
 from psycopg import sql
 
 from services.bridge.progress import read_kafka_progress
-from services.bridge.records import TableSnapshot
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import kafka_client_config
 from services.bridge.snapshot import SIGNAL
 from services.bridge.source import published_tables
 from services.common.lsn import parse_lsn
 from services.common.pg import SourceRefused, connect, with_password
+from services.contract.records import TableSnapshot
 
 
 def _dsn(settings: BridgeSettings) -> str:

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from services.bridge.records import ProgressRecord, TableSnapshot
 from services.common.kafka import explain
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
 from services.common.pg import SourceRefused
+from services.contract.records import ProgressRecord, TableSnapshot
 
 log = logging.getLogger(__name__)
 

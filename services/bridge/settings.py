@@ -9,7 +9,6 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from services.bridge.topics import MAX_PREFIX
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,
@@ -18,6 +17,7 @@ from services.common.settings import (
     qualified_tables,
     string_values,
 )
+from services.contract.topics import MAX_PREFIX
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 

@@ -43,12 +43,12 @@ from psycopg.types.string import TextLoader
 
 from services.bridge import messages as m
 from services.bridge.chunks import Row, TableName, XidSnapshot
-from services.bridge.records import TableSnapshot
 from services.bridge.source import PublishedTable, published_tables
 from services.bridge.stream import SESSION_OPTIONS
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 from services.common.pg import SourceRefused, connect
+from services.contract.records import TableSnapshot
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bridge.topics import table_topic
+from services.contract.topics import table_topic
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (

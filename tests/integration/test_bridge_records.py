@@ -102,6 +102,7 @@ def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             f" (3, '{{\"a\": null}}', '[null]')",
         )
         sql(dsn, f"UPDATE {SCHEMA}.docs SET jb = '{{}}' WHERE id = 1")
+        sql(dsn, "SELECT pg_logical_emit_message(true, 'rec.note', 'hello')")
         pipe.wait_caught_up(90)
         yield pipe
         assert pipe.stop() == 0
@@ -170,6 +171,7 @@ def test_every_record_validates_against_schemas(published: Pipeline) -> None:
     }
     topics[f"{published.prefix}.transaction"] = "transaction"
     topics[f"{published.prefix}.schema"] = "table_schema"
+    topics[f"{published.prefix}.message"] = "message"
     topics[published.progress_topic] = "progress"
     records = read_topics(published.stack.kafka, list(topics))
     checked = 0
@@ -180,7 +182,7 @@ def test_every_record_validates_against_schemas(published: Pipeline) -> None:
         checked += 1
     assert checked >= 15
     kinds = {topics[r.topic] for r in records}
-    assert kinds == {"change_value", "transaction", "table_schema", "progress"}
+    assert kinds == {"change_value", "transaction", "table_schema", "message", "progress"}
 
 
 def test_schema_topic_describes_columns(published: Pipeline) -> None:

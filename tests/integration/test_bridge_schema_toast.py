@@ -6,7 +6,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.bridge.records import TOAST_PLACEHOLDER
+from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, read_topics, sql, wait_for

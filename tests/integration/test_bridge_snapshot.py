@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from services.bridge.progress import read_kafka_progress
-from services.bridge.records import ProgressRecord
+from services.contract.records import ProgressRecord
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, Record, run_cli, sql, wait_for

@@ -1,4 +1,4 @@
-"""Topic names for any table name PostgreSQL allows (services/bridge/topics.py)."""
+"""Topic names for any table name PostgreSQL allows (services/contract/topics.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from services.bridge.topics import MAX_PREFIX, MAX_TOPIC, segment, table_key, table_topic
+from services.contract.topics import MAX_PREFIX, MAX_TOPIC, segment, table_key, table_topic
 
 _VALID = re.compile(r"[A-Za-z0-9._-]{1,249}")
 

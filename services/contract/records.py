@@ -1,9 +1,9 @@
 """The records the bridge writes to Kafka, as pydantic models.
 
 These models are the contract with consumers: ``schemas/*.json`` is generated from them
-(``python -m services.bridge.records``) and a test keeps the two equal. The event builder
-does not instantiate them on the hot path (building plain dicts is several times faster);
-tests validate what the builder produced against the generated schemas instead.
+(``python -m services.contract.schemas``) and a test keeps the two equal. The bridge's
+record builders do not instantiate them on the hot path (building bytes directly is
+several times faster); tests validate what the builders produce against them instead.
 
 Column values are typed JSON by PostgreSQL type (see ``services/bridge/values.py``):
 integers as numbers, numeric and money as exact decimal strings, timestamps as ISO 8601
@@ -16,10 +16,7 @@ Debezium consumers already recognise it).
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -27,6 +24,11 @@ TOAST_PLACEHOLDER = "__debezium_unavailable_value"
 CONNECTOR = "slotbridge"
 
 Row = dict[str, Any]
+# c: insert, u: update, d: delete, r: snapshot read, t: truncate (Debezium's letters).
+Op = Literal["c", "u", "d", "r", "t"]
+OPS: tuple[str, ...] = get_args(Op)
+# A table schema version counts up from 1; consumers may hold it in 32 bits (Spark does).
+SchemaVersion = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
 class _Strict(BaseModel):
@@ -54,7 +56,9 @@ class Source(_Strict):
     ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
     snapshot: Literal["true", "last", "false"]
     sequence: str = Field(description='JSON array ["<commit_lsn>","<lsn>"] (Debezium style)')
-    schema_version: int = Field(description="version of the table schema record it was built with")
+    schema_version: SchemaVersion = Field(
+        description="version of the table schema record it was built with"
+    )
 
 
 class TransactionBlock(_Strict):
@@ -88,7 +92,7 @@ class ChangeValue(_Strict):
     )
     after: Row | None
     source: Source
-    op: Literal["c", "u", "d", "r", "t"]
+    op: Op
     ts_ms: int = Field(description="when the bridge built the record, ms since epoch")
     transaction: TransactionBlock | None
     json_nulls: JsonNulls | None = Field(
@@ -116,6 +120,24 @@ class TransactionRecord(_Strict):
     ts_ms: int
 
 
+class MessageRecord(_Strict):
+    """Value on ``{prefix}.message``: a ``pg_logical_emit_message`` message written in a
+    published transaction, keyed by ``{"prefix": <prefix>}``.
+
+    It sits in the source transaction's Kafka transaction, between that transaction's
+    BEGIN and END, and counts in its END's ``event_count``. A transaction holding nothing
+    but one of the bridge's own messages (a snapshot watermark or signal) publishes nothing.
+    """
+
+    prefix: str
+    content: str = Field(description="the message's bytes, base64")
+    transactional: bool
+    lsn: int = Field(description="WAL position of the message")
+    txId: int = Field(description="source transaction id")
+    commit_lsn: int = Field(description="WAL position of the transaction's commit")
+    ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
+
+
 class ColumnSchema(_Strict):
     name: str
     type: str = Field(description="PostgreSQL type as format_type() prints it")
@@ -139,7 +161,7 @@ class TableSchemaRecord(_Strict):
 
     schema_: str = Field(alias="schema")
     table: str
-    version: int
+    version: SchemaVersion
     relation_oid: int
     replica_identity: Literal["d", "n", "f", "i"]
     columns: list[ColumnSchema]
@@ -187,33 +209,3 @@ class ProgressRecord(_Strict):
         # Before chunked snapshots an entry was a point until which the stream's older
         # changes were dropped; the stream has long passed it.
         return [e for e in value if "lsn" not in e] if isinstance(value, list) else value
-
-
-SCHEMAS: dict[str, type[BaseModel]] = {
-    "change_value": ChangeValue,
-    "transaction": TransactionRecord,
-    "table_schema": TableSchemaRecord,
-    "progress": ProgressRecord,
-}
-
-
-def json_schema(model: type[BaseModel]) -> dict[str, Any]:
-    schema = model.model_json_schema(by_alias=True)
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    if model is ChangeValue:
-        schema["description"] = (
-            schema.get("description", "") + "\n\nUnchanged TOAST marker: "
-            f'a column value equal to "{TOAST_PLACEHOLDER}".'
-        ).strip()
-    return schema
-
-
-def write_schemas(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, model in SCHEMAS.items():
-        text = json.dumps(json_schema(model), indent=2, sort_keys=True) + "\n"
-        (folder / f"{name}.schema.json").write_text(text)
-
-
-if __name__ == "__main__":
-    write_schemas(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("schemas"))

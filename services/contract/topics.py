@@ -1,4 +1,5 @@
-"""Change topic names: ``{prefix}.{schema}.{table}``, made valid for Kafka.
+"""Topic names: ``{prefix}.{schema}.{table}`` per table, made valid for Kafka, and the
+prefix's ``schema``, ``transaction`` and ``message`` topics beside them.
 
 PostgreSQL allows any character in a quoted name (``"bad name"``, ``"a.b"``, ``"ümlaut"``);
 Kafka allows only ``[A-Za-z0-9._-]`` and at most 249 characters. A name Kafka would refuse
@@ -24,7 +25,8 @@ against ``_`` (``app.sales.order_items`` next to ``app.sales_order.items``); the
 then stops with a line naming both (``TopicRefused``).
 
 The Spark consumers name their tables by the same segments (``table_key``), so a topic and
-the consumer's table for it always agree.
+the consumer's table for it always agree. The prefix's other topics never collide with a
+table's: they have one segment after the prefix, a table's topic two.
 """
 
 from __future__ import annotations
@@ -55,3 +57,18 @@ def table_key(schema: str, table: str) -> str:
 
 def table_topic(prefix: str, schema: str, table: str) -> str:
     return f"{prefix}.{table_key(schema, table)}"
+
+
+def schema_topic(prefix: str) -> str:
+    """The compacted topic of ``TableSchemaRecord``s."""
+    return f"{prefix}.schema"
+
+
+def transaction_topic(prefix: str) -> str:
+    """The topic of ``TransactionRecord``s (BEGIN/END)."""
+    return f"{prefix}.transaction"
+
+
+def message_topic(prefix: str) -> str:
+    """The topic of ``MessageRecord``s."""
+    return f"{prefix}.message"
