@@ -18,7 +18,6 @@ import jsonschema
 import pytest
 from pgoutput_builder import encode
 from pydantic import BaseModel
-from spark_consumers.synthetic import SynthColumn, SynthTable
 
 from services.bridge import messages as m
 from services.bridge.debezium import DebeziumEventBuilder
@@ -36,6 +35,7 @@ from services.contract.records import (
 )
 from services.contract.schemas import json_schema, schema_texts
 from services.contract.topics import message_topic, schema_topic, transaction_topic
+from slotbridge_dev.synthetic import SynthColumn, SynthTable
 
 PREFIX = "app"
 TYPED, FULL, KEYLESS = 16_401, 16_402, 16_403
