@@ -91,24 +91,31 @@ class ConnectWorker:
         except (urllib.error.URLError, ConnectionError):
             return None
 
-    def wait_running(self, timeout: float) -> None:
-        """Until the connector and its tasks run; a FAILED one or an exited worker fails at
-        once with Connect's own trace, so a misconfiguration is not a timeout."""
+    def check(self) -> dict[str, Any] | None:
+        """The status (None while the REST API does not answer yet); a FAILED connector or
+        task, or an exited worker, fails at once with Connect's own trace, so a record the
+        connector cannot take is not a timeout."""
         assert self.proc is not None, "worker not started"
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"Connect exited ({self.proc.returncode}):\n{self.log_path.read_text()}"
+            )
+        status = self.status()
+        if status is not None:
+            states = [status["connector"], *status["tasks"]]
+            failed = [s.get("trace", s["state"]) for s in states if s["state"] == "FAILED"]
+            if failed:
+                raise AssertionError("\n".join(failed))
+        return status
+
+    def wait_running(self, timeout: float) -> None:
+        """Until the connector and its tasks run."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"Connect exited ({self.proc.returncode}):\n{self.log_path.read_text()}"
-                )
-            status = self.status()
-            if status is not None:
-                states = [status["connector"], *status["tasks"]]
-                failed = [s.get("trace", s["state"]) for s in states if s["state"] == "FAILED"]
-                if failed:
-                    raise AssertionError("\n".join(failed))
-                if status["tasks"] and all(s["state"] == "RUNNING" for s in states):
-                    return
+            status = self.check()
+            states = [] if status is None else [status["connector"], *status["tasks"]]
+            if len(states) > 1 and all(s["state"] == "RUNNING" for s in states):
+                return
             if time.monotonic() > deadline:
                 raise AssertionError(f"connector not running after {timeout}s: {status}")
             time.sleep(0.5)

@@ -9,12 +9,14 @@ the Connect schema alone (Debezium's source leaves out the column-type parameter
 ``column.propagate.source.type``), so some columns necessarily get another type than the
 source's: ``SINK_TYPES`` holds every column's type as the sink creates it, and for those
 whose text then differs, ``SOURCE_AS_SINK`` the source expression the copy's text equals.
+``REFUSED`` lists the values the sink cannot write at all.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,15 @@ SCHEMA = "dbzjdbc"
 TABLE = f"{SCHEMA}.alltypes"
 # With REPLICA IDENTITY FULL an unchanged TOAST value is in the old row: the record has it.
 FULL_TABLE = f"{SCHEMA}.toastfull"
+# Values the sink cannot write at all, from Debezium's own records as from ours (they are
+# the same: test_debezium_format.py and tests/unit/test_connect_values.py): one table each,
+# whose sink task fails on its one row with this error.
+REFUSED = {
+    # MicroTime 86,400,000,000 µs: java.time.LocalTime has no 24:00.
+    "time24": ("time", "'24:00:00'", "Invalid value for NanoOfDay"),
+    # Debezium's stand-in for infinity, 2,146,033,979 days, is past PostgreSQL's last date.
+    "dateinf": ("date", "'infinity'", 'date out of range: "5877611-06-21"'),
+}
 COPY_DB = "dbzjdbc_copy"
 JARS = jars_dir(cache_dir(), DEBEZIUM_JDBC_SET)
 COLUMNS = {
@@ -71,6 +82,7 @@ CREATE TABLE {TABLE} ({", ".join(f"{name} {kind}" for name, kind in COLUMNS.item
   PRIMARY KEY (id));
 CREATE TABLE {FULL_TABLE} (id int PRIMARY KEY, n int, big text);
 ALTER TABLE {FULL_TABLE} REPLICA IDENTITY FULL;
+{"".join(f"CREATE TABLE {SCHEMA}.{t} (id int PRIMARY KEY, v {r[0]});" for t, r in REFUSED.items())}
 """
 BIG = "(SELECT string_agg(md5(i::text), '') FROM generate_series(1, 3200) i)"
 WORKLOAD = [
@@ -85,6 +97,8 @@ WORKLOAD = [
       '1900-01-01 00:00:00+00', -1234.56, '10:00:00+00', '23:59:59.999999')""",
     f"""INSERT INTO {TABLE} (id, f4, f8, n_var, d, iv, big)
       VALUES (3, 'Infinity', 'NaN', 100, '0044-03-15 BC', '-1 day -02:00:00', 'small')""",
+    f"INSERT INTO {TABLE} (id, ts, tstz, ts3) VALUES (5, 'infinity', '-infinity', '-infinity')",
+    f"INSERT INTO {TABLE} (id, ts) VALUES (6, '-infinity')",
     f"INSERT INTO {TABLE} (id, t) VALUES (4, 'deleted')",
     f"UPDATE {TABLE} SET t = 'changed', i4 = 99 WHERE id = 1",  # big: unchanged TOAST
     f"UPDATE {TABLE} SET id = 10 WHERE id = 2",
@@ -92,6 +106,7 @@ WORKLOAD = [
     f"BEGIN; INSERT INTO {TABLE} (id) VALUES (21); INSERT INTO {TABLE} (id) VALUES (22); COMMIT",
     f"INSERT INTO {FULL_TABLE} VALUES (1, 1, {BIG}), (2, 1, {BIG})",
     f"UPDATE {FULL_TABLE} SET n = 2 WHERE id = 1",
+    *(f"INSERT INTO {SCHEMA}.{t} VALUES (1, {v})" for t, (_, v, _) in REFUSED.items()),
 ]
 # Every column as the sink creates it from the Connect schema (Debezium JDBC sink 3.6.0.Final,
 # PostgreSQL dialect): lengths, the char padding's type, jsonb, money and enums are not in a
@@ -134,6 +149,10 @@ SOURCE_AS_SINK = {
     "iv": "make_interval(secs => ((extract(year FROM iv) * 12 + extract(month FROM iv))"
     " * 30.4375 + extract(day FROM iv)) * 86400 + extract(hour FROM iv) * 3600"
     " + extract(minute FROM iv) * 60 + extract(second FROM iv))",
+    # io.debezium.time.MicroTimestamp's stand-in for infinity is Long.MAX_VALUE microseconds,
+    # which the sink writes as the finite timestamp it is. (-infinity, Long.MIN_VALUE micro-
+    # or milliseconds, arrives as -infinity.)
+    "ts": "CASE WHEN ts = 'infinity' THEN '294247-01-10 04:00:54.775807' ELSE ts END",
     # money is a Decimal of scale 2: the copy has the number without the currency format.
     "m": "m::numeric",
     # An unchanged TOAST value is Debezium's placeholder in the record (its connector's
@@ -146,14 +165,15 @@ def _copy_dsn(stack: Stack) -> str:
     return stack.subscriber_dsn.replace("dbname=postgres", f"dbname={COPY_DB}")
 
 
-def _sink(tmp: Path, stack: Stack, topics: list[str]) -> ConnectWorker:
+def _sink(folder: Path, stack: Stack, name: str, topics: list[str]) -> ConnectWorker:
     node = dict(p.split("=", 1) for p in stack.subscriber_dsn.split())
+    folder.mkdir()
     return ConnectWorker(
-        tmp,
+        folder,
         JARS,
         stack.kafka.bootstrap,
         {
-            "name": "dbzjdbc-sink",
+            "name": name,
             "connector.class": "io.debezium.connector.jdbc.JdbcSinkConnector",
             "tasks.max": "1",
             "topics": ",".join(topics),
@@ -182,8 +202,8 @@ def _committed(
         consumer.close()
 
 
-def _wait_consumed(bootstrap: str, group: str, records: list[Record], timeout: float) -> None:
-    """Until the sink's consumer group has committed past the topic's last record: Connect
+def _wait_consumed(sink: ConnectWorker, records: list[Record], timeout: float) -> None:
+    """Until the sink's consumer group has committed past each topic's last record: Connect
     commits a sink's offsets only after the connector flushed the records before them, so
     the copy then holds everything the topic does. (Its committed offset is the last
     record's plus one, not the end offset: a transaction's commit marker follows.)"""
@@ -194,7 +214,8 @@ def _wait_consumed(bootstrap: str, group: str, records: list[Record], timeout: f
     parts = [TopicPartition(topic, partition) for topic, partition in ends]
     deadline = time.monotonic() + timeout
     while True:
-        committed = _committed(bootstrap, group, parts)
+        sink.check()
+        committed = _committed(sink.bootstrap, f"connect-{sink.connector['name']}", parts)
         if all(committed.get(at, -1) >= end for at, end in ends.items()):
             return
         if time.monotonic() > deadline:
@@ -208,8 +229,15 @@ def _rows(dsn: str, table: str, exprs: dict[str, str]) -> list[tuple[Any, ...]]:
     return sql(dsn, f"SELECT {select} FROM {table} ORDER BY {table}.id")
 
 
+@dataclass
+class Copied:
+    stack: Stack
+    tmp: Path
+    topics: dict[str, str]  # the bridge's topic of each table (name without the schema)
+
+
 @pytest.fixture(scope="module")
-def copied(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def copied(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Copied]:
     if not (JARS / ".stamp").exists():
         pytest.skip(
             f"Debezium JDBC sink jars absent from {JARS}: run `python3 -m slotbridge_dev.bootstrap`"
@@ -219,20 +247,22 @@ def copied(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     sql(stack.subscriber_dsn, f"DROP DATABASE IF EXISTS {COPY_DB} WITH (FORCE)")
     sql(stack.subscriber_dsn, f"CREATE DATABASE {COPY_DB}")
     tmp = Path(tmp_path_factory.mktemp("dbzjdbc"))
-    pipe = Pipeline(stack, [TABLE, FULL_TABLE], tmp)
-    topics = [pipe.topic(TABLE), pipe.topic(FULL_TABLE)]
-    sink = _sink(tmp, stack, topics)
+    tables = [TABLE, FULL_TABLE, *(f"{SCHEMA}.{t}" for t in REFUSED)]
+    pipe = Pipeline(stack, tables, tmp)
+    topics = {t.split(".")[1]: pipe.topic(t) for t in tables}
+    copying = [topics["alltypes"], topics["toastfull"]]
+    sink = _sink(tmp / "sink", stack, "dbzjdbc-sink", copying)
     try:
         pipe.start(SLOTBRIDGE_VALUE_FORMAT="debezium")
         pipe.wait_caught_up(60)
         for statement in WORKLOAD:
             sql(dsn, statement)
         pipe.wait_caught_up(60)
-        records = read_topics(stack.kafka, topics)
+        records = read_topics(stack.kafka, copying)
         sink.start()
         sink.wait_running(60)
-        _wait_consumed(stack.kafka.bootstrap, f"connect-{sink.connector['name']}", records, 60)
-        yield stack
+        _wait_consumed(sink, records, 60)
+        yield Copied(stack, tmp, topics)
         assert pipe.stop() == 0
         pipe.audit()
     finally:
@@ -240,10 +270,10 @@ def copied(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         pipe.cleanup()
 
 
-def test_sink_created_the_documented_types(copied: Stack) -> None:
+def test_sink_created_the_documented_types(copied: Copied) -> None:
     created = dict(
         sql(
-            _copy_dsn(copied),
+            _copy_dsn(copied.stack),
             "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
             " WHERE attrelid = 'alltypes'::regclass AND attnum > 0 AND NOT attisdropped",
         )
@@ -251,11 +281,11 @@ def test_sink_created_the_documented_types(copied: Stack) -> None:
     assert created == SINK_TYPES
 
 
-def test_copy_equals_source(copied: Stack) -> None:
-    source = _rows(copied.primary_dsn, TABLE, {c: SOURCE_AS_SINK.get(c, c) for c in COLUMNS})
-    copy = _rows(_copy_dsn(copied), "alltypes", {c: c for c in COLUMNS})
+def test_copy_equals_source(copied: Copied) -> None:
+    source = _rows(copied.stack.primary_dsn, TABLE, {c: SOURCE_AS_SINK.get(c, c) for c in COLUMNS})
+    copy = _rows(_copy_dsn(copied.stack), "alltypes", {c: c for c in COLUMNS})
     assert [row[0] for row in copy] == [row[0] for row in source]
-    assert [row[0] for row in copy] == ["1", "3", "10", "21", "22"]  # 2 moved, 4 deleted
+    assert [row[0] for row in copy] == ["1", "3", "5", "6", "10", "21", "22"]  # 2 moved, 4 deleted
     diffs = [
         # (column, id, source, copy), cut short: a TOAST value is 100 kB.
         (name, s[0], (s[i] or "")[:80], (c[i] or "")[:80])
@@ -266,9 +296,28 @@ def test_copy_equals_source(copied: Stack) -> None:
     assert diffs == []
 
 
-def test_unchanged_toast_copied_with_replica_identity_full(copied: Stack) -> None:
+def test_unchanged_toast_copied_with_replica_identity_full(copied: Copied) -> None:
     """The way to an exact copy of unchanged TOAST values: the old row carries them."""
     query = "SELECT id, n, md5(big) FROM {} ORDER BY id"
-    source = sql(copied.primary_dsn, query.format(FULL_TABLE))
-    assert sql(_copy_dsn(copied), query.format("toastfull")) == source
+    source = sql(copied.stack.primary_dsn, query.format(FULL_TABLE))
+    assert sql(_copy_dsn(copied.stack), query.format("toastfull")) == source
     assert [row[:2] for row in source] == [(1, 2), (2, 1)]
+
+
+@pytest.mark.parametrize("table", list(REFUSED))
+def test_sink_refuses(copied: Copied, table: str) -> None:
+    """Its own sink on the table's topic: the task fails on the row, with the error."""
+    sink = _sink(copied.tmp / table, copied.stack, f"dbzjdbc-{table}", [copied.topics[table]])
+    sink.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                sink.check()
+            except AssertionError as failed:
+                assert REFUSED[table][2] in str(failed)
+                break
+            assert time.monotonic() < deadline, f"the sink took {REFUSED[table][1]}"
+            time.sleep(0.5)
+    finally:
+        sink.stop()
