@@ -54,6 +54,18 @@ KAFKA_TOOLS_SET = "kafka-tools"
 # pom is missing from Maven Central, so 3.7.0.Final.
 DEBEZIUM_VERSION = "3.7.0.Final"
 DEBEZIUM_SET = "debezium"
+# Debezium's JDBC sink connector, a consumer of the Debezium record format nobody here wrote
+# (tests/integration/test_debezium_jdbc_sink.py); a set of its own, with its own Connect
+# runtime, because a Connect worker's classpath holds one connector's dependencies cleanly
+# (and its Debezium version differs: 3.6.0.Final is the newest JDBC sink on Maven Central).
+# Its runtime dependencies carry the PostgreSQL JDBC driver.
+DEBEZIUM_JDBC_VERSION = "3.6.0.Final"
+# It names org.hibernate:hibernate-agroal 7.2.6.Final, which is not on Maven Central (Hibernate
+# 7 publishes it as org.hibernate.orm, and not that version): left out, and the nearest
+# published Hibernate with its Agroal pool comes in directly (a direct dependency wins over
+# the connector's hibernate-core 7.2.6.Final, so both are the same version).
+HIBERNATE_VERSION = "7.2.19.Final"
+DEBEZIUM_JDBC_SET = "debezium-jdbc"
 SPARK_SET = "spark"
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
@@ -63,6 +75,13 @@ _KAFKA_SLF4J_BINDING = "org.apache.logging.log4j:log4j-slf4j-impl:2.25.3"
 
 def _kafka_broker(version: str) -> list[str]:
     return [f"org.apache.kafka:kafka_2.13:{version}", _KAFKA_SLF4J_BINDING]
+
+
+# Kafka Connect standalone with the JSON converter (slotbridge_dev/connect.py runs it).
+_CONNECT_RUNTIME = [
+    f"org.apache.kafka:{name}:{KAFKA_TOOLS_VERSION}"
+    for name in ("connect-runtime", "connect-json", "connect-file")
+]
 
 
 MAVEN_SETS = {
@@ -76,15 +95,25 @@ MAVEN_SETS = {
     KAFKA_TOOLS_SET: [f"org.apache.kafka:kafka-tools:{KAFKA_TOOLS_VERSION}", _KAFKA_SLF4J_BINDING],
     DEBEZIUM_SET: [
         f"io.debezium:debezium-connector-postgres:{DEBEZIUM_VERSION}",
-        *(
-            f"org.apache.kafka:{name}:{KAFKA_TOOLS_VERSION}"
-            for name in ("connect-runtime", "connect-json", "connect-file")
-        ),
+        *_CONNECT_RUNTIME,
+        _KAFKA_SLF4J_BINDING,
+    ],
+    DEBEZIUM_JDBC_SET: [
+        f"io.debezium:debezium-connector-jdbc:{DEBEZIUM_JDBC_VERSION}",
+        f"org.hibernate.orm:hibernate-core:{HIBERNATE_VERSION}",
+        f"org.hibernate.orm:hibernate-agroal:{HIBERNATE_VERSION}",
+        *_CONNECT_RUNTIME,
         _KAFKA_SLF4J_BINDING,
     ],
     SPARK_SET: [
         f"org.apache.spark:spark-sql-kafka-0-10_2.13:{SPARK_VERSION}",
         f"io.delta:delta-spark_2.13:{DELTA_VERSION}",
+    ],
+}
+# What an artifact of a set names but Maven Central lacks (group:artifact, left out).
+MAVEN_EXCLUSIONS = {
+    f"io.debezium:debezium-connector-jdbc:{DEBEZIUM_JDBC_VERSION}": [
+        "org.hibernate:hibernate-agroal"
     ],
 }
 # The cloud file systems of the Spark image (s3a://, abfs(s)://, wasb(s)://): not resolved
@@ -211,9 +240,13 @@ def _pom(artifacts: list[str]) -> str:
     deps = []
     for coord in artifacts:
         group, artifact, version = coord.split(":")
+        exclusions = "".join(
+            f"<exclusion><groupId>{g}</groupId><artifactId>{a}</artifactId></exclusion>"
+            for g, a in (name.split(":") for name in MAVEN_EXCLUSIONS.get(coord, []))
+        )
         deps.append(
             f"<dependency><groupId>{group}</groupId><artifactId>{artifact}</artifactId>"
-            f"<version>{version}</version></dependency>"
+            f"<version>{version}</version><exclusions>{exclusions}</exclusions></dependency>"
         )
     return (
         '<project xmlns="http://maven.apache.org/POM/4.0.0"><modelVersion>4.0.0</modelVersion>'
@@ -233,7 +266,9 @@ def ensure_jars(cache: Path, sets: Mapping[str, list[str]] = MAVEN_SETS) -> None
         sys.exit("bootstrap: mvn is missing; install Maven (it resolves the Kafka and Spark jars)")
     for name, artifacts in sets.items():
         target = jars_dir(cache, name)
-        key = repr((artifacts, SPARK_PROVIDED_GROUPS))
+        excluded = {a: MAVEN_EXCLUSIONS[a] for a in artifacts if a in MAVEN_EXCLUSIONS}
+        # Exclusions join the key only where there are any, so the other sets' stamps stand.
+        key = repr((artifacts, SPARK_PROVIDED_GROUPS, *([excluded] if excluded else [])))
         stamp = target / ".stamp"
         if _fresh(stamp, key):
             _say(f"{name} jars up to date")

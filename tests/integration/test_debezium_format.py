@@ -7,7 +7,6 @@ but for what must differ (times, LSNs, transaction ids, names) and the documente
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from slotbridge_dev.bootstrap import DEBEZIUM_SET, cache_dir, jars_dir
-from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.connect import ConnectWorker
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, sql, wait_for
 
@@ -68,61 +67,31 @@ PREFIX = f"{SCHEMA}_{uuid.uuid4().hex[:8]}"
 BRIDGE_ONLY = {"ia"}
 
 
-def _connect(tmp: Path, bootstrap: str, dsn: dict[str, str]) -> subprocess.Popen[bytes]:
-    (rest_port,) = free_ports(1)
-    worker = tmp / "worker.properties"
-    worker.write_text(
-        "\n".join(
-            [
-                f"bootstrap.servers={bootstrap}",
-                "key.converter=org.apache.kafka.connect.json.JsonConverter",
-                "value.converter=org.apache.kafka.connect.json.JsonConverter",
-                f"offset.storage.file.filename={tmp / 'offsets'}",
-                "offset.flush.interval.ms=1000",
-                f"listeners=http://127.0.0.1:{rest_port}",
-                "plugin.discovery=only_scan",
-                "",
-            ]
-        )
-    )
-    connector = tmp / "pg.properties"
-    connector.write_text(
-        "\n".join(
-            [
-                "name=dbzcmp",
-                "connector.class=io.debezium.connector.postgresql.PostgresConnector",
-                "tasks.max=1",
-                f"database.hostname={dsn['host']}",
-                f"database.port={dsn['port']}",
-                f"database.user={dsn['user']}",
-                "database.password=",
-                f"database.dbname={dsn['dbname']}",
-                f"topic.prefix={PREFIX}",
-                "plugin.name=pgoutput",
-                f"slot.name={SCHEMA}_dbz",
-                f"publication.name={SCHEMA}_dbz",
-                "publication.autocreate.mode=disabled",
-                f"table.include.list={SCHEMA}.alltypes",
-                "snapshot.mode=no_data",
-                # The bridge always writes transaction metadata and truncates (documented).
-                "provide.transaction.metadata=true",
-                "skipped.operations=none",
-                "",
-            ]
-        )
-    )
-    log = (tmp / "connect.log").open("wb")
-    return subprocess.Popen(
-        [
-            "java",
-            "-cp",
-            f"{JARS}/*",
-            "org.apache.kafka.connect.cli.ConnectStandalone",
-            str(worker),
-            str(connector),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+def _connect(tmp: Path, bootstrap: str, dsn: dict[str, str]) -> ConnectWorker:
+    return ConnectWorker(
+        tmp,
+        JARS,
+        bootstrap,
+        {
+            "name": "dbzcmp",
+            "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
+            "tasks.max": "1",
+            "database.hostname": dsn["host"],
+            "database.port": dsn["port"],
+            "database.user": dsn["user"],
+            "database.password": "",
+            "database.dbname": dsn["dbname"],
+            "topic.prefix": PREFIX,
+            "plugin.name": "pgoutput",
+            "slot.name": f"{SCHEMA}_dbz",
+            "publication.name": f"{SCHEMA}_dbz",
+            "publication.autocreate.mode": "disabled",
+            "table.include.list": f"{SCHEMA}.alltypes",
+            "snapshot.mode": "no_data",
+            # The bridge always writes transaction metadata and truncates (documented).
+            "provide.transaction.metadata": "true",
+            "skipped.operations": "none",
+        },
     )
 
 
@@ -163,6 +132,7 @@ def both(
     tmp = Path(tmp_path_factory.mktemp("dbz"))
     parts = dict(p.split("=", 1) for p in dsn.split())
     connect = _connect(tmp, stack.kafka.bootstrap, parts)
+    connect.start()
     pipe = Pipeline(stack, [f"{SCHEMA}.alltypes"], tmp)
     try:
         pipe.start(SLOTBRIDGE_VALUE_FORMAT="debezium")
@@ -186,8 +156,7 @@ def both(
         assert pipe.stop() == 0
         pipe.audit()
     finally:
-        connect.terminate()
-        connect.wait(30)
+        connect.stop()
         pipe.cleanup()
         wait_for(
             lambda: (
