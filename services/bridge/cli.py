@@ -95,7 +95,7 @@ def snapshot(
     """Snapshot TABLE again (or the rows matching --where) while the bridge streams."""
     settings = _settings(config)
     from services.bridge import ondemand
-    from services.bridge.progress import ProgressError
+    from services.bridge.highwater import ProgressError
 
     try:
         if cancel is not None:

@@ -36,6 +36,7 @@ from confluent_kafka import KafkaException
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
 from services.bridge.chunks import TableName
+from services.bridge.confirm import ConfirmTracker
 from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import (
@@ -46,15 +47,10 @@ from services.bridge.events import (
     known_versions,
     max_change_bytes,
 )
+from services.bridge.highwater import ProgressError, high_water
+from services.bridge.kafka_reader import read_kafka_progress, read_topic
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
-from services.bridge.progress import (
-    ConfirmTracker,
-    OriginStore,
-    ProgressError,
-    high_water,
-    read_kafka_progress,
-    read_topic,
-)
+from services.bridge.origin import OriginStore
 from services.bridge.publisher import (
     HEARTBEAT_S,
     GapError,

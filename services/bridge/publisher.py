@@ -31,16 +31,13 @@ from dataclasses import dataclass, field
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.chunks import StreamWatch, TableName
+from services.bridge.confirm import ConfirmTracker
 from services.bridge.decoder import DecodeError
 from services.bridge.events import EventBuilder, Record, RelationInfo
+from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.progress import (
-    ConfirmTracker,
-    OriginStore,
-    ServerIdentity,
-    progress_key,
-    progress_value,
-)
+from services.bridge.origin import OriginStore
+from services.bridge.progress_record import progress_key, progress_value
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink
 from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook

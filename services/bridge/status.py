@@ -8,7 +8,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from services.bridge.progress import ProgressError, read_kafka_progress
+from services.bridge.highwater import ProgressError
+from services.bridge.kafka_reader import read_kafka_progress
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import kafka_client_config
 from services.common.lsn import format_lsn
