@@ -22,6 +22,7 @@ from services.bridge import messages as m
 from services.bridge.records import CONNECTOR, TOAST_PLACEHOLDER
 from services.bridge.topics import table_topic
 from services.bridge.values import JSON_NULL, TYPE_NAMES, JsonValue, converter_for
+from services.common.errors import SlotbridgeError
 from services.common.lsn import format_lsn
 
 VERSION = "0.1.0"
@@ -32,8 +33,10 @@ _PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
 _dumps = orjson.dumps
 
 
-class RowTooLarge(Exception):
+class RowTooLarge(SlotbridgeError):
     """A single change record exceeds the configured limit; publishing it would fail."""
+
+    retryable = False  # the same row comes again: max_row_bytes must change
 
 
 def max_change_bytes(max_row_bytes: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.bridge.records import ProgressRecord
+from services.common.errors import SlotbridgeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,16 +27,16 @@ def high_water(origin_lsn: int, kafka: ProgressRecord | None) -> int:
     return max(origin_lsn, kafka.end_lsn if kafka is not None else 0)
 
 
-class ProgressError(Exception):
-    """The recorded progress contradicts the server we are connected to."""
-
-
-class IdentityError(ProgressError):
+class IdentityError(SlotbridgeError):
     """This server cannot be where the published progress came from.
 
     The message is the problem and what to do; ``problem`` alone serves a caller that
     moves on to another server instead.
     """
+
+    # Once a session streamed, source_dsn may reach the right server again later (an
+    # address that moves to the promoted primary after a failover).
+    retryable = True
 
     def __init__(
         self, problem: str, remedy: str, server: ServerIdentity, published: ProgressRecord

@@ -13,10 +13,17 @@ from collections.abc import Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from services.bridge.highwater import ProgressError
 from services.bridge.progress_record import parse_progress, progress_key
 from services.bridge.records import ProgressRecord
+from services.common.errors import SlotbridgeError
 from services.common.kafka import explain
+
+
+class TopicReadError(SlotbridgeError):
+    """A topic could not be read back from Kafka (an error or a timeout); the message names
+    the topic and the cause."""
+
+    retryable = True  # the broker was away or slow; a new session reads again
 
 
 def _consumer(client_config: dict[str, object]) -> Consumer:
@@ -66,7 +73,7 @@ def _scan(
         if offset is not None and offset >= end:
             return
         yield msg.key(), msg.value()
-    raise ProgressError(f"timed out reading topic {topic}")
+    raise TopicReadError(f"timed out reading topic {topic}")
 
 
 def read_kafka_progress(
@@ -98,7 +105,7 @@ def read_kafka_progress(
             end, window = start, window * 4
         return None
     except KafkaException as exc:
-        raise ProgressError(f"cannot read progress topic {topic}: {explain(exc)}") from None
+        raise TopicReadError(f"cannot read progress topic {topic}: {explain(exc)}") from None
     finally:
         consumer.close()
 
@@ -114,6 +121,6 @@ def read_topic(
             return []
         return list(_scan(consumer, topic, bounds[0], bounds[1], timeout_s))
     except KafkaException as exc:
-        raise ProgressError(f"cannot read topic {topic}: {explain(exc)}") from None
+        raise TopicReadError(f"cannot read topic {topic}: {explain(exc)}") from None
     finally:
         consumer.close()

@@ -42,6 +42,7 @@ from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink
 from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
 from services.bridge.stream import now_pg_us
+from services.common.errors import SlotbridgeError
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 
@@ -54,8 +55,10 @@ _STOP = object()
 HEARTBEAT_S = 5.0
 
 
-class GapError(Exception):
+class GapError(SlotbridgeError):
     """A transaction we must publish arrived without its content: refuse to paper over it."""
+
+    retryable = False  # the server will not send the content again
 
 
 @dataclass(frozen=True, slots=True)
