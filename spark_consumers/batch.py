@@ -20,6 +20,7 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from services.common.errors import SlotbridgeError
 from services.common.logs import log_event
 from spark_consumers import schema as s
 from spark_consumers.deadletter import STOPPED, quarantine, stopped_tables
@@ -279,8 +280,10 @@ class BatchProcessor:
         )
 
 
-class TableRefused(Exception):
+class TableRefused(SlotbridgeError):
     """A table the consumer cannot store as it is; the text says why, in one line."""
+
+    retryable = False  # the table stays stopped until the operator acts
 
 
 def _with_texts(bad: DataFrame, raw: DataFrame) -> DataFrame:

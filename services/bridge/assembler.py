@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from services.bridge import messages as m
 from services.bridge.spool import Spool
+from services.common.errors import SlotbridgeError
 
 _XID = struct.Struct("!I")
 _SIZE = struct.Struct("!Q")
@@ -40,8 +41,10 @@ def oversized(payload: bytes, streamed: bool) -> tuple[int, int]:
     return _XID.unpack_from(payload, oid_at)[0], _SIZE.unpack_from(payload, oid_at + 4)[0]
 
 
-class AssemblyError(Exception):
+class AssemblyError(SlotbridgeError):
     """The stream broke the protocol's ordering rules; the session must restart."""
+
+    retryable = True
 
 
 @dataclass(slots=True)

@@ -95,7 +95,7 @@ def snapshot(
     """Snapshot TABLE again (or the rows matching --where) while the bridge streams."""
     settings = _settings(config)
     from services.bridge import ondemand
-    from services.bridge.progress import ProgressError
+    from services.bridge.kafka_reader import TopicReadError
 
     try:
         if cancel is not None:
@@ -126,7 +126,7 @@ def snapshot(
                 )
             ),
         )
-    except (SourceError, ProgressError) as exc:
+    except (SourceError, TopicReadError) as exc:
         click.echo(f"slotbridge: {exc}", err=True)
         sys.exit(1)
     if as_json:

@@ -7,9 +7,11 @@ publication, slot and origin exist, compute the high-water mark, then run the so
 starts again from what PostgreSQL and Kafka durably hold, so a restart can neither lose
 nor duplicate.
 
-Errors that a retry cannot fix (bad settings, wrong server, a gap) end the daemon with
-one line and a non-zero exit; so does any error before the first session streamed,
-because at start-up a failure is far more often a typo than an outage.
+Errors that a retry cannot fix (bad settings, wrong server, a gap: each error class says
+so in its ``retryable``) end the daemon with one line and a non-zero exit, plus the
+traceback when the error is a bug (``logs.log_failure``); so does any error before the
+first session streamed, because at start-up a failure is far more often a typo than an
+outage.
 
 Of two bridges on one slot, the one that started last wins (``SlotBusy``).
 
@@ -31,33 +33,26 @@ from dataclasses import dataclass
 from types import FrameType
 
 import psycopg
-from confluent_kafka import KafkaException
 
 from services.bridge import messages as m
-from services.bridge.assembler import Assembler, AssemblyError
+from services.bridge.assembler import Assembler
 from services.bridge.chunks import TableName
+from services.bridge.confirm import ConfirmTracker
 from services.bridge.debezium import DebeziumEventBuilder
-from services.bridge.decoder import DecodeError, PgOutputDecoder
+from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import (
     EventBuilder,
     KnownVersion,
     RelationCatalog,
-    RowTooLarge,
     known_versions,
     max_change_bytes,
 )
+from services.bridge.highwater import high_water
+from services.bridge.kafka_reader import read_kafka_progress, read_topic
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
-from services.bridge.progress import (
-    ConfirmTracker,
-    OriginStore,
-    ProgressError,
-    high_water,
-    read_kafka_progress,
-    read_topic,
-)
+from services.bridge.origin import OriginStore
 from services.bridge.publisher import (
     HEARTBEAT_S,
-    GapError,
     Publisher,
     SnapshotRequest,
     TxnQueue,
@@ -65,10 +60,7 @@ from services.bridge.publisher import (
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import (
-    FencedError,
-    KafkaRefused,
     KafkaSink,
-    SinkError,
     kafka_client_config,
 )
 from services.bridge.snapshot import ChunkReader, SnapshotBook
@@ -83,28 +75,18 @@ from services.bridge.source import (
     table_facts,
     warn_keyless_tables,
 )
-from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
+from services.bridge.spool import Spool, SpoolStats, prepare_spool_dir
 from services.bridge.stream import ReplicationConnection, StreamError, drop_slot
+from services.common.errors import retryable
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
-from services.common.logs import log_event, one_line
+from services.common.logs import log_event, log_failure, one_line
 from services.common.lsn import format_lsn
 from services.common.pg import SourceError, SourceRefused, connect, with_password
 from services.contract.records import ProgressRecord
 
 log = logging.getLogger(__name__)
 
-# Errors a new session can get past (the server or broker went away, a walsender of our
-# previous session still holds the slot ...). Everything else is fatal.
-TRANSIENT = (
-    StreamError,
-    SinkError,
-    psycopg.OperationalError,
-    KafkaException,
-    AssemblyError,
-    ProgressError,
-)
-FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError, SourceRefused)
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STATS_EVERY_S = 10.0
 _POLL_OPTIONS = "-c lock_timeout=1000"
@@ -121,6 +103,8 @@ class SlotBusy(SourceError):
     still held after that is streamed by something else.
     """
 
+    retryable = True  # and waited out even before a session streamed (``retry_session``)
+
     def __init__(self, slot: str, holder: str, wait_s: float) -> None:
         super().__init__(
             f"slot {slot} is in use by {holder}; waiting until it is released "
@@ -129,6 +113,15 @@ class SlotBusy(SourceError):
         self.slot = slot
         self.holder = holder
         self.wait_s = wait_s
+
+
+def retry_session(exc: BaseException, streamed: bool) -> bool:
+    """Whether a new session follows one that ended with ``exc``.
+
+    A busy slot is waited out from the start (``SlotBusy``); any other error only once a
+    session streamed, and only if a retry may get past it (``errors.retryable``).
+    """
+    return isinstance(exc, SlotBusy) or (streamed and retryable(exc))
 
 
 @dataclass
@@ -208,7 +201,7 @@ class Bridge:
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            log_event(log, logging.ERROR, one_line(exc), error=type(exc).__name__)
+            log_failure(log, exc)
             return 1
         finally:
             if server is not None:
@@ -257,11 +250,7 @@ class Bridge:
                     return
 
     def _retryable(self, exc: BaseException) -> bool:
-        if self._stop.is_set() or isinstance(exc, FATAL):
-            return False
-        if isinstance(exc, SlotBusy):
-            return True
-        return self._sessions_streamed > 0 and isinstance(exc, (*TRANSIENT, SourceError))
+        return not self._stop.is_set() and retry_session(exc, self._sessions_streamed > 0)
 
     def _live(self) -> tuple[bool, str]:
         now = time.monotonic()

@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable
 
 from services.bridge import messages as m
+from services.common.errors import SlotbridgeError
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
@@ -76,8 +77,10 @@ _NAMES = {
 }
 
 
-class DecodeError(ValueError):
+class DecodeError(SlotbridgeError, ValueError):
     """A payload is not a well-formed pgoutput message of the negotiated protocol."""
+
+    retryable = False  # the server sends the same bytes again
 
 
 def _xid_prefix(buf: bytes, streamed: bool) -> tuple[int | None, int]:

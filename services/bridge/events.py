@@ -20,6 +20,7 @@ import orjson
 
 from services.bridge import messages as m
 from services.bridge.values import JSON_NULL, TYPE_NAMES, JsonValue, converter_for
+from services.common.errors import SlotbridgeError
 from services.common.lsn import format_lsn
 from services.contract.records import CONNECTOR, TOAST_PLACEHOLDER
 from services.contract.topics import message_topic, schema_topic, table_topic, transaction_topic
@@ -32,8 +33,10 @@ _PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
 _dumps = orjson.dumps
 
 
-class RowTooLarge(Exception):
+class RowTooLarge(SlotbridgeError):
     """A single change record exceeds the configured limit; publishing it would fail."""
+
+    retryable = False  # the same row comes again: max_row_bytes must change
 
 
 def max_change_bytes(max_row_bytes: int) -> int:

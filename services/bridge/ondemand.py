@@ -16,7 +16,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
-from services.bridge.progress import read_kafka_progress
+from services.bridge.kafka_reader import read_kafka_progress
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import kafka_client_config
 from services.bridge.snapshot import SIGNAL

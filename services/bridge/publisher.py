@@ -31,20 +31,18 @@ from dataclasses import dataclass, field
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.chunks import StreamWatch, TableName
+from services.bridge.confirm import ConfirmTracker
 from services.bridge.decoder import DecodeError
 from services.bridge.events import EventBuilder, Record, RelationInfo
+from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.progress import (
-    ConfirmTracker,
-    OriginStore,
-    ServerIdentity,
-    progress_key,
-    progress_value,
-)
+from services.bridge.origin import OriginStore
+from services.bridge.progress_record import progress_key, progress_value
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink
 from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
 from services.bridge.stream import now_pg_us
+from services.common.errors import SlotbridgeError
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 
@@ -57,8 +55,10 @@ _STOP = object()
 HEARTBEAT_S = 5.0
 
 
-class GapError(Exception):
+class GapError(SlotbridgeError):
     """A transaction we must publish arrived without its content: refuse to paper over it."""
+
+    retryable = False  # the server will not send the content again
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from services.bridge.progress import IdentityError, ServerIdentity, check_identity
+from services.bridge.highwater import IdentityError, ServerIdentity, check_identity
 from services.bridge.stream import ReplicationConnection, StreamError, SystemInfo
 from services.common.logs import log_event, one_line
 from services.common.pg import SourceError, connect, host_dsns, server_address

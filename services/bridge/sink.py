@@ -26,23 +26,30 @@ from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
+from services.common.errors import SlotbridgeError
 from services.common.kafka import KafkaLog, KafkaUnreachable, cause, check_reachable, explain
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
 
 
-class SinkError(Exception):
+class SinkError(SlotbridgeError):
     """Kafka refused or lost something; the session must restart from durable progress."""
+
+    retryable = True
 
 
 class FencedError(SinkError):
     """Another bridge instance owns this slot's transactional id now."""
 
+    retryable = False  # the newer bridge streams the slot; this one steps aside
+
 
 class KafkaRefused(SinkError):
     """Kafka refuses what the bridge must do (a topic, a record's size, a setting) and will
     refuse it again in every new session: only the operator can change that."""
+
+    retryable = False
 
 
 # A record batch around the largest record: what topics and the producer must accept.

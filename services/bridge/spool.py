@@ -23,12 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from services.common.errors import SlotbridgeError
+
 _HEADER = struct.Struct("!QI")
 _READ_CHUNK = 1 << 20
 
 
-class SpoolError(Exception):
+class SpoolError(SlotbridgeError):
     """The spool folder is unsafe or unusable; the message names it and what to do."""
+
+    retryable = False  # the folder or its volume needs the operator
 
 
 def _failed(directory: Path, exc: OSError) -> SpoolError:

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from services.bridge.progress import ProgressError, read_kafka_progress
+from services.bridge.kafka_reader import TopicReadError, read_kafka_progress
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import kafka_client_config
 from services.common.lsn import format_lsn
@@ -73,7 +73,7 @@ def collect(settings: BridgeSettings) -> dict[str, Any]:
         progress = read_kafka_progress(
             kafka_client_config(settings), settings.progress_topic, settings.slot_name, timeout_s=10
         )
-    except ProgressError as exc:
+    except TopicReadError as exc:
         report["kafka_progress"] = f"unavailable: {exc}"
     else:
         report["kafka_published_lsn"] = format_lsn(progress.end_lsn) if progress else None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from psycopg import conninfo, pq
 
 from services.bridge import messages as m
+from services.common.errors import SlotbridgeError
 from services.common.lsn import format_lsn, parse_lsn
 from services.common.pg import complete_dsn, redact_dsn
 
@@ -31,8 +32,10 @@ SESSION_OPTIONS = (
 )
 
 
-class StreamError(Exception):
+class StreamError(SlotbridgeError):
     """The replication connection failed or was refused; the message says why."""
+
+    retryable = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ import os
 import signal
 import time
 
+from services.common.errors import SlotbridgeError
+
 # Every failpoint() call site, by name (tests/unit/test_failpoints.py keeps this true).
 NAMES = frozenset(
     {
@@ -34,8 +36,10 @@ NAMES = frozenset(
 )
 
 
-class FailpointError(RuntimeError):
-    pass
+class FailpointError(SlotbridgeError, RuntimeError):
+    """An armed failpoint's ``error`` action: the failure a crash test asked for."""
+
+    retryable = False  # the test wants the process to stop there
 
 
 def _parse(spec: str) -> dict[str, tuple[int, str]]:

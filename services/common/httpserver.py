@@ -16,11 +16,15 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
+from services.common.errors import SlotbridgeError
+
 Probe = Callable[[], tuple[bool, str]]
 
 
-class HttpServerError(Exception):
+class HttpServerError(SlotbridgeError):
     """The server cannot listen where the settings say; the message names the fix."""
+
+    retryable = False  # the settings must change
 
 
 Document = Callable[[], dict[str, Any]]

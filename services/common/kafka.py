@@ -19,6 +19,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
+from services.common.errors import SlotbridgeError
+
 _REMEDIES = {
     KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the client's principal access to the topic",
     KafkaError.CLUSTER_AUTHORIZATION_FAILED: "grant the client's principal the cluster "
@@ -108,8 +110,10 @@ def _reason(errors: list[KafkaError]) -> str:
     return "no answer"
 
 
-class KafkaUnreachable(Exception):
+class KafkaUnreachable(SlotbridgeError):
     """The brokers did not answer; the message says why and what to check."""
+
+    retryable = True  # an outage, or a broker still starting
 
 
 def check_reachable(config: dict[str, Any], timeout_s: float, settings_hint: str) -> None:

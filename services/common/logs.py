@@ -14,6 +14,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
+from services.common.errors import self_explanatory
 from services.common.kafka import explain
 
 
@@ -66,3 +67,14 @@ def one_line(exc: BaseException) -> str:
         return explain(exc)  # its str() is the KafkaError{code=...,val=...} repr
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def log_failure(logger: logging.Logger, exc: BaseException) -> None:
+    """An error that ends the work, as the ERROR line operators read (``one_line``, the
+    error's type in ``error``), with the traceback when the exception is a bug rather than
+    one of ours or an outage (``self_explanatory``)."""
+    logger.error(
+        one_line(exc),
+        exc_info=None if self_explanatory(exc) else exc,
+        extra={"fields": {"error": type(exc).__name__}},
+    )

@@ -7,14 +7,20 @@ import re
 import psycopg
 from psycopg import conninfo
 
+from services.common.errors import SlotbridgeError
 
-class SourceError(Exception):
+
+class SourceError(SlotbridgeError):
     """A problem with a PostgreSQL server or its setup; the message says what to do."""
+
+    retryable = True  # a server down, restarting or being promoted comes back
 
 
 class SourceRefused(SourceError):
     """A source problem no new session can get past (a missing GRANT, a dropped
     publication, a slot that is not ours): the daemon stops even after it streamed."""
+
+    retryable = False
 
 
 _SECRET_KEYS = ("password", "sslpassword", "sslkey")

@@ -19,9 +19,13 @@ import yaml
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from services.common.errors import SlotbridgeError
 
-class SettingsError(Exception):
+
+class SettingsError(SlotbridgeError):
     """Invalid or unreadable settings; the message is ready to show as is."""
+
+    retryable = False  # only the operator can change the settings
 
 
 class ServiceSettings(BaseSettings):

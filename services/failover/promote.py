@@ -34,6 +34,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import conninfo, sql
 
+from services.common.errors import SlotbridgeError
 from services.common.failpoints import failpoint
 from services.common.logs import log_event, one_line
 from services.common.lsn import format_lsn, parse_lsn
@@ -51,8 +52,10 @@ Result = Literal["done", "skipped", "plan", "warn", "failed"]
 OldPrimary = Literal["answers", "down", "standby"]
 
 
-class PromoteError(Exception):
+class PromoteError(SlotbridgeError):
     """The runbook stopped; the message says where and what to do next."""
+
+    retryable = False  # re-running the command finishes the job; nothing retries it
 
 
 @dataclass

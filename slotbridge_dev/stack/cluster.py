@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from services.common.errors import SlotbridgeError
 from services.common.pg import SourceError, connect
 
 T = TypeVar("T")
@@ -33,8 +34,10 @@ PG_USER = "slotbridge-pg"
 CONFIG_FILE = "slotbridge.conf"
 
 
-class StackError(Exception):
+class StackError(SlotbridgeError):
     """One line an operator can act on: which part failed and where its log is."""
+
+    retryable = False  # the command stops; its user reads the log it names
 
 
 def say(msg: str) -> None:

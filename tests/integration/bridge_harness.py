@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from services.bridge.progress import read_kafka_progress
+from services.bridge.kafka_reader import read_kafka_progress
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
 from slotbridge_dev.stack.stack import Stack

@@ -23,7 +23,8 @@ from services.bridge import messages as m
 from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import ColumnFacts, EventBuilder, RelationCatalog, TableFacts
-from services.bridge.progress import ServerIdentity, progress_value
+from services.bridge.highwater import ServerIdentity
+from services.bridge.progress_record import progress_value
 from services.contract.records import (
     OPS,
     ChangeValue,
