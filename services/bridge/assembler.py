@@ -83,11 +83,15 @@ class Assembler:
         on_prepared: Callable[[str, int], None] = lambda gid, lsn: None,
         on_rolled_back: Callable[[str], None] = lambda gid: None,
         max_change_bytes: int | None = None,
+        on_untied_message: Callable[[m.LogicalMessage], None] = lambda msg: None,
     ) -> None:
         """``on_prepared``/``on_rolled_back`` tell the confirm tracker which PREPAREs must
         hold back the slot's confirmed position until they are published or dropped. A
-        row change over ``max_change_bytes`` is spooled as an ``OVERSIZED`` stand-in."""
+        row change over ``max_change_bytes`` is spooled as an ``OVERSIZED`` stand-in.
+        ``on_untied_message`` hears of each non-transactional logical message, which is
+        not published (see ``_data``)."""
         self._decode = decode
+        self._on_untied_message = on_untied_message
         self._max_change = max_change_bytes
         self._new_spool = new_spool
         self._on_prepared = on_prepared
@@ -183,6 +187,15 @@ class Assembler:
         if target is None:
             if payload[0] in b"RY":
                 self._orphans.append((lsn, payload))
+                return
+            if payload[0] == ord("M") and not payload[1] & 1:
+                # pg_logical_emit_message(false, ...): sent at once, in no transaction, so
+                # it has no commit position in the exactly-once order (a replay could not
+                # tell it was published) and is not published; other tools (heartbeats,
+                # watermarks) emit such messages into the same WAL.
+                message = self._decode(payload)
+                assert isinstance(message, m.LogicalMessage)
+                self._on_untied_message(message)
                 return
             raise AssemblyError(f"change message {chr(payload[0])!r} outside a transaction")
         if (

@@ -354,6 +354,7 @@ class Bridge:
                 on_prepared=tracker.prepared,
                 on_rolled_back=tracker.finished,
                 max_change_bytes=max_change_bytes(s.max_row_bytes),
+                on_untied_message=self._untied_message,
             )
             publisher.start()
             options = {
@@ -433,6 +434,16 @@ class Bridge:
                 sink.close()
             if server is not None:
                 server.close()
+
+    def _untied_message(self, message: m.LogicalMessage) -> None:
+        self.metrics.untied_messages.inc()
+        log_event(
+            log,
+            logging.DEBUG,
+            "non-transactional logical message not published",
+            prefix=message.prefix,
+            lsn=format_lsn(message.lsn),
+        )
 
     def _ensure_slot(
         self,

@@ -47,6 +47,12 @@ class BridgeMetrics:
             ["slot"],
             registry=r,
         ).labels(slot)
+        self.untied_messages = Counter(
+            "slotbridge_untied_messages_total",
+            "Non-transactional logical messages seen and not published",
+            ["slot"],
+            registry=r,
+        ).labels(slot)
         self.kafka_commit = Histogram(
             "slotbridge_kafka_transaction_seconds",
             "Time to flush and commit one Kafka transaction",

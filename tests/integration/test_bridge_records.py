@@ -103,6 +103,10 @@ def published(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         )
         sql(dsn, f"UPDATE {SCHEMA}.docs SET jb = '{{}}' WHERE id = 1")
         sql(dsn, "SELECT pg_logical_emit_message(true, 'rec.note', 'hello')")
+        # Sent outside any transaction (heartbeats, other tools' watermarks): not
+        # published, and the stream goes on past it.
+        sql(dsn, "SELECT pg_logical_emit_message(false, 'rec.signal', 'ping')")
+        sql(dsn, "SELECT pg_logical_emit_message(true, 'rec.note', 'after the signal')")
         pipe.wait_caught_up(90)
         yield pipe
         assert pipe.stop() == 0
@@ -183,6 +187,13 @@ def test_every_record_validates_against_schemas(published: Pipeline) -> None:
     assert checked >= 15
     kinds = {topics[r.topic] for r in records}
     assert kinds == {"change_value", "transaction", "table_schema", "message", "progress"}
+
+
+def test_only_transactional_messages_are_published(published: Pipeline) -> None:
+    records = read_topics(published.stack.kafka, [f"{published.prefix}.message"])
+    seen = [(r.value["prefix"], base64.b64decode(r.value["content"])) for r in records]
+    assert seen == [("rec.note", b"hello"), ("rec.note", b"after the signal")]
+    assert all(r.value["transactional"] for r in records)
 
 
 def test_schema_topic_describes_columns(published: Pipeline) -> None:
