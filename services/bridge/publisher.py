@@ -25,8 +25,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
@@ -36,13 +37,11 @@ from services.bridge.events import EventBuilder, Record, RelationInfo
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import (
     ConfirmTracker,
-    OriginStore,
     ServerIdentity,
     progress_key,
     progress_value,
 )
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink
 from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
 from services.bridge.stream import now_pg_us
 from services.common.failpoints import failpoint
@@ -55,6 +54,37 @@ _STOP = object()
 # bridge with nothing to publish would hold the slot - and keep its successor waiting - until
 # the next change.
 HEARTBEAT_S = 5.0
+
+
+class Sink(Protocol):
+    """What the publisher needs of Kafka: one transaction at a time, whose records become
+    visible together at ``commit`` (``sink.KafkaSink``; tests use one in memory)."""
+
+    def begin(self) -> None: ...
+
+    def produce(self, topic: str, key: bytes | None, value: bytes | None) -> None: ...
+
+    def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
+        """Produce each record (creating topics as needed; ``compacted``: those to create
+        compacted); returns how many."""
+        ...
+
+    def commit(self) -> float:
+        """Commit the open transaction; returns the seconds it took."""
+        ...
+
+    def abort(self) -> None: ...
+
+    def prove_not_fenced(self) -> None:
+        """Raise if another bridge took this slot's transactional id."""
+        ...
+
+
+class OriginProgress(Protocol):
+    """Where PostgreSQL records how far Kafka holds the stream (``progress.OriginStore``,
+    the replication origin; tests use one in memory)."""
+
+    def advance(self, lsn: int) -> None: ...
 
 
 class GapError(Exception):
@@ -128,8 +158,8 @@ class Publisher(threading.Thread):
         self,
         *,
         settings: BridgeSettings,
-        sink: KafkaSink,
-        origin: OriginStore,
+        sink: Sink,
+        origin: OriginProgress,
         builder: EventBuilder,
         tracker: ConfirmTracker,
         identity: ServerIdentity,
