@@ -10,6 +10,7 @@ import pytest
 from services.bridge import messages as m
 from services.bridge.assembler import AssemblyError, Transaction
 from services.bridge.decoder import PgOutputDecoder
+from tests.unit.pgoutput_builder import encode
 from tests.unit.replication import TS, Source
 
 REL = m.Relation(None, 16_401, "public", "accounts", "d", (m.Column("id", 20, -1, True),))
@@ -40,6 +41,7 @@ def test_a_regular_transaction_is_sealed_at_its_commit(tmp_path: Path) -> None:
     )
     assert not txn.streamed and txn.gid is None
     assert changes(txn) == [REL, ins(1), ins(2)]
+    assert txn.relations == (encode(REL),)
     assert source.assembler.idle
 
 
@@ -126,10 +128,10 @@ def test_a_relation_sent_between_transactions_joins_the_next(tmp_path: Path) -> 
     source.stream(801, ins(1, 801))
     txn = source.stream_commit(801)
     # Inside a streamed transaction it gets the transaction's xid, as its other payloads.
-    assert changes(txn) == [
-        m.Relation(801, 16_401, "public", "accounts", "d", REL.columns),
-        ins(1, 801),
-    ]
+    described = m.Relation(801, 16_401, "public", "accounts", "d", REL.columns)
+    assert changes(txn) == [described, ins(1, 801)]
+    # What it describes is at hand without reading its spool again.
+    assert txn.relations == (encode(described),)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ ARCHITECTURE.md, checked on what ends up in Kafka and in the origin.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,14 @@ import pytest
 
 from services.bridge import messages as m
 from services.bridge.assembler import Transaction
+from services.bridge.chunks import TableName, XidSnapshot
 from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import EventBuilder, RelationCatalog
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress import ConfirmTracker, ServerIdentity, high_water
 from services.bridge.publisher import GapError, Publisher, TxnQueue
 from services.bridge.settings import BridgeSettings
-from services.bridge.snapshot import SnapshotBook
+from services.bridge.snapshot import WATERMARK, Chunk, SnapshotBook
 from services.bridge.spool import SpoolStats
 from services.common import failpoints
 from services.common.failpoints import FailpointError
@@ -84,17 +85,33 @@ def publish(
     *,
     tracker: ConfirmTracker | None = None,
     batch_max_events: int = 20_000,
+    book: SnapshotBook | None = None,
+    published: Callable[[], set[TableName]] | None = None,
 ) -> Publisher:
-    """One session's publisher, run on this thread until it has published ``txns``.
-
-    It starts from what Kafka and the origin hold, as the daemon's session does."""
+    """One session's publisher, run on this thread until it has published ``txns``."""
     queue = TxnQueue(1 << 30)
     for txn in txns:
         queue.put(txn)
     queue.stop()
+    publisher = session(kafka, queue, tracker, batch_max_events, book, published)
+    publisher.run()
+    return publisher
+
+
+def session(
+    kafka: Kafka,
+    queue: TxnQueue,
+    tracker: ConfirmTracker | None = None,
+    batch_max_events: int = 20_000,
+    book: SnapshotBook | None = None,
+    published: Callable[[], set[TableName]] | None = None,
+) -> Publisher:
+    """A publisher that starts from what Kafka and the origin hold, as the daemon's
+    session does; given ``published`` (the publication's tables), tables missing from
+    Kafka get snapshots."""
     replay = PgOutputDecoder(4)
     mark = kafka.high_water()
-    publisher = Publisher(
+    return Publisher(
         settings=kafka.settings.model_copy(update={"batch_max_events": batch_max_events}),
         sink=kafka.sink,
         origin=kafka.origin,
@@ -106,12 +123,10 @@ def publish(
         queue=queue,
         decode=lambda payload, streamed: replay.decode(payload, streamed),
         metrics=BridgeMetrics(SLOT, SpoolStats()),
-        book=SnapshotBook(),
-        snapshot_added=False,
-        published=set,
+        book=book or SnapshotBook(),
+        snapshot_added=published is not None,
+        published=published or set,
     )
-    publisher.run()
-    return publisher
 
 
 @pytest.fixture
@@ -309,6 +324,67 @@ def test_an_idle_publisher_commits_nothing(tmp_path: Path) -> None:
     publisher = publish(kafka, [])
     assert publisher.error is None
     assert kafka.sink.transactions == [] and kafka.journal == []
+
+
+def test_a_table_new_to_kafka_is_snapshotted_from_its_first_description(tmp_path: Path) -> None:
+    """A table added to the publication: its snapshot starts before the transaction that
+    first describes it is built, so its changes there are watched, and a chunk read
+    before them does not publish a row the stream already carried."""
+    source, kafka = Source(tmp_path), Kafka()
+    asked: list[None] = []
+
+    def published() -> set[TableName]:
+        asked.append(None)
+        return {("public", "accounts")}
+
+    book, queue = SnapshotBook(), TxnQueue(1 << 30)
+    publisher = session(kafka, queue, book=book, published=published)
+    publisher.start()
+    queue.put(source.commit(700, ACCOUNTS, ins(1), ins(3)))
+    # A chunk reader's part: it gets the table once its snapshot is requested, and reads
+    # a chunk in a snapshot that does not see transaction 700.
+    state = book.claim(timeout=30)
+    assert state is not None and (state.schema_, state.table, state.id) == (
+        "public",
+        "accounts",
+        "added",
+    )
+    chunk = Chunk(
+        token="c1",
+        table=("public", "accounts"),
+        relation=ACCOUNTS,
+        rows=[["1", "stale"], ["2", "v2"]],
+        keyed=True,
+        xmins=None,
+        snapshot=XidSnapshot(700, 701, frozenset({700})),
+        start=None,
+        cursor=["2"],
+        last=True,
+        estimate=2,
+    )
+    assert book.offer(chunk)
+    book.release(chunk.table)
+    mark = json.dumps({"slot": SLOT, "chunk": "c1"}).encode()
+    watermark = source.commit(701, m.LogicalMessage(None, True, source.lsn, WATERMARK, mark))
+    queue.put(watermark)
+    queue.stop()
+    publisher.join(30)
+    assert not publisher.is_alive() and publisher.error is None
+    # Row 1 of the chunk is older than what the stream published: dropped.
+    assert kafka.keys() == [1, 3, 2]
+    rows = [json.loads(v) for _, _, v, _ in kafka.sink.records(TOPIC) if v]
+    assert [r["op"] for r in rows] == ["c", "c", "r"]
+    assert book.tables() == [] and kafka.origin.lsn == watermark.end_lsn
+    assert len(asked) == 1  # the publication is asked once per table, not per change
+
+
+def test_a_table_the_publication_leaves_out_gets_no_snapshot(tmp_path: Path) -> None:
+    """A partition described next to the root the publication publishes it as."""
+    source, kafka = Source(tmp_path), Kafka()
+    source.commit(700, ACCOUNTS, ins(1))
+    book = SnapshotBook()
+    publish(kafka, source.sealed, book=book, published=set)
+    assert book.tables() == [] and kafka.keys() == [1]
 
 
 def _fields(rel: m.Relation) -> tuple[Any, ...]:
