@@ -35,7 +35,6 @@ from confluent_kafka import KafkaException
 
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler, AssemblyError
-from services.bridge.chunks import TableName
 from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import (
@@ -46,7 +45,9 @@ from services.bridge.events import (
     known_versions,
     max_change_bytes,
 )
+from services.bridge.feedback import StreamPosition
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
+from services.bridge.poller import POLL_OPTIONS, CatalogPoller
 from services.bridge.progress import (
     ConfirmTracker,
     OriginStore,
@@ -59,7 +60,6 @@ from services.bridge.publisher import (
     HEARTBEAT_S,
     GapError,
     Publisher,
-    SnapshotRequest,
     TxnQueue,
 )
 from services.bridge.records import ProgressRecord
@@ -106,8 +106,6 @@ TRANSIENT = (
 )
 FATAL = (FencedError, KafkaRefused, GapError, RowTooLarge, DecodeError, SpoolError, SourceRefused)
 _QUEUE_BYTES = 64 * 1024 * 1024
-_STATS_EVERY_S = 10.0
-_POLL_OPTIONS = "-c lock_timeout=1000"
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
 
 
@@ -384,12 +382,18 @@ class Bridge:
                 log, logging.INFO, "streaming", slot=s.slot_name, publication=s.publication_name
             )
             try:
-                # The loop's catalog polling has a connection of its own, which gives up
-                # on a lock rather than wait: DDL holding a published table's ACCESS
-                # EXCLUSIVE lock would otherwise stop the socket loop (no status to the
-                # server, nothing received, /healthz down) until it commits.
-                with connect(server.dsn, options=_POLL_OPTIONS) as poll:
-                    self._loop(poll, repl, assembler, queue, publisher, tracker, book, server.dsn)
+                with connect(server.dsn, options=POLL_OPTIONS) as poll:
+                    poller = CatalogPoller(
+                        poll, s.slot_name, s.publication_name, self.metrics, publisher, queue
+                    )
+                    poller.start()
+                    try:
+                        self._loop(
+                            repl, assembler, queue, publisher, poller, tracker, book, server.dsn
+                        )
+                    finally:
+                        poller.stop()
+                        poller.join(_STOP_GRACE_S)
             except StreamError as exc:
                 if f'publication "{s.publication_name}" does not exist' in str(exc):
                     raise publication_dropped(s) from None
@@ -553,85 +557,93 @@ class Bridge:
 
     def _loop(
         self,
-        poll: psycopg.Connection[tuple[object, ...]],
         repl: ReplicationConnection,
         assembler: Assembler,
         queue: TxnQueue,
         publisher: Publisher,
+        poller: CatalogPoller,
         tracker: ConfirmTracker,
         book: SnapshotBook,
         dsn: str,
     ) -> None:
-        s = self.settings
-        received = 0  # highest WAL position seen
-        queued_end = 0  # end LSN of the last sealed transaction handed to the publisher
-        idle_end = 0  # a keepalive's WAL end, confirmable when nothing is in flight
-        sent = 0
-        last_status = 0.0
-        next_stats = 0.0
-        requested: set[TableName] = set()  # tables this session asked to snapshot
+        """The socket loop: receive, confirm, keep the other threads' work in view."""
+        position = StreamPosition()
         while not self._stop.is_set():
             now = time.monotonic()
             self._health.last_loop = now
-            if publisher.error is not None:
-                raise publisher.error
-            for reader in self._readers:
-                if reader.error is not None:
-                    raise reader.error
-            if book.tables() and not self._readers:
-                self._start_readers(dsn, book)
-            if s.snapshot_mode == "initial_only" and not book.tables():
+            if self._housekeeping(publisher, poller, book, dsn):
                 return  # the clean stop publishes the last chunk's batch, then drops the slot
-            reply = False
-            if queue.full:
-                self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
-            else:
-                for kind, a, b, payload in repl.messages(0.1):
-                    if kind == "w":
-                        received = max(received, b)
-                        txn = assembler.feed(a, payload)  # type: ignore[arg-type]
-                        if txn is not None:
-                            queue.put(txn)
-                            queued_end = txn.end_lsn
-                    else:
-                        received = max(received, a)
-                        idle_end = a
-                        reply = reply or bool(payload)
-                        break
-                    if queue.full:
-                        break
-            confirm = tracker.confirmable()
-            if assembler.idle and tracker.published_lsn >= queued_end and idle_end > confirm:
-                # Nothing in flight: every change before the keepalive's WAL end has been
-                # received and published (or was not ours), so the slot may move past it.
-                confirm = idle_end
-            if confirm > sent or reply or now - last_status >= s.status_interval_s:
-                confirm = max(confirm, sent)
-                repl.send_status(received, confirm)
-                if confirm > sent:
-                    failpoint("after_slot_confirm")
-                sent, last_status = confirm, now
-                self.metrics.confirmed_lsn.set(confirm)
+            reply = self._receive(repl, assembler, queue, position)
+            self._confirm(repl, assembler, tracker, position, reply, now)
+            in_flight = position.in_flight(tracker.published_lsn)
             self.metrics.lag_bytes.set(
-                max(0, received - tracker.published_lsn)
-                if tracker.published_lsn < queued_end
-                else 0
+                max(0, position.received - tracker.published_lsn) if in_flight else 0
             )
-            self.metrics.lag_seconds.set(
-                _lag_seconds(publisher.last_commit_ts) if tracker.published_lsn < queued_end else 0
-            )
-            if now >= next_stats:
-                self._slot_stats(poll)
-                missing = (
-                    self._added_tables(poll, publisher, requested)
-                    if publisher.snapshot_added
-                    else []
-                )
-                if missing:
-                    # Queued behind what was received so far: its place in the stream.
-                    queue.put(SnapshotRequest(tuple(missing)))
-                    requested.update(missing)
-                next_stats = now + _STATS_EVERY_S
+            self.metrics.lag_seconds.set(_lag_seconds(publisher.last_commit_ts) if in_flight else 0)
+
+    def _housekeeping(
+        self, publisher: Publisher, poller: CatalogPoller, book: SnapshotBook, dsn: str
+    ) -> bool:
+        """Raise what ended another thread of the session, start the chunk readers when
+        a snapshot is under way; True when an ``initial_only`` snapshot is done."""
+        if publisher.error is not None:
+            raise publisher.error
+        for reader in self._readers:
+            if reader.error is not None:
+                raise reader.error
+        if poller.error is not None:
+            raise poller.error
+        if book.tables() and not self._readers:
+            self._start_readers(dsn, book)
+        return self.settings.snapshot_mode == "initial_only" and not book.tables()
+
+    def _receive(
+        self,
+        repl: ReplicationConnection,
+        assembler: Assembler,
+        queue: TxnQueue,
+        position: StreamPosition,
+    ) -> bool:
+        """Feed what the server sent to the assembler, sealed transactions to the
+        publisher, until a keepalive, a pause or a full queue; True if the server asked
+        for a reply."""
+        if queue.full:
+            self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
+            return False
+        for kind, a, b, payload in repl.messages(0.1):
+            if kind == "w":
+                position.received = max(position.received, b)
+                txn = assembler.feed(a, payload)  # type: ignore[arg-type]
+                if txn is not None:
+                    queue.put(txn)
+                    position.queued_end = txn.end_lsn
+            else:
+                position.received = max(position.received, a)
+                position.idle_end = a
+                return bool(payload)
+            if queue.full:
+                break
+        return False
+
+    def _confirm(
+        self,
+        repl: ReplicationConnection,
+        assembler: Assembler,
+        tracker: ConfirmTracker,
+        position: StreamPosition,
+        reply: bool,
+        now: float,
+    ) -> None:
+        """Send a status update when one is due, confirming what ``feedback`` allows."""
+        confirm = position.to_confirm(tracker.confirmable(), tracker.published_lsn, assembler.idle)
+        if not position.status_due(confirm, reply, now, self.settings.status_interval_s):
+            return
+        confirm = max(confirm, position.sent)
+        repl.send_status(position.received, confirm)
+        if confirm > position.sent:
+            failpoint("after_slot_confirm")
+        position.sent, position.last_status = confirm, now
+        self.metrics.confirmed_lsn.set(confirm)
 
     def _start_readers(self, dsn: str, book: SnapshotBook) -> None:
         """Chunk readers, one connection each; they work on different tables."""
@@ -650,51 +662,6 @@ class Bridge:
         ]
         for reader in self._readers:
             reader.start()
-
-    def _added_tables(
-        self,
-        poll: psycopg.Connection[tuple[object, ...]],
-        publisher: Publisher,
-        requested: set[TableName],
-    ) -> list[TableName]:
-        """Published tables missing from Kafka that this session has not asked to snapshot
-        yet; none this round if a table's lock is held (asked again next round)."""
-        try:
-            published = published_tables(poll, self.settings.publication_name)
-        except psycopg.errors.LockNotAvailable:
-            log_event(
-                log,
-                logging.INFO,
-                "publication check skipped: a published table is "
-                "locked (DDL running?); checking again shortly",
-            )
-            return []
-        return [
-            p.name for p in published if publisher.is_missing(p.name) and p.name not in requested
-        ]
-
-    def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:
-        names = (
-            "spill_txns",
-            "spill_count",
-            "spill_bytes",
-            "stream_txns",
-            "stream_count",
-            "stream_bytes",
-            "total_txns",
-            "total_bytes",
-        )
-        with sql.cursor() as cur:
-            cur.execute(
-                f"SELECT {', '.join(names)} FROM pg_stat_replication_slots WHERE slot_name = %s",
-                (self.settings.slot_name,),
-            )
-            row = cur.fetchone()
-        if row is not None:
-            for name, value in zip(names, row, strict=True):
-                self.metrics.slot_stats.labels(self.settings.slot_name, name).set(
-                    float(str(value or 0))
-                )
 
 
 def _lag_seconds(commit_ts_us: int) -> float:
