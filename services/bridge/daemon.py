@@ -392,8 +392,7 @@ class Bridge:
                             repl, assembler, queue, publisher, poller, tracker, book, server.dsn
                         )
                     finally:
-                        poller.stop()
-                        poller.join(_STOP_GRACE_S)
+                        poller.stop(_STOP_GRACE_S)
             except StreamError as exc:
                 if f'publication "{s.publication_name}" does not exist' in str(exc):
                     raise publication_dropped(s) from None

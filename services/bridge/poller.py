@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import psycopg
 
@@ -40,43 +41,44 @@ _SLOT_STATS = (
 )
 
 
-class CatalogPoller(threading.Thread):
-    """Polls every ``POLL_EVERY_S`` until stopped; an error ends the thread and is kept in
-    ``error`` for the socket loop to raise (the session ends, as with any other)."""
+@dataclass
+class CatalogPoller:
+    """Polls every ``POLL_EVERY_S`` on a thread of its own until stopped; an error ends
+    the thread and is kept in ``error`` for the socket loop to raise (the session ends,
+    as with any other)."""
 
-    def __init__(
-        self,
-        conn: psycopg.Connection[tuple[object, ...]],
-        slot: str,
-        publication: str,
-        metrics: BridgeMetrics,
-        publisher: Publisher,
-        queue: TxnQueue,
-    ) -> None:
-        super().__init__(name="catalog-poller", daemon=True)
-        self._conn = conn
-        self._slot = slot
-        self._publication = publication
-        self._metrics = metrics
-        self._publisher = publisher
-        self._queue = queue
-        self._requested: set[TableName] = set()  # tables this session asked to snapshot
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
+    conn: psycopg.Connection[tuple[object, ...]]
+    slot: str
+    publication: str
+    metrics: BridgeMetrics
+    publisher: Publisher
+    queue: TxnQueue
+    error: BaseException | None = field(default=None, init=False)
+    # Tables this session asked to snapshot.
+    _requested: set[TableName] = field(default_factory=set, init=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
 
-    def stop(self) -> None:
-        self._stop.set()
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="catalog-poller", daemon=True)
+        self._thread.start()
 
-    def run(self) -> None:
+    def stop(self, timeout_s: float) -> None:
+        """End the thread; waits for a poll under way at most ``timeout_s``."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
         try:
             while True:
                 self._slot_stats()
-                if self._publisher.snapshot_added:
+                if self.publisher.snapshot_added:
                     missing = self._added_tables()
                     if missing:
-                        self._queue.put(SnapshotRequest(tuple(missing)))
+                        self.queue.put(SnapshotRequest(tuple(missing)))
                         self._requested.update(missing)
-                if self._stop.wait(POLL_EVERY_S):
+                if self._stopping.wait(POLL_EVERY_S):
                     return
         except BaseException as exc:
             self.error = exc
@@ -85,7 +87,7 @@ class CatalogPoller(threading.Thread):
         """Published tables missing from Kafka that this session has not asked to snapshot
         yet; none this round if a table's lock is held (asked again next round)."""
         try:
-            published = published_tables(self._conn, self._publication)
+            published = published_tables(self.conn, self.publication)
         except psycopg.errors.LockNotAvailable:
             log_event(
                 log,
@@ -97,17 +99,17 @@ class CatalogPoller(threading.Thread):
         return [
             p.name
             for p in published
-            if self._publisher.is_missing(p.name) and p.name not in self._requested
+            if self.publisher.is_missing(p.name) and p.name not in self._requested
         ]
 
     def _slot_stats(self) -> None:
-        with self._conn.cursor() as cur:
+        with self.conn.cursor() as cur:
             cur.execute(
                 f"SELECT {', '.join(_SLOT_STATS)} FROM pg_stat_replication_slots "
                 "WHERE slot_name = %s",
-                (self._slot,),
+                (self.slot,),
             )
             row = cur.fetchone()
         if row is not None:
             for name, value in zip(_SLOT_STATS, row, strict=True):
-                self._metrics.slot_stats.labels(self._slot, name).set(float(str(value or 0)))
+                self.metrics.slot_stats.labels(self.slot, name).set(float(str(value or 0)))
