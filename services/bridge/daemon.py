@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
@@ -160,6 +160,27 @@ class _Health:
     waiting_since: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Session:
+    """What one session streams with, prepared before the slot starts streaming."""
+
+    server: Server
+    sink: KafkaSink
+    book: SnapshotBook
+    tracker: ConfirmTracker
+    queue: TxnQueue
+    publisher: Publisher
+    assembler: Assembler
+
+
+def _stop_if_running(publisher: Publisher) -> None:
+    """A session that ended on an error stops its publisher, which commits its open
+    batch (what it had published from the stream so far)."""
+    if publisher.is_alive():
+        publisher.stop()
+        publisher.join(_STOP_GRACE_S)
+
+
 class Bridge:
     def __init__(self, settings: BridgeSettings) -> None:
         self.settings = settings
@@ -283,170 +304,183 @@ class Bridge:
     # -- one session -----------------------------------------------------------------
 
     def _session(self) -> None:
+        with ExitStack() as ending:  # undone in reverse: what streams first, clients last
+            session = self._prepare(ending)
+            ending.callback(self._end_streaming)
+            self._stream(session)
+
+    def _prepare(self, ending: ExitStack) -> _Session:
+        """A session's collaborators, from what Kafka and PostgreSQL durably hold; what is
+        opened here is closed by ``ending``."""
         s = self.settings
-        server: Server | None = None
-        sink: KafkaSink | None = None
-        publisher: Publisher | None = None
-        assembler: Assembler | None = None
+        spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
+        sink = KafkaSink(s)
+        ending.callback(sink.close)
+        sink.start()  # fences a killed predecessor; must precede reading progress
+        sink.ensure_topics({s.progress_topic: True})
+        kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic, s.slot_name)
+        # Progress before PostgreSQL: it decides which server of source_dsn may be used.
+        server = open_server(self._dsn, kafka_progress, s.slot_name)
+        ending.callback(server.close)
+        sql, identity = server.sql, server.identity
+        preflight(sql, s)
+        origin = OriginStore(sql, s.origin_name)
+
+        mark = high_water(origin.progress(), kafka_progress)
+        builder = self._builder(sql, server.system.dbname, mark)
+        sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
+        with self._racing_for_slot(sql):
+            self._ensure_slot(sql, server.repl, origin, server.system.dbname, kafka_progress)
+        warn_keyless_tables(sql, s.publication_name)
+        book = self._book = self._snapshots(sql, kafka_progress, mark)
+
+        parallel = s.streaming == "parallel"
+        tracker = ConfirmTracker(0)
+        queue = TxnQueue(_QUEUE_BYTES)
+        control = PgOutputDecoder(4, parallel_abort=parallel)
+        assembler = Assembler(
+            control.decode,
+            lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
+            on_prepared=tracker.prepared,
+            on_rolled_back=tracker.finished,
+            max_change_bytes=max_change_bytes(s.max_row_bytes),
+        )
+        ending.callback(assembler.discard_all)
+        replay = PgOutputDecoder(4, parallel_abort=parallel)
+        publisher = Publisher(
+            settings=s,
+            sink=sink,
+            origin=origin,
+            builder=builder,
+            tracker=tracker,
+            identity=identity,
+            high_water=mark,
+            last_commit_lsn=kafka_progress.commit_lsn if kafka_progress is not None else mark,
+            queue=queue,
+            decode=lambda payload, streamed: replay.decode(payload, streamed),
+            metrics=self.metrics,
+            book=book,
+            snapshot_added=s.snapshot_mode != "never"
+            and not publishes_all_tables(sql, s.publication_name),
+            published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
+        )
+        ending.callback(_stop_if_running, publisher)
+        log_event(
+            log,
+            logging.INFO,
+            "session starting",
+            slot=s.slot_name,
+            server=server.address,
+            system=identity.system_identifier,
+            timeline=identity.timeline,
+            high_water=format_lsn(mark),
+            snapshots=[
+                f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
+            ],
+        )
+        return _Session(server, sink, book, tracker, queue, publisher, assembler)
+
+    def _builder(
+        self, sql: psycopg.Connection[tuple[object, ...]], dbname: str, mark: int
+    ) -> EventBuilder:
+        """The record format's builder, over a catalogue that knows the table versions
+        Kafka already has."""
+        s = self.settings
+        catalog = RelationCatalog(
+            s.topic_prefix,
+            lambda oid: table_facts(sql, oid),
+            self._known_versions(f"{s.topic_prefix}.schema"),
+        )
+        if s.value_format == "debezium":
+            # Before anything was published there is no previous commit to name.
+            return DebeziumEventBuilder(
+                catalog, s.topic_prefix, dbname, s.max_row_bytes, mark or None
+            )
+        return EventBuilder(catalog, s.topic_prefix, dbname, s.max_row_bytes)
+
+    def _stream(self, session: _Session) -> None:
+        """Start the publisher and the slot, run the socket loop until stopped, then stop
+        cleanly."""
+        s = self.settings
+        server, publisher = session.server, session.publisher
+        publisher.start()
+        options = {
+            "proto_version": "4",
+            "publication_names": f'"{s.publication_name}"',
+            "streaming": s.streaming,
+            "messages": "true",
+        }
+        if s.two_phase:
+            options["two_phase"] = "on"
+        with self._racing_for_slot(server.sql):
+            server.repl.start(s.slot_name, 0, options)
+        self._sessions_streamed += 1
+        self._health.streaming, self._health.error = True, ""
+        self.metrics.streaming.set(1)
+        log_event(log, logging.INFO, "streaming", slot=s.slot_name, publication=s.publication_name)
         try:
-            spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
-            sink = KafkaSink(s)
-            sink.start()  # fences a killed predecessor; must precede reading progress
-            sink.ensure_topics({s.progress_topic: True})
-            kafka_progress = read_kafka_progress(
-                kafka_client_config(s), s.progress_topic, s.slot_name
-            )
-            # Progress before PostgreSQL: it decides which server of source_dsn may be used.
-            server = open_server(self._dsn, kafka_progress, s.slot_name)
-            sql, repl, system, identity = server.sql, server.repl, server.system, server.identity
-            preflight(sql, s)
-            origin = OriginStore(sql, s.origin_name)
-
-            mark = high_water(origin.progress(), kafka_progress)
-            catalog = RelationCatalog(
-                s.topic_prefix,
-                lambda oid: table_facts(sql, oid),
-                self._known_versions(f"{s.topic_prefix}.schema"),
-            )
-            if s.value_format == "debezium":
-                # Before anything was published there is no previous commit to name.
-                builder: EventBuilder = DebeziumEventBuilder(
-                    catalog, s.topic_prefix, system.dbname, s.max_row_bytes, mark or None
+            with connect(server.dsn, options=POLL_OPTIONS) as poll:
+                poller = CatalogPoller(
+                    poll, s.slot_name, s.publication_name, self.metrics, publisher, session.queue
                 )
-            else:
-                builder = EventBuilder(catalog, s.topic_prefix, system.dbname, s.max_row_bytes)
-            sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
-            last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
-            with self._racing_for_slot(sql):
-                self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress)
-            warn_keyless_tables(sql, s.publication_name)
-            book = self._book = self._snapshots(sql, kafka_progress, mark)
+                poller.start()
+                try:
+                    self._loop(session, poller)
+                finally:
+                    poller.stop(_STOP_GRACE_S)
+        except StreamError as exc:
+            if f'publication "{s.publication_name}" does not exist' in str(exc):
+                raise publication_dropped(s) from None
+            raise
+        self._stop_cleanly(session)
 
-            parallel = s.streaming == "parallel"
-            tracker = ConfirmTracker(0)
-            queue = TxnQueue(_QUEUE_BYTES)
-            replay = PgOutputDecoder(4, parallel_abort=parallel)
+    def _stop_cleanly(self, session: _Session) -> None:
+        """Let the publisher commit what it holds, then confirm it (and, once an
+        ``initial_only`` snapshot is published, drop the slot)."""
+        s = self.settings
+        publisher, repl = session.publisher, session.server.repl
+        publisher.stop()
+        publisher.join(_STOP_GRACE_S)
+        if publisher.is_alive():
+            log_event(
+                log,
+                logging.WARNING,
+                "stopped before the publisher finished: its "
+                "open batch is not committed and will be published at the next start",
+                waited_s=2 * _STOP_GRACE_S,
+            )
+            return
+        if publisher.error is not None:
+            raise publisher.error
+        confirmed = session.tracker.confirmable()
+        repl.send_status(confirmed, confirmed)
+        if s.snapshot_mode == "initial_only" and not session.book.tables():
+            repl.close()  # the stream holds the slot: a drop on it would be refused
+            drop_slot(session.server.dsn, s.slot_name)
             log_event(
                 log,
                 logging.INFO,
-                "session starting",
+                "initial_only: snapshot published, slot dropped",
                 slot=s.slot_name,
-                server=server.address,
-                system=identity.system_identifier,
-                timeline=identity.timeline,
-                high_water=format_lsn(mark),
-                snapshots=[
-                    f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
-                ],
             )
-            publisher = Publisher(
-                settings=s,
-                sink=sink,
-                origin=origin,
-                builder=builder,
-                tracker=tracker,
-                identity=identity,
-                high_water=mark,
-                last_commit_lsn=last_commit,
-                queue=queue,
-                decode=lambda payload, streamed: replay.decode(payload, streamed),
-                metrics=self.metrics,
-                book=book,
-                snapshot_added=s.snapshot_mode != "never"
-                and not publishes_all_tables(sql, s.publication_name),
-                published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
-            )
-            control = PgOutputDecoder(4, parallel_abort=parallel)
-            assembler = Assembler(
-                control.decode,
-                lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
-                on_prepared=tracker.prepared,
-                on_rolled_back=tracker.finished,
-                max_change_bytes=max_change_bytes(s.max_row_bytes),
-            )
-            publisher.start()
-            options = {
-                "proto_version": "4",
-                "publication_names": f'"{s.publication_name}"',
-                "streaming": s.streaming,
-                "messages": "true",
-            }
-            if s.two_phase:
-                options["two_phase"] = "on"
-            with self._racing_for_slot(sql):
-                repl.start(s.slot_name, 0, options)
-            self._sessions_streamed += 1
-            self._health.streaming, self._health.error = True, ""
-            self.metrics.streaming.set(1)
-            log_event(
-                log, logging.INFO, "streaming", slot=s.slot_name, publication=s.publication_name
-            )
-            try:
-                with connect(server.dsn, options=POLL_OPTIONS) as poll:
-                    poller = CatalogPoller(
-                        poll, s.slot_name, s.publication_name, self.metrics, publisher, queue
-                    )
-                    poller.start()
-                    try:
-                        self._loop(
-                            repl, assembler, queue, publisher, poller, tracker, book, server.dsn
-                        )
-                    finally:
-                        poller.stop(_STOP_GRACE_S)
-            except StreamError as exc:
-                if f'publication "{s.publication_name}" does not exist' in str(exc):
-                    raise publication_dropped(s) from None
-                raise
-            # Clean stop: let the publisher commit what it holds, then confirm it.
-            publisher.stop()
-            publisher.join(_STOP_GRACE_S)
-            if publisher.is_alive():
-                log_event(
-                    log,
-                    logging.WARNING,
-                    "stopped before the publisher finished: its "
-                    "open batch is not committed and will be published at the next start",
-                    waited_s=2 * _STOP_GRACE_S,
-                )
-                return
-            if publisher.error is not None:
-                raise publisher.error
-            confirmed = tracker.confirmable()
-            repl.send_status(confirmed, confirmed)
-            if s.snapshot_mode == "initial_only" and not book.tables():
-                repl.close()  # the stream holds the slot: a drop on it would be refused
-                drop_slot(server.dsn, s.slot_name)
-                log_event(
-                    log,
-                    logging.INFO,
-                    "initial_only: snapshot published, slot dropped",
-                    slot=s.slot_name,
-                )
-                return
-            log_event(
-                log,
-                logging.INFO,
-                "stopped cleanly",
-                confirmed=format_lsn(confirmed) if confirmed else "nothing this session",
-            )
-        finally:
-            self._book.close()
-            for reader in self._readers:
-                reader.stop()
-            for reader in self._readers:
-                reader.join(_STOP_GRACE_S)
-            self._readers = []
-            self._health.streaming = False
-            self.metrics.streaming.set(0)
-            if publisher is not None and publisher.is_alive():
-                publisher.stop()
-                publisher.join(_STOP_GRACE_S)
-            if assembler is not None:
-                assembler.discard_all()
-            if sink is not None:
-                sink.close()
-            if server is not None:
-                server.close()
+            return
+        log_event(
+            log,
+            logging.INFO,
+            "stopped cleanly",
+            confirmed=format_lsn(confirmed) if confirmed else "nothing this session",
+        )
+
+    def _end_streaming(self) -> None:
+        """Stop the chunk readers; the session no longer streams."""
+        self._book.close()
+        for reader in self._readers:
+            reader.stop()
+        for reader in self._readers:
+            reader.join(_STOP_GRACE_S)
+        self._readers = []
+        self._health.streaming = False
+        self.metrics.streaming.set(0)
 
     def _ensure_slot(
         self,
@@ -554,46 +588,38 @@ class Bridge:
             if value is not None
         )
 
-    def _loop(
-        self,
-        repl: ReplicationConnection,
-        assembler: Assembler,
-        queue: TxnQueue,
-        publisher: Publisher,
-        poller: CatalogPoller,
-        tracker: ConfirmTracker,
-        book: SnapshotBook,
-        dsn: str,
-    ) -> None:
+    def _loop(self, session: _Session, poller: CatalogPoller) -> None:
         """The socket loop: receive, confirm, keep the other threads' work in view."""
+        repl, tracker = session.server.repl, session.tracker
         position = StreamPosition()
         while not self._stop.is_set():
             now = time.monotonic()
             self._health.last_loop = now
-            if self._housekeeping(publisher, poller, book, dsn):
+            if self._housekeeping(session, poller):
                 return  # the clean stop publishes the last chunk's batch, then drops the slot
-            reply = self._receive(repl, assembler, queue, position)
-            self._confirm(repl, assembler, tracker, position, reply, now)
+            reply = self._receive(repl, session.assembler, session.queue, position)
+            self._confirm(repl, session.assembler, tracker, position, reply, now)
             in_flight = position.in_flight(tracker.published_lsn)
             self.metrics.lag_bytes.set(
                 max(0, position.received - tracker.published_lsn) if in_flight else 0
             )
-            self.metrics.lag_seconds.set(_lag_seconds(publisher.last_commit_ts) if in_flight else 0)
+            self.metrics.lag_seconds.set(
+                _lag_seconds(session.publisher.last_commit_ts) if in_flight else 0
+            )
 
-    def _housekeeping(
-        self, publisher: Publisher, poller: CatalogPoller, book: SnapshotBook, dsn: str
-    ) -> bool:
+    def _housekeeping(self, session: _Session, poller: CatalogPoller) -> bool:
         """Raise what ended another thread of the session, start the chunk readers when
         a snapshot is under way; True when an ``initial_only`` snapshot is done."""
-        if publisher.error is not None:
-            raise publisher.error
+        if session.publisher.error is not None:
+            raise session.publisher.error
         for reader in self._readers:
             if reader.error is not None:
                 raise reader.error
         if poller.error is not None:
             raise poller.error
+        book = session.book
         if book.tables() and not self._readers:
-            self._start_readers(dsn, book)
+            self._start_readers(session.server.dsn, book)
         return self.settings.snapshot_mode == "initial_only" and not book.tables()
 
     def _receive(
