@@ -52,7 +52,8 @@ class MemorySink:
         self._open = None
 
     def prove_not_fenced(self) -> None:
-        """An empty committed transaction, as the real one's offsets-only commit."""
+        """Nothing a reader sees, as the real one's offsets-only transaction; like it,
+        refused while a transaction is open."""
         self.begin()
         self._open = None
 
