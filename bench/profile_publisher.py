@@ -110,6 +110,7 @@ def _transactions(rows: int, txn_size: int, memory: int, folder: Path) -> list[T
                 spool,
                 False,
                 frozenset(),
+                relations=(_relation(),) if n == 0 else (),
             )
         )
     return txns

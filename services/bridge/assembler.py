@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.bridge import messages as m
 from services.bridge.spool import Spool
@@ -28,6 +28,7 @@ _XID = struct.Struct("!I")
 _SIZE = struct.Struct("!Q")
 # Message types that belong to a transaction's content (everything else is control).
 DATA_TYPES = frozenset(b"RYIUDTM")
+_RELATION = 0x52  # 'R'
 # Spooled in place of a row change too large to publish (not a pgoutput type): "!", the
 # change's bytes up to its relation oid ([xid,] oid), the change's size. A row of
 # hundreds of MB is then neither written to the spool nor read back from it; whether it
@@ -60,6 +61,9 @@ class Transaction:
     aborted_subxids: frozenset[int]
     gid: str | None = None  # set for a two-phase transaction
     prepare_lsn: int | None = None
+    # Its Relation messages (raw, also in the spool): what it describes is known without
+    # reading the spool, which may be on disk, an extra time.
+    relations: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)
@@ -70,6 +74,7 @@ class _Open:
     aborted: set[int]
     final_lsn: int = 0
     commit_ts: int = 0
+    relations: list[bytes] = field(default_factory=list)
 
 
 SpoolFactory = Callable[[str], Spool]
@@ -205,6 +210,8 @@ class Assembler:
         ):
             end = 9 if target.streamed else 5
             payload = bytes((OVERSIZED,)) + payload[1:end] + _SIZE.pack(len(payload))
+        elif payload[0] == _RELATION:
+            target.relations.append(payload)
         target.spool.append(lsn, payload)
 
     def _open_regular(self, xid: int, final_lsn: int, ts: int) -> None:
@@ -223,9 +230,11 @@ class Assembler:
     def _adopt_orphans(self, txn: _Open) -> _Open:
         for lsn, payload in self._orphans:
             # A streamed transaction's payloads carry an xid; give orphans the top xid.
-            txn.spool.append(
-                lsn, payload[:1] + _XID.pack(txn.xid) + payload[1:] if txn.streamed else payload
-            )
+            if txn.streamed:
+                payload = payload[:1] + _XID.pack(txn.xid) + payload[1:]
+            if payload[0] == _RELATION:
+                txn.relations.append(payload)
+            txn.spool.append(lsn, payload)
         self._orphans.clear()
         return txn
 
@@ -256,5 +265,12 @@ class Assembler:
     @staticmethod
     def _seal(txn: _Open, commit_lsn: int, end_lsn: int, ts: int) -> Transaction:
         return Transaction(
-            txn.xid, commit_lsn, end_lsn, ts, txn.spool, txn.streamed, frozenset(txn.aborted)
+            txn.xid,
+            commit_lsn,
+            end_lsn,
+            ts,
+            txn.spool,
+            txn.streamed,
+            frozenset(txn.aborted),
+            relations=tuple(txn.relations),
         )

@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
@@ -36,7 +36,6 @@ import psycopg
 
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler
-from services.bridge.chunks import TableName
 from services.bridge.confirm import ConfirmTracker
 from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import PgOutputDecoder
@@ -47,14 +46,15 @@ from services.bridge.events import (
     known_versions,
     max_change_bytes,
 )
+from services.bridge.feedback import StreamPosition
 from services.bridge.highwater import high_water
 from services.bridge.kafka_reader import read_kafka_progress, read_topic
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
 from services.bridge.origin import OriginStore
+from services.bridge.poller import POLL_OPTIONS, CatalogPoller
 from services.bridge.publisher import (
     HEARTBEAT_S,
     Publisher,
-    SnapshotRequest,
     TxnQueue,
 )
 from services.bridge.server import Server, open_server
@@ -88,8 +88,6 @@ from services.contract.records import ProgressRecord
 log = logging.getLogger(__name__)
 
 _QUEUE_BYTES = 64 * 1024 * 1024
-_STATS_EVERY_S = 10.0
-_POLL_OPTIONS = "-c lock_timeout=1000"
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
 
 
@@ -153,6 +151,27 @@ class _Health:
     # the transactions open at that moment): live while it lasts, however long.
     waiting: str = ""
     waiting_since: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    """What one session streams with, prepared before the slot starts streaming."""
+
+    server: Server
+    sink: KafkaSink
+    book: SnapshotBook
+    tracker: ConfirmTracker
+    queue: TxnQueue
+    publisher: Publisher
+    assembler: Assembler
+
+
+def _stop_if_running(publisher: Publisher) -> None:
+    """A session that ended on an error stops its publisher, which commits its open
+    batch (what it had published from the stream so far)."""
+    if publisher.is_alive():
+        publisher.stop()
+        publisher.join(_STOP_GRACE_S)
 
 
 class Bridge:
@@ -274,166 +293,184 @@ class Bridge:
     # -- one session -----------------------------------------------------------------
 
     def _session(self) -> None:
+        with ExitStack() as ending:  # undone in reverse: what streams first, clients last
+            session = self._prepare(ending)
+            ending.callback(self._end_streaming)
+            self._stream(session)
+
+    def _prepare(self, ending: ExitStack) -> _Session:
+        """A session's collaborators, from what Kafka and PostgreSQL durably hold; what is
+        opened here is closed by ``ending``."""
         s = self.settings
-        server: Server | None = None
-        sink: KafkaSink | None = None
-        publisher: Publisher | None = None
-        assembler: Assembler | None = None
+        spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
+        sink = KafkaSink(s)
+        ending.callback(sink.close)
+        sink.start()  # fences a killed predecessor; must precede reading progress
+        sink.ensure_topics({s.progress_topic: True})
+        kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic, s.slot_name)
+        # Progress before PostgreSQL: it decides which server of source_dsn may be used.
+        server = open_server(self._dsn, kafka_progress, s.slot_name)
+        ending.callback(server.close)
+        sql, identity = server.sql, server.identity
+        preflight(sql, s)
+        origin = OriginStore(sql, s.origin_name)
+
+        mark = high_water(origin.progress(), kafka_progress)
+        builder = self._builder(sql, server.system.dbname, mark)
+        sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
+        with self._racing_for_slot(sql):
+            self._ensure_slot(sql, server.repl, origin, server.system.dbname, kafka_progress)
+        warn_keyless_tables(sql, s.publication_name)
+        book = self._book = self._snapshots(sql, kafka_progress, mark)
+
+        parallel = s.streaming == "parallel"
+        tracker = ConfirmTracker(0)
+        queue = TxnQueue(_QUEUE_BYTES)
+        control = PgOutputDecoder(4, parallel_abort=parallel)
+        assembler = Assembler(
+            control.decode,
+            lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
+            on_prepared=tracker.prepared,
+            on_rolled_back=tracker.finished,
+            max_change_bytes=max_change_bytes(s.max_row_bytes),
+            on_untied_message=self._untied_message,
+        )
+        ending.callback(assembler.discard_all)
+        replay = PgOutputDecoder(4, parallel_abort=parallel)
+        publisher = Publisher(
+            settings=s,
+            sink=sink,
+            origin=origin,
+            builder=builder,
+            tracker=tracker,
+            identity=identity,
+            high_water=mark,
+            last_commit_lsn=kafka_progress.commit_lsn if kafka_progress is not None else mark,
+            queue=queue,
+            decode=lambda payload, streamed: replay.decode(payload, streamed),
+            metrics=self.metrics,
+            book=book,
+            snapshot_added=s.snapshot_mode != "never"
+            and not publishes_all_tables(sql, s.publication_name),
+            published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
+        )
+        ending.callback(_stop_if_running, publisher)
+        log_event(
+            log,
+            logging.INFO,
+            "session starting",
+            slot=s.slot_name,
+            server=server.address,
+            system=identity.system_identifier,
+            timeline=identity.timeline,
+            high_water=format_lsn(mark),
+            snapshots=[
+                f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
+            ],
+        )
+        return _Session(server, sink, book, tracker, queue, publisher, assembler)
+
+    def _builder(
+        self, sql: psycopg.Connection[tuple[object, ...]], dbname: str, mark: int
+    ) -> EventBuilder:
+        """The record format's builder, over a catalogue that knows the table versions
+        Kafka already has."""
+        s = self.settings
+        catalog = RelationCatalog(
+            s.topic_prefix,
+            lambda oid: table_facts(sql, oid),
+            self._known_versions(f"{s.topic_prefix}.schema"),
+        )
+        if s.value_format == "debezium":
+            # Before anything was published there is no previous commit to name.
+            return DebeziumEventBuilder(
+                catalog, s.topic_prefix, dbname, s.max_row_bytes, mark or None
+            )
+        return EventBuilder(catalog, s.topic_prefix, dbname, s.max_row_bytes)
+
+    def _stream(self, session: _Session) -> None:
+        """Start the publisher and the slot, run the socket loop until stopped, then stop
+        cleanly."""
+        s = self.settings
+        server, publisher = session.server, session.publisher
+        publisher.start()
+        options = {
+            "proto_version": "4",
+            "publication_names": f'"{s.publication_name}"',
+            "streaming": s.streaming,
+            "messages": "true",
+        }
+        if s.two_phase:
+            options["two_phase"] = "on"
+        with self._racing_for_slot(server.sql):
+            server.repl.start(s.slot_name, 0, options)
+        self._sessions_streamed += 1
+        self._health.streaming, self._health.error = True, ""
+        self.metrics.streaming.set(1)
+        log_event(log, logging.INFO, "streaming", slot=s.slot_name, publication=s.publication_name)
         try:
-            spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
-            sink = KafkaSink(s)
-            sink.start()  # fences a killed predecessor; must precede reading progress
-            sink.ensure_topics({s.progress_topic: True})
-            kafka_progress = read_kafka_progress(
-                kafka_client_config(s), s.progress_topic, s.slot_name
-            )
-            # Progress before PostgreSQL: it decides which server of source_dsn may be used.
-            server = open_server(self._dsn, kafka_progress, s.slot_name)
-            sql, repl, system, identity = server.sql, server.repl, server.system, server.identity
-            preflight(sql, s)
-            origin = OriginStore(sql, s.origin_name)
-
-            mark = high_water(origin.progress(), kafka_progress)
-            catalog = RelationCatalog(
-                s.topic_prefix,
-                lambda oid: table_facts(sql, oid),
-                self._known_versions(f"{s.topic_prefix}.schema"),
-            )
-            if s.value_format == "debezium":
-                # Before anything was published there is no previous commit to name.
-                builder: EventBuilder = DebeziumEventBuilder(
-                    catalog, s.topic_prefix, system.dbname, s.max_row_bytes, mark or None
+            with connect(server.dsn, options=POLL_OPTIONS) as poll:
+                poller = CatalogPoller(
+                    poll, s.slot_name, s.publication_name, self.metrics, publisher, session.queue
                 )
-            else:
-                builder = EventBuilder(catalog, s.topic_prefix, system.dbname, s.max_row_bytes)
-            sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
-            last_commit = kafka_progress.commit_lsn if kafka_progress is not None else mark
-            with self._racing_for_slot(sql):
-                self._ensure_slot(sql, repl, origin, system.dbname, kafka_progress)
-            warn_keyless_tables(sql, s.publication_name)
-            book = self._book = self._snapshots(sql, kafka_progress, mark)
+                poller.start()
+                try:
+                    self._loop(session, poller)
+                finally:
+                    poller.stop(_STOP_GRACE_S)
+        except StreamError as exc:
+            if f'publication "{s.publication_name}" does not exist' in str(exc):
+                raise publication_dropped(s) from None
+            raise
+        self._stop_cleanly(session)
 
-            parallel = s.streaming == "parallel"
-            tracker = ConfirmTracker(0)
-            queue = TxnQueue(_QUEUE_BYTES)
-            replay = PgOutputDecoder(4, parallel_abort=parallel)
+    def _stop_cleanly(self, session: _Session) -> None:
+        """Let the publisher commit what it holds, then confirm it (and, once an
+        ``initial_only`` snapshot is published, drop the slot)."""
+        s = self.settings
+        publisher, repl = session.publisher, session.server.repl
+        publisher.stop()
+        publisher.join(_STOP_GRACE_S)
+        if publisher.is_alive():
+            log_event(
+                log,
+                logging.WARNING,
+                "stopped before the publisher finished: its "
+                "open batch is not committed and will be published at the next start",
+                waited_s=2 * _STOP_GRACE_S,
+            )
+            return
+        if publisher.error is not None:
+            raise publisher.error
+        confirmed = session.tracker.confirmable()
+        repl.send_status(confirmed, confirmed)
+        if s.snapshot_mode == "initial_only" and not session.book.tables():
+            repl.close()  # the stream holds the slot: a drop on it would be refused
+            drop_slot(session.server.dsn, s.slot_name)
             log_event(
                 log,
                 logging.INFO,
-                "session starting",
+                "initial_only: snapshot published, slot dropped",
                 slot=s.slot_name,
-                server=server.address,
-                system=identity.system_identifier,
-                timeline=identity.timeline,
-                high_water=format_lsn(mark),
-                snapshots=[
-                    f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
-                ],
             )
-            publisher = Publisher(
-                settings=s,
-                sink=sink,
-                origin=origin,
-                builder=builder,
-                tracker=tracker,
-                identity=identity,
-                high_water=mark,
-                last_commit_lsn=last_commit,
-                queue=queue,
-                decode=lambda payload, streamed: replay.decode(payload, streamed),
-                metrics=self.metrics,
-                book=book,
-                snapshot_added=s.snapshot_mode != "never"
-                and not publishes_all_tables(sql, s.publication_name),
-                published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
-            )
-            control = PgOutputDecoder(4, parallel_abort=parallel)
-            assembler = Assembler(
-                control.decode,
-                lambda name: Spool(spool_dir, name, s.spool_memory_bytes, self.spool_stats),
-                on_prepared=tracker.prepared,
-                on_rolled_back=tracker.finished,
-                max_change_bytes=max_change_bytes(s.max_row_bytes),
-                on_untied_message=self._untied_message,
-            )
-            publisher.start()
-            options = {
-                "proto_version": "4",
-                "publication_names": f'"{s.publication_name}"',
-                "streaming": s.streaming,
-                "messages": "true",
-            }
-            if s.two_phase:
-                options["two_phase"] = "on"
-            with self._racing_for_slot(sql):
-                repl.start(s.slot_name, 0, options)
-            self._sessions_streamed += 1
-            self._health.streaming, self._health.error = True, ""
-            self.metrics.streaming.set(1)
-            log_event(
-                log, logging.INFO, "streaming", slot=s.slot_name, publication=s.publication_name
-            )
-            try:
-                # The loop's catalog polling has a connection of its own, which gives up
-                # on a lock rather than wait: DDL holding a published table's ACCESS
-                # EXCLUSIVE lock would otherwise stop the socket loop (no status to the
-                # server, nothing received, /healthz down) until it commits.
-                with connect(server.dsn, options=_POLL_OPTIONS) as poll:
-                    self._loop(poll, repl, assembler, queue, publisher, tracker, book, server.dsn)
-            except StreamError as exc:
-                if f'publication "{s.publication_name}" does not exist' in str(exc):
-                    raise publication_dropped(s) from None
-                raise
-            # Clean stop: let the publisher commit what it holds, then confirm it.
-            publisher.stop()
-            publisher.join(_STOP_GRACE_S)
-            if publisher.is_alive():
-                log_event(
-                    log,
-                    logging.WARNING,
-                    "stopped before the publisher finished: its "
-                    "open batch is not committed and will be published at the next start",
-                    waited_s=2 * _STOP_GRACE_S,
-                )
-                return
-            if publisher.error is not None:
-                raise publisher.error
-            confirmed = tracker.confirmable()
-            repl.send_status(confirmed, confirmed)
-            if s.snapshot_mode == "initial_only" and not book.tables():
-                repl.close()  # the stream holds the slot: a drop on it would be refused
-                drop_slot(server.dsn, s.slot_name)
-                log_event(
-                    log,
-                    logging.INFO,
-                    "initial_only: snapshot published, slot dropped",
-                    slot=s.slot_name,
-                )
-                return
-            log_event(
-                log,
-                logging.INFO,
-                "stopped cleanly",
-                confirmed=format_lsn(confirmed) if confirmed else "nothing this session",
-            )
-        finally:
-            self._book.close()
-            for reader in self._readers:
-                reader.stop()
-            for reader in self._readers:
-                reader.join(_STOP_GRACE_S)
-            self._readers = []
-            self._health.streaming = False
-            self.metrics.streaming.set(0)
-            if publisher is not None and publisher.is_alive():
-                publisher.stop()
-                publisher.join(_STOP_GRACE_S)
-            if assembler is not None:
-                assembler.discard_all()
-            if sink is not None:
-                sink.close()
-            if server is not None:
-                server.close()
+            return
+        log_event(
+            log,
+            logging.INFO,
+            "stopped cleanly",
+            confirmed=format_lsn(confirmed) if confirmed else "nothing this session",
+        )
+
+    def _end_streaming(self) -> None:
+        """Stop the chunk readers; the session no longer streams."""
+        self._book.close()
+        for reader in self._readers:
+            reader.stop()
+        for reader in self._readers:
+            reader.join(_STOP_GRACE_S)
+        self._readers = []
+        self._health.streaming = False
+        self.metrics.streaming.set(0)
 
     def _untied_message(self, message: m.LogicalMessage) -> None:
         self.metrics.untied_messages.inc()
@@ -551,87 +588,87 @@ class Bridge:
             if value is not None
         )
 
-    def _loop(
-        self,
-        poll: psycopg.Connection[tuple[object, ...]],
-        repl: ReplicationConnection,
-        assembler: Assembler,
-        queue: TxnQueue,
-        publisher: Publisher,
-        tracker: ConfirmTracker,
-        book: SnapshotBook,
-        dsn: str,
-    ) -> None:
-        s = self.settings
-        received = 0  # highest WAL position seen
-        queued_end = 0  # end LSN of the last sealed transaction handed to the publisher
-        idle_end = 0  # a keepalive's WAL end, confirmable when nothing is in flight
-        sent = 0
-        last_status = 0.0
-        next_stats = 0.0
-        requested: set[TableName] = set()  # tables this session asked to snapshot
+    def _loop(self, session: _Session, poller: CatalogPoller) -> None:
+        """The socket loop: receive, confirm, keep the other threads' work in view."""
+        repl, tracker = session.server.repl, session.tracker
+        position = StreamPosition()
         while not self._stop.is_set():
             now = time.monotonic()
             self._health.last_loop = now
-            if publisher.error is not None:
-                raise publisher.error
-            for reader in self._readers:
-                if reader.error is not None:
-                    raise reader.error
-            if book.tables() and not self._readers:
-                self._start_readers(dsn, book)
-            if s.snapshot_mode == "initial_only" and not book.tables():
+            if self._housekeeping(session, poller):
                 return  # the clean stop publishes the last chunk's batch, then drops the slot
-            reply = False
-            if queue.full:
-                self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
-            else:
-                for kind, a, b, payload in repl.messages(0.1):
-                    if kind == "w":
-                        received = max(received, b)
-                        txn = assembler.feed(a, payload)  # type: ignore[arg-type]
-                        if txn is not None:
-                            queue.put(txn)
-                            queued_end = txn.end_lsn
-                    else:
-                        received = max(received, a)
-                        idle_end = a
-                        reply = reply or bool(payload)
-                        break
-                    if queue.full:
-                        break
-            confirm = tracker.confirmable()
-            if assembler.idle and tracker.published_lsn >= queued_end and idle_end > confirm:
-                # Nothing in flight: every change before the keepalive's WAL end has been
-                # received and published (or was not ours), so the slot may move past it.
-                confirm = idle_end
-            if confirm > sent or reply or now - last_status >= s.status_interval_s:
-                confirm = max(confirm, sent)
-                repl.send_status(received, confirm)
-                if confirm > sent:
-                    failpoint("after_slot_confirm")
-                sent, last_status = confirm, now
-                self.metrics.confirmed_lsn.set(confirm)
+            reply = self._receive(repl, session.assembler, session.queue, position)
+            self._confirm(repl, session.assembler, tracker, position, reply, now)
+            in_flight = position.in_flight(tracker.published_lsn)
             self.metrics.lag_bytes.set(
-                max(0, received - tracker.published_lsn)
-                if tracker.published_lsn < queued_end
-                else 0
+                max(0, position.received - tracker.published_lsn) if in_flight else 0
             )
             self.metrics.lag_seconds.set(
-                _lag_seconds(publisher.last_commit_ts) if tracker.published_lsn < queued_end else 0
+                _lag_seconds(session.publisher.last_commit_ts) if in_flight else 0
             )
-            if now >= next_stats:
-                self._slot_stats(poll)
-                missing = (
-                    self._added_tables(poll, publisher, requested)
-                    if publisher.snapshot_added
-                    else []
-                )
-                if missing:
-                    # Queued behind what was received so far: its place in the stream.
-                    queue.put(SnapshotRequest(tuple(missing)))
-                    requested.update(missing)
-                next_stats = now + _STATS_EVERY_S
+
+    def _housekeeping(self, session: _Session, poller: CatalogPoller) -> bool:
+        """Raise what ended another thread of the session, start the chunk readers when
+        a snapshot is under way; True when an ``initial_only`` snapshot is done."""
+        if session.publisher.error is not None:
+            raise session.publisher.error
+        for reader in self._readers:
+            if reader.error is not None:
+                raise reader.error
+        if poller.error is not None:
+            raise poller.error
+        book = session.book
+        if book.tables() and not self._readers:
+            self._start_readers(session.server.dsn, book)
+        return self.settings.snapshot_mode == "initial_only" and not book.tables()
+
+    def _receive(
+        self,
+        repl: ReplicationConnection,
+        assembler: Assembler,
+        queue: TxnQueue,
+        position: StreamPosition,
+    ) -> bool:
+        """Feed what the server sent to the assembler, sealed transactions to the
+        publisher, until a keepalive, a pause or a full queue; True if the server asked
+        for a reply."""
+        if queue.full:
+            self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
+            return False
+        for kind, a, b, payload in repl.messages(0.1):
+            if kind == "w":
+                position.received = max(position.received, b)
+                txn = assembler.feed(a, payload)  # type: ignore[arg-type]
+                if txn is not None:
+                    queue.put(txn)
+                    position.queued_end = txn.end_lsn
+            else:
+                position.received = max(position.received, a)
+                position.idle_end = a
+                return bool(payload)
+            if queue.full:
+                break
+        return False
+
+    def _confirm(
+        self,
+        repl: ReplicationConnection,
+        assembler: Assembler,
+        tracker: ConfirmTracker,
+        position: StreamPosition,
+        reply: bool,
+        now: float,
+    ) -> None:
+        """Send a status update when one is due, confirming what ``feedback`` allows."""
+        confirm = position.to_confirm(tracker.confirmable(), tracker.published_lsn, assembler.idle)
+        if not position.status_due(confirm, reply, now, self.settings.status_interval_s):
+            return
+        confirm = max(confirm, position.sent)
+        repl.send_status(position.received, confirm)
+        if confirm > position.sent:
+            failpoint("after_slot_confirm")
+        position.sent, position.last_status = confirm, now
+        self.metrics.confirmed_lsn.set(confirm)
 
     def _start_readers(self, dsn: str, book: SnapshotBook) -> None:
         """Chunk readers, one connection each; they work on different tables."""
@@ -650,51 +687,6 @@ class Bridge:
         ]
         for reader in self._readers:
             reader.start()
-
-    def _added_tables(
-        self,
-        poll: psycopg.Connection[tuple[object, ...]],
-        publisher: Publisher,
-        requested: set[TableName],
-    ) -> list[TableName]:
-        """Published tables missing from Kafka that this session has not asked to snapshot
-        yet; none this round if a table's lock is held (asked again next round)."""
-        try:
-            published = published_tables(poll, self.settings.publication_name)
-        except psycopg.errors.LockNotAvailable:
-            log_event(
-                log,
-                logging.INFO,
-                "publication check skipped: a published table is "
-                "locked (DDL running?); checking again shortly",
-            )
-            return []
-        return [
-            p.name for p in published if publisher.is_missing(p.name) and p.name not in requested
-        ]
-
-    def _slot_stats(self, sql: psycopg.Connection[tuple[object, ...]]) -> None:
-        names = (
-            "spill_txns",
-            "spill_count",
-            "spill_bytes",
-            "stream_txns",
-            "stream_count",
-            "stream_bytes",
-            "total_txns",
-            "total_bytes",
-        )
-        with sql.cursor() as cur:
-            cur.execute(
-                f"SELECT {', '.join(names)} FROM pg_stat_replication_slots WHERE slot_name = %s",
-                (self.settings.slot_name,),
-            )
-            row = cur.fetchone()
-        if row is not None:
-            for name, value in zip(names, row, strict=True):
-                self.metrics.slot_stats.labels(self.settings.slot_name, name).set(
-                    float(str(value or 0))
-                )
 
 
 def _lag_seconds(commit_ts_us: int) -> float:

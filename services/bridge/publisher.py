@@ -14,7 +14,8 @@ is a chunk's watermark (its rows, less what the stream overtook, go into the ope
 at that place, see ``snapshot.py`` and ``chunks.py``) or a signal (an on-demand snapshot
 or its cancellation, so it takes effect in stream order). A table published but not yet
 in Kafka (added to the publication later) gets a snapshot when the socket loop finds it
-missing (``SnapshotRequest``) or the stream first describes it, whichever comes first.
+missing (``SnapshotRequest``) or the stream first describes it, whichever comes first
+(planned from the transaction's Relation messages before its records are built).
 The progress record of every batch carries how far each snapshot got.
 """
 
@@ -25,8 +26,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
@@ -36,10 +38,8 @@ from services.bridge.decoder import DecodeError
 from services.bridge.events import EventBuilder, Record, RelationInfo
 from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.origin import OriginStore
 from services.bridge.progress_record import progress_key, progress_value
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink
 from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
 from services.bridge.stream import now_pg_us
 from services.common.errors import SlotbridgeError
@@ -53,6 +53,37 @@ _STOP = object()
 # bridge with nothing to publish would hold the slot - and keep its successor waiting - until
 # the next change.
 HEARTBEAT_S = 5.0
+
+
+class Sink(Protocol):
+    """What the publisher needs of Kafka: one transaction at a time, whose records become
+    visible together at ``commit`` (``sink.KafkaSink``; tests use one in memory)."""
+
+    def begin(self) -> None: ...
+
+    def produce(self, topic: str, key: bytes | None, value: bytes | None) -> None: ...
+
+    def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
+        """Produce each record (creating topics as needed; ``compacted``: those to create
+        compacted); returns how many."""
+        ...
+
+    def commit(self) -> float:
+        """Commit the open transaction; returns the seconds it took."""
+        ...
+
+    def abort(self) -> None: ...
+
+    def prove_not_fenced(self) -> None:
+        """Raise if another bridge took this slot's transactional id."""
+        ...
+
+
+class OriginProgress(Protocol):
+    """Where PostgreSQL records how far Kafka holds the stream (``origin.OriginStore``,
+    the replication origin; tests use one in memory)."""
+
+    def advance(self, lsn: int) -> None: ...
 
 
 class GapError(SlotbridgeError):
@@ -128,8 +159,8 @@ class Publisher(threading.Thread):
         self,
         *,
         settings: BridgeSettings,
-        sink: KafkaSink,
-        origin: OriginStore,
+        sink: Sink,
+        origin: OriginProgress,
         builder: EventBuilder,
         tracker: ConfirmTracker,
         identity: ServerIdentity,
@@ -237,11 +268,8 @@ class Publisher(threading.Thread):
             return False
         # The server sends a relation's description once per session, possibly inside a
         # transaction we skip; later transactions rely on it, so learn it anyway.
-        for _lsn, payload in txn.spool:
-            if payload[0] == 0x52:  # 'R'
-                relation = self._decode(payload, txn.streamed)
-                assert isinstance(relation, m.Relation)
-                self._builder.catalog.apply(relation)
+        for relation in self._relations(txn):
+            self._builder.catalog.apply(relation)
         txn.spool.discard()
         self._tracker.published(txn.end_lsn)
         if txn.gid is not None:
@@ -374,6 +402,11 @@ class Publisher(threading.Thread):
         return self._sink.produce_all(records, (self._builder.schema_topic,))
 
     def _publish(self, txn: Transaction) -> int:
+        """Plan which tables need a snapshot, start those snapshots, then build and produce
+        the transaction's records: while the builder pulls its messages, only the stream
+        watch hears of them (a snapshot started then would change what is being built)."""
+        for table in self._tables_to_snapshot(txn):
+            self._start_snapshot(table, "added", None)
         try:
             count = self._produce(
                 self._builder.transaction(
@@ -388,7 +421,31 @@ class Publisher(threading.Thread):
         self._metrics.transactions.inc()
         return count
 
+    def _relations(self, txn: Transaction) -> Iterator[m.Relation]:
+        for payload in txn.relations:
+            relation = self._decode(payload, txn.streamed)
+            assert isinstance(relation, m.Relation)
+            yield relation
+
+    def _tables_to_snapshot(self, txn: Transaction) -> list[TableName]:
+        """Tables the transaction describes that are published but missing from Kafka:
+        each gets a snapshot from here on (its changes may come before its rows)."""
+        if not self.snapshot_added:
+            return []
+        tables: list[TableName] = []
+        for relation in self._relations(txn):
+            name = (relation.namespace, relation.name)
+            if name in tables or name in self._not_published or not self.is_missing(name):
+                continue
+            if name in self._published():
+                tables.append(name)
+            else:
+                self._not_published.add(name)
+        return tables
+
     def _changes(self, txn: Transaction) -> Iterator[tuple[int, m.Message]]:
+        """The transaction's messages, decoded, less its aborted subtransactions' changes;
+        a table being snapshotted has its changes noted on the way (``_note``)."""
         decode = self._decode
         streamed = txn.streamed
         aborted = txn.aborted_subxids
@@ -407,21 +464,15 @@ class Publisher(threading.Thread):
                 if payload[0] == OVERSIZED:
                     self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
                 raise
-            if msg.__class__ is relation:
-                # The stream describes a table before its first change: a table missing
-                # from Kafka gets its snapshot from here on (its changes may come first).
-                name = (msg.namespace, msg.name)
-                if name not in self._not_published and self.is_missing(name):
-                    if name in self._published():
-                        self._start_snapshot(name, "added", None)
-                    else:
-                        self._not_published.add(name)
-            elif watch:
+            if watch and msg.__class__ is not relation:
                 self._note(msg, txn.xid)
             yield lsn, msg
 
     def _note(self, msg: m.Message, xid: int) -> None:
-        """Tell the watch what a change did to a table being snapshotted."""
+        """Tell the watch what a change did to a table being snapshotted.
+
+        The relation's shape is the catalog's: the builder applied the transaction's
+        Relation messages before it asked for the changes after them."""
         by_oid = self._builder.catalog.by_oid
         watch = self._watch
         if isinstance(msg, m.Truncate):

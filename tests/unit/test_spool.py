@@ -1,0 +1,83 @@
+"""Spools: a transaction's raw messages in memory up to a limit, the rest on disk, read
+back in arrival order; discarded without a trace."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
+
+
+def test_messages_come_back_in_order_across_memory_and_disk(tmp_path: Path) -> None:
+    stats = SpoolStats()
+    spool = Spool(tmp_path, "txn-7", 100, stats)
+    sent = [(lsn, bytes([lsn % 256]) * 40) for lsn in range(1, 6)]  # two fit in memory
+    for lsn, payload in sent:
+        spool.append(lsn, payload)
+    assert spool.count == 5
+    assert (stats.memory_bytes, stats.disk_bytes) == (80, 3 * (12 + 40))
+    assert spool.size == stats.memory_bytes + stats.disk_bytes
+    assert list(spool) == sent
+    assert list(spool) == sent  # read again, as a retried publish does
+
+
+def test_once_on_disk_later_messages_stay_behind_it(tmp_path: Path) -> None:
+    """A small message after a large one must not jump the queue into memory."""
+    spool = Spool(tmp_path, "txn-7", 100, SpoolStats())
+    spool.append(1, b"a" * 200)
+    spool.append(2, b"b")
+    assert list(spool) == [(1, b"a" * 200), (2, b"b")]
+
+
+def test_a_message_larger_than_the_read_chunk_survives(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, "txn-7", 0, SpoolStats())
+    big = os.urandom(3 << 20)
+    spool.append(1, b"x")
+    spool.append(2, big)
+    spool.append(3, b"y")
+    assert list(spool) == [(1, b"x"), (2, big), (3, b"y")]
+
+
+def test_the_file_is_private_and_discard_removes_it(tmp_path: Path) -> None:
+    stats = SpoolStats()
+    spool = Spool(tmp_path, "txn-7", 0, stats)
+    spool.append(1, b"row data")
+    path = tmp_path / "txn-7.spool"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    spool.discard()
+    assert not path.exists()
+    assert (stats.memory_bytes, stats.disk_bytes, spool.size) == (0, 0, 0)
+    assert list(spool) == []
+
+
+def test_the_spool_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    (tmp_path / "txn-7.spool").symlink_to(target)
+    spool = Spool(tmp_path, "txn-7", 0, SpoolStats())
+    with pytest.raises(SpoolError, match="check spool_dir"):
+        spool.append(1, b"row data")
+    assert target.read_bytes() == b"keep"
+
+
+def test_the_slot_folder_is_private_and_emptied_of_old_spools(tmp_path: Path) -> None:
+    configured = tmp_path / "spool"
+    first = prepare_spool_dir(configured, "s1")
+    (first / "txn-1.spool").write_bytes(b"left by a crash")
+    first.chmod(0o755)
+    again = prepare_spool_dir(configured, "s1")
+    assert again == configured / "s1"
+    assert list(again.iterdir()) == []
+    assert stat.S_IMODE(again.stat().st_mode) == 0o700
+
+
+def test_a_folder_others_may_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(SpoolError, match="writable by other users"):
+        prepare_spool_dir(shared, "s1")
