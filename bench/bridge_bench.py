@@ -340,9 +340,10 @@ class Run:
                     raise TimeoutError(f"bridge did not catch up in 1800 s; see {log_path}")
                 msg = consumer.poll(0.02)
                 peak_seen = max(peak_seen, _rss_kb(bridge_pid))
-                if msg is None or msg.error() is not None or msg.value() is None:
+                value = None if msg is None or msg.error() is not None else msg.value()
+                if value is None:
                     continue
-                published = max(published, int(json.loads(msg.value())["end_lsn"]))
+                published = max(published, int(json.loads(value)["end_lsn"]))
             done = time.monotonic()
             peak_kb = max(peak_seen, _rss_kb(bridge_pid))
         finally:
@@ -403,7 +404,7 @@ class Run:
                         raise RuntimeError(f"reading {topic}: {err}")
                     if err is None:
                         count += 1
-                        position = msg.offset()
+                        position = msg.offset() or 0  # None only on error events
             return count
         finally:
             consumer.close()

@@ -74,12 +74,13 @@ class Receiver(threading.Thread):
         try:
             while not self.stop_flag.is_set():
                 msg = self.consumer.poll(0.05)
-                if msg is None or msg.value() is None:
+                value = None if msg is None else msg.value()
+                if msg is None or value is None:
                     continue
                 received = time.time()
                 if msg.error() is not None:
                     raise RuntimeError(f"consumer: {msg.error()}")
-                inserted = datetime.fromisoformat(json.loads(msg.value())["after"]["ts"])
+                inserted = datetime.fromisoformat(json.loads(value)["after"]["ts"])
                 self.delays.append(received - inserted.timestamp())
         except BaseException as exc:  # reported by the caller
             self.error = exc

@@ -20,13 +20,13 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.bridge.assembler import Transaction
+from services.bridge.confirm import ConfirmTracker
 from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import (
     ColumnFacts,
@@ -35,7 +35,10 @@ from services.bridge.events import (
     RelationCatalog,
     TableFacts,
 )
-from services.bridge.publisher import Publisher
+from services.bridge.highwater import ServerIdentity
+from services.bridge.metrics import BridgeMetrics
+from services.bridge.publisher import Publisher, TxnQueue
+from services.bridge.settings import BridgeSettings
 from services.bridge.snapshot import SnapshotBook
 from services.bridge.spool import Spool, SpoolStats
 
@@ -70,25 +73,39 @@ def _insert(i: int) -> bytes:
 
 
 class _CountingSink:
+    """A ``publisher.Sink`` that counts what it is given; only ``produce_all`` is on the
+    measured path (``_publish`` neither begins nor commits)."""
+
     def __init__(self) -> None:
         self.records = 0
         self.bytes = 0
 
-    def produce_all(self, records: Iterable[Record], compacted: object) -> int:
+    def begin(self) -> None:
+        pass
+
+    def produce(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        self.produce_all([(topic, key, value, None)], ())
+
+    def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
         before = self.records
         for _topic, _key, value, _headers in records:
             self.records += 1
             self.bytes += len(value) if value is not None else 0
         return self.records - before
 
+    def commit(self) -> float:
+        return 0.0
 
-class _Counter:
-    def inc(self, n: int = 1) -> None:
+    def abort(self) -> None:
+        pass
+
+    def prove_not_fenced(self) -> None:
         pass
 
 
-class _Metrics:
-    transactions = _Counter()
+class _Origin:
+    def advance(self, lsn: int) -> None:
+        pass
 
 
 def _transactions(rows: int, txn_size: int, memory: int, folder: Path) -> list[Transaction]:
@@ -123,20 +140,23 @@ def _run(rows: int, txn_size: int, memory: int) -> tuple[float, _CountingSink]:
     )
     decoder = PgOutputDecoder(4, parallel_abort=True)
     sink = _CountingSink()
-    publisher: Any = Publisher(
-        settings=None,
+    settings = BridgeSettings(
+        source_dsn="host=bench", kafka_bootstrap="bench:9092", slot_name="bench"
+    )
+    publisher = Publisher(
+        settings=settings,
         sink=sink,
-        origin=None,
+        origin=_Origin(),
         builder=builder,
-        tracker=None,  # type: ignore[arg-type]
-        identity=None,
+        tracker=ConfirmTracker(0),
+        identity=ServerIdentity("0", 1),
         high_water=0,
         last_commit_lsn=0,
-        queue=None,  # type: ignore[arg-type]
+        queue=TxnQueue(1 << 20),
         decode=lambda payload, streamed: decoder.decode(payload, streamed),
-        metrics=_Metrics(),
+        metrics=BridgeMetrics(settings.slot_name, SpoolStats()),
         book=SnapshotBook(),
-        snapshot_added=False,  # type: ignore[arg-type]
+        snapshot_added=False,
         published=set,
     )
     with tempfile.TemporaryDirectory() as folder:

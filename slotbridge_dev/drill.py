@@ -132,7 +132,7 @@ def drill(
     workload: Workload,
     *,
     extra: tuple[str, ...] = (),
-    before: Callable[[], None] | None = None,
+    before: Callable[[], object] | None = None,
     warmup_s: float = 2.0,
     cooldown_s: float = 2.0,
 ) -> DrillResult:

@@ -150,7 +150,8 @@ class TransactionalWriter:
     ) -> None:
         """Create ``topics`` with ``partitions`` partitions, ``compacted`` with one
         (existing ones are left alone)."""
-        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+        from confluent_kafka.admin import AdminClient
+        from confluent_kafka.cimpl import NewTopic
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         compact = set(compacted)

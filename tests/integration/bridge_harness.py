@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def sql(dsn: str, statement: str, params: tuple[Any, ...] | None = None) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor() as cur:
-        cur.execute(statement, params)  # type: ignore[arg-type]
+        cur.execute(statement, params)
         return cur.fetchall() if cur.description else []
 
 
@@ -138,15 +138,19 @@ def _read_once(
             msg = consumer.poll(0.5)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    pending.discard((msg.topic(), msg.partition()))
-                    ends[(msg.topic(), msg.partition())] = msg.offset()
+            topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+            assert topic is not None and partition is not None and offset is not None
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    pending.discard((topic, partition))
+                    ends[(topic, partition)] = offset
                     continue
-                raise AssertionError(f"consumer error {msg.error()}")
-            key = json.loads(msg.key()) if msg.key() else None
-            value = json.loads(msg.value()) if msg.value() is not None else None
-            out.append(Record(msg.topic(), key, value, msg.partition(), msg.offset(), msg.value()))
+                raise AssertionError(f"consumer error {error}")
+            raw_key, raw = msg.key(), msg.value()
+            key = json.loads(raw_key) if raw_key else None
+            value = json.loads(raw) if raw is not None else None
+            out.append(Record(topic, key, value, partition, offset, raw))
         if pending:
             raise AssertionError(f"did not reach the end of {sorted(pending)} in {timeout}s")
         behind = [

@@ -75,7 +75,8 @@ def test_quiet_stream_is_visible_before_the_batch_time_budget(stack: Stack, tmp_
             msg = consumer.poll(BATCH_MAX_MS / 1000 * 2)
             elapsed = time.monotonic() - started
             assert msg is not None and msg.error() is None, msg and msg.error()
-            assert json.loads(msg.value())["after"]["id"] == i, msg.value()
+            value = msg.value()
+            assert value is not None and json.loads(value)["after"]["id"] == i, value
             assert elapsed < VISIBLE_WITHIN_S, (
                 f"insert {i} visible after {elapsed:.3f}s (batch_max_ms {BATCH_MAX_MS})"
             )

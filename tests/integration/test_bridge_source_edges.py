@@ -53,9 +53,13 @@ def test_quiet_database_slot_keeps_up(stack: Stack, schema: None, tmp_path: Path
                 "SELECT md5(g::text) FROM generate_series(1, 2000) g",
             )
             target = _lsn(sql(stack.primary_dsn, "SELECT pg_current_wal_lsn()::text")[0][0])
+
+            def passed(target: int = target) -> bool:
+                return pipe._confirmed() >= target
+
             wait_for(
-                lambda t=target: pipe._confirmed() >= t,
-                10,  # type: ignore[misc]
+                passed,
+                10,
                 "confirmed_flush_lsn to pass writes to an unpublished table",
             )
         # restart_lsn moves when decoding passes a running-transactions record (written

@@ -70,7 +70,7 @@ def assert_ready(config: Path, timeout: float = 60) -> None:
 def alter(stack: Stack, node: str, *statements: str) -> None:
     with stack.node(node).connect() as conn:
         for statement in statements:
-            conn.execute(statement)  # type: ignore[arg-type]
+            conn.execute(statement)
         conn.execute("SELECT pg_reload_conf()")
 
 
@@ -241,7 +241,7 @@ def test_watch_exports_metrics_and_stops_on_sigterm(fresh_stack: Callable[[], St
         env=dict(os.environ),
     )
     assert proc.stderr is not None
-    events = []
+    events: list[dict[str, Any]] = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not any(e.get("msg") == "round done" for e in events):
         events.append(json.loads(proc.stderr.readline()))

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings

@@ -8,7 +8,8 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaRefused, KafkaSink, SinkError

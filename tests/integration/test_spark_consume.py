@@ -105,7 +105,7 @@ def _delta_log_state(path: Path) -> tuple[list[str], dict[str, str]]:
     if last.exists():
         after = int(json.loads(last.read_text())["version"])
         parts = sorted(str(p) for p in log_dir.glob(f"{after:020d}.checkpoint*.parquet"))
-        rows = duckdb.sql(
+        rows = duckdb.execute(
             f"SELECT add.path, add.deletionVector, metaData.schemaString "
             f"FROM read_parquet({parts!r})"
         ).fetchall()

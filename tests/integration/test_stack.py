@@ -174,11 +174,11 @@ def test_transactional_producer_read_committed(stack: Stack) -> None:
         while not seen and time.monotonic() < deadline:
             msg = consumer.poll(1.0)
             if msg is not None and msg.error() is None:
-                seen.append(msg.value())
+                seen.append(msg.value() or b"")
         # anything else already in the partition arrives in the same fetches
         while (msg := consumer.poll(2.0)) is not None:
             if msg.error() is None:
-                seen.append(msg.value())
+                seen.append(msg.value() or b"")
     finally:
         consumer.close()
     assert seen == [b"committed"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.bridge.chunks import StreamWatch, XidSnapshot
+from services.bridge.chunks import Row, StreamWatch, XidSnapshot
 
 T = ("s", "t")
 
@@ -23,9 +23,7 @@ def test_stream_xids_are_widened_across_the_epoch() -> None:
     assert not snap.sees(6) and snap.sees(8) and not snap.sees(9)
 
 
-def _chunk(
-    snap: str, rows: list[tuple[str | None, ...]], watch: StreamWatch
-) -> list[tuple[str | None, ...]] | None:
+def _chunk(snap: str, rows: list[Row], watch: StreamWatch) -> list[Row] | None:
     return watch.fresh(T, XidSnapshot.parse(snap), rows, [0], None)
 
 
@@ -36,8 +34,8 @@ def test_rows_the_stream_overtook_are_dropped() -> None:
     watch.committed(50)
     watch.changed(T, 60, ("2",))  # running while the chunk was read: row 2 is stale
     watch.committed(60)
-    rows = [("1", "a"), ("2", "b"), ("3", "c")]
-    assert _chunk("55:61:60", rows, watch) == [("1", "a"), ("3", "c")]
+    rows: list[Row] = [["1", "a"], ["2", "b"], ["3", "c"]]
+    assert _chunk("55:61:60", rows, watch) == [["1", "a"], ["3", "c"]]
     # The next chunk's snapshot sees transaction 60: nothing is stale any more.
     assert _chunk("61:61:", rows, watch) == rows
 
@@ -46,16 +44,16 @@ def test_a_truncate_the_chunk_did_not_see_empties_it() -> None:
     watch = StreamWatch()
     watch.watch(T)
     watch.truncated(T, 70)
-    assert _chunk("70:71:70", [("1", "a")], watch) == []
-    assert _chunk("71:71:", [("1", "a")], watch) == [("1", "a")]
+    assert _chunk("70:71:70", [["1", "a"]], watch) == []
+    assert _chunk("71:71:", [["1", "a"]], watch) == [["1", "a"]]
 
 
 def test_a_transaction_committed_before_the_watch_and_still_running_forces_a_reread() -> None:
     watch = StreamWatch()
     watch.committed(80)  # before the snapshot was requested: its keys were not noted
     watch.watch(T)
-    assert _chunk("80:81:80", [("1", "a")], watch) is None
-    assert _chunk("81:81:", [("1", "a")], watch) == [("1", "a")]
+    assert _chunk("80:81:80", [["1", "a"]], watch) is None
+    assert _chunk("81:81:", [["1", "a"]], watch) == [["1", "a"]]
 
 
 def test_keyless_rows_the_stream_inserted_are_not_published_twice() -> None:
@@ -63,8 +61,8 @@ def test_keyless_rows_the_stream_inserted_are_not_published_twice() -> None:
     watch.watch(T)
     watch.inserted(T, 90)
     watch.committed(90)
-    rows = [("x",), ("y",)]
-    assert watch.fresh(T, XidSnapshot.parse("91:91:"), rows, [], [12, 90]) == [("x",)]
+    rows: list[Row] = [["x"], ["y"]]
+    assert watch.fresh(T, XidSnapshot.parse("91:91:"), rows, [], [12, 90]) == [["x"]]
 
 
 def test_rows_the_stream_inserted_and_the_chunk_saw_are_not_published_twice() -> None:
@@ -74,6 +72,6 @@ def test_rows_the_stream_inserted_and_the_chunk_saw_are_not_published_twice() ->
     watch.committed(40)
     watch.changed(T, 41, ("2",))  # an update: its row may lack TOASTed values
     watch.committed(41)
-    rows = [("1", "a"), ("2", "b")]
-    assert _chunk("42:42:", rows, watch) == [("2", "b")]
-    assert _chunk("43:43:", rows, watch) == [("2", "b")]  # still known in later chunks
+    rows: list[Row] = [["1", "a"], ["2", "b"]]
+    assert _chunk("42:42:", rows, watch) == [["2", "b"]]
+    assert _chunk("43:43:", rows, watch) == [["2", "b"]]  # still known in later chunks

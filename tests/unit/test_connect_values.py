@@ -174,7 +174,10 @@ def _relation() -> m.Relation:
 
 def test_records_of_a_key_change() -> None:
     builder = _builder()
-    changes = [(100, _relation()), (120, m.Update(None, 16_400, ("1", None), True, ("2", "x")))]
+    changes: list[tuple[int, m.Message]] = [
+        (100, _relation()),
+        (120, m.Update(None, 16_400, ["1", None], True, ["2", "x"])),
+    ]
     records = list(builder.transaction(7, 200, 0, iter(changes), end_lsn=248))
     change = [r for r in records if r[0] == "dbz.public.t"]
     assert [r[2] is None for r in change] == [False, True, False]
@@ -187,7 +190,7 @@ def test_records_of_a_key_change() -> None:
     assert change[2][3][0] == ("__debezium.oldkey", b'{"id":1}')  # type: ignore[index]
     assert orjson.loads(change[2][1])["payload"] == {"id": 2}  # type: ignore[arg-type]
     # The next transaction names this one's end as the previous commit.
-    changes = [(300, m.Insert(None, 16_400, ("3", "y")))]
+    changes = [(300, m.Insert(None, 16_400, ["3", "y"]))]
     record = next(
         r
         for r in builder.transaction(8, 320, 0, iter(changes), end_lsn=360)

@@ -18,8 +18,8 @@ def test_only_changes_over_the_limit_are_replaced(tmp_path: Path) -> None:
         lambda name: Spool(tmp_path, name, 1 << 20, SpoolStats()),
         max_change_bytes=1000,
     )
-    small = encode(m.Insert(None, 42, ("1", "x")))
-    huge = encode(m.Insert(None, 42, ("2", "x" * 5000)))
+    small = encode(m.Insert(None, 42, ["1", "x"]))
+    huge = encode(m.Insert(None, 42, ["2", "x" * 5000]))
     assembler.feed(1, encode(m.Begin(100, 0, 7)))
     assembler.feed(2, small)
     assembler.feed(3, huge)
@@ -41,7 +41,7 @@ def test_a_streamed_stand_in_keeps_its_subtransaction(tmp_path: Path) -> None:
         max_change_bytes=1000,
     )
     assembler.feed(1, encode(m.StreamStart(7, True)))
-    assembler.feed(2, encode(m.Insert(9, 42, ("2", "x" * 5000))))
+    assembler.feed(2, encode(m.Insert(9, 42, ["2", "x" * 5000])))
     assembler.feed(3, encode(m.StreamStop()))
     txn = assembler.feed(4, encode(m.StreamCommit(7, 0, 100, 110, 0)))
     assert txn is not None

@@ -443,6 +443,7 @@ def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path
         .selectExpr("cast(at AS string)", "cast(local AS string)", "cast(day AS string)")
         .first()
     )
+    assert texts is not None
     assert tuple(texts) == ("-0043-03-15 12:00:00.5", "0000-01-01 00:00:00", "-4713-11-24")
 
 
