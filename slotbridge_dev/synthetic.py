@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.contract.records import CONNECTOR
+from services.contract.records import CONNECTOR, VERSION
 from services.contract.topics import schema_topic, table_topic
 
 # One record: topic, key bytes (None for a truncate), value bytes (None for a tombstone).
@@ -89,7 +89,7 @@ class SynthTable:
         """
         source = {
             "connector": CONNECTOR,
-            "version": "0.1.0",
+            "version": VERSION,
             "name": self.prefix,
             "db": "postgres",
             "schema": self.schema,

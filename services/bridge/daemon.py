@@ -84,6 +84,7 @@ from services.common.logs import log_event, log_failure, one_line
 from services.common.lsn import format_lsn
 from services.common.pg import SourceError, SourceRefused, connect, with_password
 from services.contract.records import ProgressRecord
+from services.contract.topics import schema_topic
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ class Bridge:
         catalog = RelationCatalog(
             s.topic_prefix,
             lambda oid: table_facts(sql, oid),
-            self._known_versions(f"{s.topic_prefix}.schema"),
+            self._known_versions(schema_topic(s.topic_prefix)),
         )
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.

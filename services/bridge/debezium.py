@@ -36,7 +36,6 @@ import orjson
 from services.bridge import messages as m
 from services.bridge.connect_values import ColumnType, Schema, column_encoding, placeholder
 from services.bridge.events import (
-    VERSION,
     EventBuilder,
     Headers,
     Record,
@@ -48,6 +47,7 @@ from services.bridge.events import (
     _whole_row,
 )
 from services.bridge.values import JsonValue
+from services.contract.records import VERSION
 
 _dumps = orjson.dumps
 CONNECTOR = "postgresql"

@@ -22,10 +22,9 @@ from services.bridge import messages as m
 from services.bridge.values import JSON_NULL, TYPE_NAMES, JsonValue, converter_for
 from services.common.errors import SlotbridgeError
 from services.common.lsn import format_lsn
-from services.contract.records import CONNECTOR, TOAST_PLACEHOLDER
+from services.contract.records import CONNECTOR, TOAST_PLACEHOLDER, VERSION
 from services.contract.topics import message_topic, schema_topic, table_topic, transaction_topic
 
-VERSION = "0.1.0"
 _PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
 
 # orjson: several times faster than the standard library's C encoder on row-sized dicts,

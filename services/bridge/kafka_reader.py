@@ -101,7 +101,7 @@ def read_kafka_progress(
                 if key == wanted and value is not None:
                     latest = value
             if latest is not None:
-                return parse_progress(latest)
+                return parse_progress(latest, topic)
             end, window = start, window * 4
         return None
     except KafkaException as exc:

@@ -1,8 +1,8 @@
 """The progress record's bytes on the compacted progress topic: written and read here only.
 
-One key per slot, so compaction keeps each slot's last record; the value is
-``records.ProgressRecord``. ``progress_value`` and ``parse_progress`` are the record's one
-serialiser and parser, the place to route it through the shared record contract.
+One key per slot, so compaction keeps each slot's last record; the value is the contract's
+``ProgressRecord``, serialised and parsed through the model so that what the bridge writes
+is what its JSON Schema (``schemas/``) describes.
 """
 
 from __future__ import annotations
@@ -11,8 +11,18 @@ import json
 import time
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from services.bridge.highwater import ServerIdentity
+from services.common.errors import SlotbridgeError
 from services.contract.records import ProgressRecord, TableSnapshot
+
+
+class ProgressRecordError(SlotbridgeError):
+    """The progress topic holds, under this slot's key, a value that is not a progress
+    record: written by something else, or by an incompatible release."""
+
+    retryable = False  # the record stays there; only the operator can decide what it means
 
 
 def progress_key(slot: str) -> bytes:
@@ -26,18 +36,27 @@ def progress_value(
     identity: ServerIdentity,
     snapshots: Sequence[TableSnapshot] = (),
 ) -> bytes:
-    return json.dumps(
-        {
-            "slot": slot,
-            "end_lsn": end_lsn,
-            "commit_lsn": commit_lsn,
-            "system_identifier": identity.system_identifier,
-            "timeline": identity.timeline,
-            "ts_ms": int(time.time() * 1000),
-            "snapshots": [snap.model_dump(by_alias=True) for snap in snapshots],
-        }
-    ).encode()
+    record = ProgressRecord(
+        slot=slot,
+        end_lsn=end_lsn,
+        commit_lsn=commit_lsn,
+        system_identifier=identity.system_identifier,
+        timeline=identity.timeline,
+        ts_ms=int(time.time() * 1000),
+        snapshots=list(snapshots),
+    )
+    return record.model_dump_json(by_alias=True).encode()
 
 
-def parse_progress(value: bytes) -> ProgressRecord:
-    return ProgressRecord.model_validate(json.loads(value))
+def parse_progress(value: bytes, topic: str) -> ProgressRecord:
+    """The record, or ``ProgressRecordError`` naming what is wrong and what to do."""
+    try:
+        return ProgressRecord.model_validate_json(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "value"
+        raise ProgressRecordError(
+            f"progress topic {topic}: the last record for this slot is not a slotbridge "
+            f"progress record ({where}: {first['msg']}); if another program or release wrote "
+            "it, give this bridge a progress_topic of its own"
+        ) from None

@@ -27,7 +27,7 @@ from confluent_kafka.cimpl import NewTopic
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
 from services.common.errors import SlotbridgeError
-from services.common.kafka import KafkaLog, KafkaUnreachable, cause, check_reachable, explain
+from services.common.kafka import KafkaLog, cause, check_reachable, explain
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,7 @@ class KafkaSink:
         self._settings = settings
         base = kafka_client_config(settings)
         # Before any client exists: each would log its own failure to connect.
-        try:
-            check_reachable(base, _REACH_S, _SECURITY_HINT)
-        except KafkaUnreachable as exc:
-            raise SinkError(str(exc)) from None
+        check_reachable(base, _REACH_S, _SECURITY_HINT)  # KafkaUnreachable: retryable
         self._admin = AdminClient(base)
         self._producer = Producer(
             {

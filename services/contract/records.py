@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TOAST_PLACEHOLDER = "__debezium_unavailable_value"
 CONNECTOR = "slotbridge"
+# ``source.version`` of every record: the release that wrote it (pyproject.toml's version;
+# tests/unit/test_contract.py keeps the two equal).
+VERSION = "0.1.0"
 
 Row = dict[str, Any]
 # c: insert, u: update, d: delete, r: snapshot read, t: truncate (Debezium's letters).
@@ -208,4 +211,6 @@ class ProgressRecord(_Strict):
     def _drop_old_entries(cls, value: Any) -> Any:
         # Before chunked snapshots an entry was a point until which the stream's older
         # changes were dropped; the stream has long passed it.
-        return [e for e in value if "lsn" not in e] if isinstance(value, list) else value
+        if not isinstance(value, list):
+            return value
+        return [e for e in value if not (isinstance(e, dict) and "lsn" in e)]

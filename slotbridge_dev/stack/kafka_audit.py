@@ -28,6 +28,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from services.contract.topics import message_topic, schema_topic, transaction_topic
 from slotbridge_dev.stack.kafka import Kafka, dump_log_segments
 
 _PARTITION_DIR = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
@@ -285,7 +286,7 @@ def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditR
     """Everything a bridge with topic prefix ``prefix`` wrote (``{prefix}.*`` and
     ``extra_topics``, i.e. its progress topic): the log-level checks, then the source
     transactions against their END records."""
-    internal = {*extra_topics, f"{prefix}.schema"}
+    internal = {*extra_topics, schema_topic(prefix)}
     report, committed = audit_topics(
         kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal})
     )
@@ -318,7 +319,7 @@ def transaction_starts_at(kafka: Kafka, topic: str, partition: int, offset: int)
 def _check_source_transactions(
     prefix: str, committed: list[tuple[str, Any]], report: AuditReport
 ) -> None:
-    transaction_topic, message_topic = f"{prefix}.transaction", f"{prefix}.message"
+    transactions, messages = transaction_topic(prefix), message_topic(prefix)
     ends: Counter[str] = Counter()
     begins: set[str] = set()
     expected: dict[str, int] = {}
@@ -331,13 +332,13 @@ def _check_source_transactions(
             continue  # a tombstone
         if "payload" in value and "schema" in value:
             value = value["payload"]  # the Debezium format's Connect JSON
-        if topic == transaction_topic:
+        if topic == transactions:
             if value["status"] == "END":
                 ends[value["id"]] += 1
                 expected[value["id"]] = value["event_count"]
             else:
                 begins.add(value["id"])
-        elif topic == message_topic:
+        elif topic == messages:
             events[f"{value['txId']}:{value['commit_lsn']}"].add(("message", value["lsn"]))
         elif value["source"]["snapshot"] != "false":
             report.snapshot_records += 1

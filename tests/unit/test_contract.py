@@ -10,6 +10,7 @@ is pgoutput generated as the server would send it.
 from __future__ import annotations
 
 import json
+import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,10 @@ from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import ColumnFacts, EventBuilder, RelationCatalog, TableFacts
 from services.bridge.highwater import ServerIdentity
-from services.bridge.progress_record import progress_value
+from services.bridge.progress_record import ProgressRecordError, parse_progress, progress_value
 from services.contract.records import (
     OPS,
+    VERSION,
     ChangeValue,
     MessageRecord,
     ProgressRecord,
@@ -253,6 +255,33 @@ def test_synthetic_records_hold_to_the_contract() -> None:
 def test_progress_record_holds_to_the_contract(snapshots: tuple[TableSnapshot, ...]) -> None:
     value = progress_value("slot_a", 300, 280, ServerIdentity("7301", 2), snapshots)
     _validator(ProgressRecord).validate(json.loads(value))
-    record = ProgressRecord.model_validate_json(value)
+    record = parse_progress(value, "p")
     assert (record.end_lsn, record.commit_lsn, record.timeline) == (300, 280, 2)
     assert record.snapshots == list(snapshots)
+
+
+def test_records_name_the_release_that_wrote_them() -> None:
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert project["project"]["version"] == VERSION
+
+
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [
+        (b"not json", "value"),
+        (b'{"slot": "s", "end_lsn": "far"}', "end_lsn"),
+        (
+            b'{"slot": "s", "end_lsn": 1, "commit_lsn": 1, "system_identifier": "7", '
+            b'"timeline": 1, "ts_ms": 1, "written_by": "other"}',
+            "written_by",
+        ),
+    ],
+)
+def test_a_value_that_is_no_progress_record_is_refused_in_one_line(
+    value: bytes, names: str
+) -> None:
+    with pytest.raises(ProgressRecordError) as caught:
+        parse_progress(value, "app.progress")
+    message = str(caught.value)
+    assert "\n" not in message and "app.progress" in message and names in message
+    assert "progress_topic of its own" in message

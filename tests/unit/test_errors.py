@@ -18,6 +18,7 @@ from services.bridge.decoder import DecodeError
 from services.bridge.events import RowTooLarge
 from services.bridge.highwater import IdentityError
 from services.bridge.kafka_reader import TopicReadError, _scan
+from services.bridge.progress_record import ProgressRecordError
 from services.bridge.publisher import GapError
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaRefused, SinkError
@@ -46,6 +47,7 @@ RETRYABLE: dict[type[SlotbridgeError], bool] = {
     IdentityError: True,
     KafkaRefused: False,
     KafkaUnreachable: True,
+    ProgressRecordError: False,
     PromoteError: False,
     RowTooLarge: False,
     SettingsError: False,
