@@ -42,9 +42,9 @@ from services.bridge.events import (
     RelationCatalog,
     RelationInfo,
     TableFacts,
-    _key_row,
-    _transaction_value,
-    _whole_row,
+    key_row,
+    transaction_value,
+    whole_row,
 )
 from services.bridge.values import JsonValue
 from services.contract.records import VERSION
@@ -303,7 +303,7 @@ class DebeziumEventBuilder(EventBuilder):
         per_table: dict[str, int] | None,
     ) -> Record:
         # Debezium writes no context headers on its transaction topic.
-        value = _transaction_value(status, txid, ts_ms, total, per_table)
+        value = transaction_value(status, txid, ts_ms, total, per_table)
         return (
             self.transaction_topic,
             b'{"schema":%b,"payload":{"id":%b}}' % (_TXN_KEY_SCHEMA, _dumps(txid)),
@@ -326,8 +326,8 @@ class DebeziumEventBuilder(EventBuilder):
         # The other key's payload, as SimpleHeaderConverter prints a Struct.
         headers = self.headers or []
         return (
-            [("__debezium.newkey", _dumps(_key_row(info, new))), *headers],
-            [("__debezium.oldkey", _dumps(_key_row(info, old))), *headers],
+            [("__debezium.newkey", _dumps(key_row(info, new))), *headers],
+            [("__debezium.oldkey", _dumps(key_row(info, old))), *headers],
         )
 
     def _source_pieces(
@@ -438,7 +438,7 @@ class DebeziumEventBuilder(EventBuilder):
         head, middle = self._source_pieces(info, None, commit_ts, "true")
         topic, headers, key_of = info.topic, self.headers, self._key_of
         for values in rows:
-            row = _whole_row(info, values)
+            row = whole_row(info, values)
             yield (
                 topic,
                 key_of(info, row),

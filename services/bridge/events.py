@@ -294,7 +294,7 @@ class EventBuilder:
                 order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
                 # An insert has no unchanged-TOAST value: its key is already in the row,
                 # converted once.
-                row = _whole_row(info, msg.new)  # type: ignore[arg-type]
+                row = whole_row(info, msg.new)  # type: ignore[arg-type]
                 yield (
                     info.topic,
                     key_of(info, row),
@@ -374,16 +374,16 @@ class EventBuilder:
                 before = None
                 if msg.old is not None:
                     before = (
-                        _key_row(info, msg.old)
+                        key_row(info, msg.old)
                         if msg.old_is_key_only
                         else _row(info, msg.old, None, info.placeholders)
                     )
                 after = _row(
                     info, msg.new, msg.old if not msg.old_is_key_only else None, info.placeholders
                 )
-                key = key_of(info, _key_row(info, msg.new))
+                key = key_of(info, key_row(info, msg.new))
                 if msg.old is not None and msg.old_is_key_only:
-                    old_key = key_of(info, _key_row(info, msg.old))
+                    old_key = key_of(info, key_row(info, msg.old))
                     if old_key != key:
                         # The key changed: consumers of a compacted topic must forget the
                         # old key, so publish a delete + tombstone for it first (Debezium
@@ -460,11 +460,11 @@ class EventBuilder:
                 )
             elif isinstance(msg, m.Delete):
                 before = (
-                    _key_row(info, msg.old)
+                    key_row(info, msg.old)
                     if msg.old_is_key_only
                     else _row(info, msg.old, None, info.placeholders)
                 )
-                key = key_of(info, _key_row(info, msg.old))
+                key = key_of(info, key_row(info, msg.old))
                 yield (
                     info.topic,
                     key,
@@ -501,7 +501,7 @@ class EventBuilder:
         return (
             self.transaction_topic,
             _dumps({"id": txid}),
-            _transaction_value(status, txid, ts_ms, total, per_table),
+            transaction_value(status, txid, ts_ms, total, per_table),
             None,
         )
 
@@ -566,7 +566,7 @@ class EventBuilder:
         )
         topic, key_names, limit = info.topic, info.key_names, self.max_record_bytes
         for n, values in enumerate(rows, 1):
-            row = _whole_row(info, values)
+            row = whole_row(info, values)
             value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)
             if info.json_names:
                 value = _with_json_nulls(value, info, None, row)
@@ -687,7 +687,7 @@ def _with_json_nulls(
     return value[:-1] + b',"json_nulls":' + _dumps(nulls) + b"}"
 
 
-def _transaction_value(
+def transaction_value(
     status: str, txid: str, ts_ms: int, total: int | None, per_table: dict[str, int] | None
 ) -> bytes:
     collections = (
@@ -709,7 +709,7 @@ def _transaction_value(
     )
 
 
-def _whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:
+def whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:
     """A row with every value sent (no unchanged TOAST): an insert's, a snapshot's."""
     return {
         name: None if v is None else conv(v)
@@ -736,7 +736,7 @@ def _row(
     return row
 
 
-def _key_row(info: RelationInfo, tup: m.TupleData) -> dict[str, JsonValue]:
+def key_row(info: RelationInfo, tup: m.TupleData) -> dict[str, JsonValue]:
     return {info.names[i]: _typed(info, i, tup[i]) for i in info.key_idx}
 
 
