@@ -42,6 +42,7 @@ from services.bridge.events import (
     RelationCatalog,
     RelationInfo,
     TableFacts,
+    Txn,
     key_row,
     transaction_value,
     whole_row,
@@ -278,7 +279,6 @@ class DebeziumEventBuilder(EventBuilder):
         # The end of the last published transaction: source.sequence's first element (null
         # before the first one, as for a connector without an offset).
         self.last_end_lsn = last_end_lsn
-        self._commit_ts = 0
 
     def transaction(
         self,
@@ -289,8 +289,6 @@ class DebeziumEventBuilder(EventBuilder):
         snapshot: str = "false",
         end_lsn: int | None = None,
     ) -> Iterator[Record]:
-        # source.ts_us needs the commit time in microseconds; _value gets milliseconds.
-        self._commit_ts = commit_ts
         yield from super().transaction(xid, commit_lsn, commit_ts, changes, snapshot, end_lsn)
         self.last_end_lsn = end_lsn
 
@@ -352,25 +350,19 @@ class DebeziumEventBuilder(EventBuilder):
 
     def _value(
         self,
+        txn: Txn,
         info: RelationInfo,
-        templates: dict[int, tuple[bytes, bytes]],
-        xid: int,
-        commit_lsn: int,
-        ts_ms: int,
-        snapshot: str,
-        now_ms: int,
         lsn: int,
         op: str,
         before: dict[str, JsonValue] | None,
         after: dict[str, JsonValue] | None,
-        txid: str,
         total: int,
         order: int,
     ) -> bytes:
-        head, middle = templates.get(info.oid) or templates.setdefault(
+        head, middle = txn.templates.get(info.oid) or txn.templates.setdefault(
             info.oid,
             self._source_pieces(
-                info, xid if snapshot == "false" else None, self._commit_ts, snapshot
+                info, txn.xid if txn.snapshot == "false" else None, txn.commit_ts, txn.snapshot
             ),
         )
         return self._envelope(
@@ -381,8 +373,7 @@ class DebeziumEventBuilder(EventBuilder):
             op,
             before,
             after,
-            b'{"id":"%b","total_order":%d,"data_collection_order":%d}'
-            % (txid.encode(), total, order),
+            b'{"id":"%b","total_order":%d,"data_collection_order":%d}' % (txn.txid, total, order),
         )
 
     def _envelope(

@@ -242,6 +242,21 @@ Headers = list[tuple[str, str | bytes | None]]
 Record = tuple[str, bytes | None, bytes | None, Headers | None]
 
 
+@dataclass(slots=True)
+class Txn:
+    """What every change record of one transaction shares, and the pieces of its values
+    serialised once per relation (``templates``: relation oid -> builder's pieces)."""
+
+    xid: int
+    commit_lsn: int
+    commit_ts: int  # PostgreSQL's microseconds since 2000-01-01
+    ts_ms: int
+    snapshot: str
+    now_ms: int
+    txid: bytes  # "xid:commit_lsn", encoded once for all its records
+    templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+
+
 class EventBuilder:
     """Turns decoded messages of one sealed transaction into Kafka records."""
 
@@ -277,12 +292,13 @@ class EventBuilder:
         transaction names as the previous commit in ``source.sequence``."""
         ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
         txid = f"{xid}:{commit_lsn}"
+        now_ms = int(time.time() * 1000)
+        txn = Txn(xid, commit_lsn, commit_ts, ts_ms, snapshot, now_ms, txid.encode())
+        value = self._value
+        insert_op = "r" if snapshot != "false" else "c"
         yield self._transaction_record("BEGIN", txid, ts_ms, None, None)
         total = 0
         per_table: dict[str, int] = {}
-        # Per relation: the serialised pieces of the value constant for this transaction.
-        templates: dict[int, tuple[bytes, bytes]] = {}
-        now_ms = int(time.time() * 1000)
         catalog = self.catalog
         insert = m.Insert
         key_of = self._key_of
@@ -298,28 +314,13 @@ class EventBuilder:
                 yield (
                     info.topic,
                     key_of(info, row),
-                    self._value(
-                        info,
-                        templates,
-                        xid,
-                        commit_lsn,
-                        ts_ms,
-                        snapshot,
-                        now_ms,
-                        lsn,
-                        "r" if snapshot != "false" else "c",
-                        None,
-                        row,
-                        txid,
-                        total,
-                        order,
-                    ),
+                    value(txn, info, lsn, insert_op, None, row, total, order),
                     headers,
                 )
                 continue
             if isinstance(msg, m.Relation):
                 info = catalog.apply(msg)
-                templates.pop(info.oid, None)
+                txn.templates.pop(info.oid, None)
                 if not info.published:
                     yield self._schema_record(info)
                 continue
@@ -330,23 +331,8 @@ class EventBuilder:
                     info = catalog.by_oid[oid]
                     total += 1
                     order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-                    value = self._value(
-                        info,
-                        templates,
-                        xid,
-                        commit_lsn,
-                        ts_ms,
-                        snapshot,
-                        now_ms,
-                        lsn,
-                        "t",
-                        None,
-                        None,
-                        txid,
-                        total,
-                        order,
-                    )
-                    yield info.topic, None, value, headers
+                    truncate = value(txn, info, lsn, "t", None, None, total, order)
+                    yield info.topic, None, truncate, headers
                 continue
             if isinstance(msg, m.LogicalMessage):
                 total += 1
@@ -392,22 +378,7 @@ class EventBuilder:
                         yield (
                             info.topic,
                             old_key,
-                            self._value(
-                                info,
-                                templates,
-                                xid,
-                                commit_lsn,
-                                ts_ms,
-                                snapshot,
-                                now_ms,
-                                lsn,
-                                "d",
-                                before,
-                                None,
-                                txid,
-                                total,
-                                order,
-                            ),
+                            value(txn, info, lsn, "d", before, None, total, order),
                             old_headers,
                         )
                         yield info.topic, old_key, None, old_headers
@@ -418,19 +389,13 @@ class EventBuilder:
                         yield (
                             info.topic,
                             key,
-                            self._value(
+                            value(
+                                txn,
                                 info,
-                                templates,
-                                xid,
-                                commit_lsn,
-                                ts_ms,
-                                snapshot,
-                                now_ms,
                                 lsn,
                                 op,
                                 before if op == "u" else None,
                                 after,
-                                txid,
                                 total,
                                 order,
                             ),
@@ -440,22 +405,7 @@ class EventBuilder:
                 yield (
                     info.topic,
                     key,
-                    self._value(
-                        info,
-                        templates,
-                        xid,
-                        commit_lsn,
-                        ts_ms,
-                        snapshot,
-                        now_ms,
-                        lsn,
-                        "u",
-                        before,
-                        after,
-                        txid,
-                        total,
-                        order,
-                    ),
+                    value(txn, info, lsn, "u", before, after, total, order),
                     headers,
                 )
             elif isinstance(msg, m.Delete):
@@ -468,22 +418,7 @@ class EventBuilder:
                 yield (
                     info.topic,
                     key,
-                    self._value(
-                        info,
-                        templates,
-                        xid,
-                        commit_lsn,
-                        ts_ms,
-                        snapshot,
-                        now_ms,
-                        lsn,
-                        "d",
-                        before,
-                        None,
-                        txid,
-                        total,
-                        order,
-                    ),
+                    value(txn, info, lsn, "d", before, None, total, order),
                     headers,
                 )
                 yield info.topic, key, None, headers
@@ -605,25 +540,21 @@ class EventBuilder:
 
     def _value(
         self,
+        txn: Txn,
         info: RelationInfo,
-        templates: dict[int, tuple[bytes, bytes]],
-        xid: int,
-        commit_lsn: int,
-        ts_ms: int,
-        snapshot: str,
-        now_ms: int,
         lsn: int,
         op: str,
         before: dict[str, JsonValue] | None,
         after: dict[str, JsonValue] | None,
-        txid: str,
         total: int,
         order: int,
     ) -> bytes:
-        pieces = templates.get(info.oid)
+        """A change record's value: its rows and the transaction's shared pieces."""
+        pieces = txn.templates.get(info.oid)
         if pieces is None:
-            pieces = templates[info.oid] = self._source(
-                info, xid if snapshot == "false" else None, commit_lsn, ts_ms, snapshot.encode()
+            xid = txn.xid if txn.snapshot == "false" else None
+            pieces = txn.templates[info.oid] = self._source(
+                info, xid, txn.commit_lsn, txn.ts_ms, txn.snapshot.encode()
             )
         head, tail = pieces
         out = _VALUE % (
@@ -632,11 +563,11 @@ class EventBuilder:
             head,
             lsn,
             tail,
-            commit_lsn,
+            txn.commit_lsn,
             lsn,
             op.encode(),
-            now_ms,
-            txid.encode(),
+            txn.now_ms,
+            txn.txid,
             total,
             order,
         )
