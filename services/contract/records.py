@@ -34,11 +34,13 @@ OPS: tuple[str, ...] = get_args(Op)
 SchemaVersion = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A record model: a field it does not name is an error, not silently kept."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class Source(_Strict):
+class Source(StrictModel):
     """Where a change came from; ``commit_lsn`` then ``lsn`` orders changes totally."""
 
     connector: Literal["slotbridge"]
@@ -64,20 +66,20 @@ class Source(_Strict):
     )
 
 
-class TransactionBlock(_Strict):
+class TransactionBlock(StrictModel):
     id: str = Field(description="'<txId>:<commit_lsn>'")
     total_order: int = Field(description="1-based position of the change in its transaction")
     data_collection_order: int = Field(description="1-based position within its table")
 
 
-class JsonNulls(_Strict):
+class JsonNulls(StrictModel):
     """Per row image, the json/jsonb columns whose value is JSON ``null``, not SQL NULL."""
 
     before: list[str] | None = None
     after: list[str] | None = None
 
 
-class ChangeValue(_Strict):
+class ChangeValue(StrictModel):
     """Value of a record on a change topic ``{prefix}.{schema}.{table}``.
 
     A schema or table name Kafka would refuse in a topic name (characters outside
@@ -105,7 +107,7 @@ class ChangeValue(_Strict):
     )
 
 
-class DataCollection(_Strict):
+class DataCollection(StrictModel):
     data_collection: str = Field(
         description="the table as its change topic names it: ``{schema}.{table}``, each name "
         "mapped if Kafka would refuse it (see ChangeValue)"
@@ -113,7 +115,7 @@ class DataCollection(_Strict):
     event_count: int
 
 
-class TransactionRecord(_Strict):
+class TransactionRecord(StrictModel):
     """Value on ``{prefix}.transaction``: a BEGIN and an END per source transaction."""
 
     status: Literal["BEGIN", "END"]
@@ -123,7 +125,7 @@ class TransactionRecord(_Strict):
     ts_ms: int
 
 
-class MessageRecord(_Strict):
+class MessageRecord(StrictModel):
     """Value on ``{prefix}.message``: a ``pg_logical_emit_message`` message written in a
     published transaction, keyed by ``{"prefix": <prefix>}``.
 
@@ -141,7 +143,7 @@ class MessageRecord(_Strict):
     ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
 
 
-class ColumnSchema(_Strict):
+class ColumnSchema(StrictModel):
     name: str
     type: str = Field(description="PostgreSQL type as format_type() prints it")
     type_oid: int
@@ -155,7 +157,7 @@ class ColumnSchema(_Strict):
     )
 
 
-class TableSchemaRecord(_Strict):
+class TableSchemaRecord(StrictModel):
     """Value on the compacted ``{prefix}.schema`` topic, keyed by schema, table and version.
 
     Published inside the same Kafka transaction as, and before, the first change record
@@ -172,7 +174,7 @@ class TableSchemaRecord(_Strict):
     ts_ms: int
 
 
-class TableSnapshot(_Strict):
+class TableSnapshot(StrictModel):
     """A table snapshot under way: how far its chunks got, as of the progress record.
 
     Chunks follow the table's key (``cursor``: the text of the last key read) or, for a
@@ -190,7 +192,7 @@ class TableSnapshot(_Strict):
     started_ms: int
 
 
-class ProgressRecord(_Strict):
+class ProgressRecord(StrictModel):
     """Value on the compacted progress topic, keyed by slot name.
 
     ``end_lsn`` is the end of the last source transaction whose records are committed in

@@ -15,6 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.contract.debezium import (
+    DebeziumChangeValue,
+    DebeziumKey,
+    DebeziumTransactionValue,
+)
 from services.contract.records import (
     TOAST_PLACEHOLDER,
     ChangeValue,
@@ -31,6 +36,9 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "table_schema": TableSchemaRecord,
     "message": MessageRecord,
     "progress": ProgressRecord,
+    "debezium_key": DebeziumKey,
+    "debezium_change_value": DebeziumChangeValue,
+    "debezium_transaction": DebeziumTransactionValue,
 }
 
 

@@ -13,9 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from confluent_kafka import Consumer
 
+from services.contract.debezium import DebeziumChangeValue, DebeziumKey
+from services.contract.schemas import json_schema
 from slotbridge_dev.bootstrap import DEBEZIUM_SET, cache_dir, jars_dir
 from slotbridge_dev.connect import ConnectWorker
 from slotbridge_dev.stack.stack import Stack
@@ -236,3 +239,19 @@ def test_keys_values_and_headers_match_debezium(both: tuple[Any, Any, str, str])
             q["transaction"]["data_collection_order"],
         ), n
         assert set(p) == set(q), n
+
+
+def test_debezium_records_hold_to_the_contract(both: tuple[Any, Any, str, str]) -> None:
+    """``schemas/debezium_*.schema.json`` describe what the real connector writes, not only
+    what the bridge writes: its keys and values validate against them."""
+    _, theirs, _, _ = both
+    keys = jsonschema.Draft202012Validator(json_schema(DebeziumKey))
+    values = jsonschema.Draft202012Validator(json_schema(DebeziumChangeValue))
+    ops = set()
+    for key, value, _ in theirs:
+        if key is not None:  # a truncate's is
+            keys.validate(json.loads(key))
+        if value is not None:
+            values.validate(json.loads(value))
+            ops.add(json.loads(value)["payload"]["op"])
+    assert ops == {"c", "u", "d", "t"}

@@ -26,6 +26,7 @@ from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import ColumnFacts, EventBuilder, RelationCatalog, TableFacts
 from services.bridge.highwater import ServerIdentity
 from services.bridge.progress_record import ProgressRecordError, parse_progress, progress_value
+from services.contract.debezium import DebeziumChangeValue, DebeziumKey, DebeziumTransactionValue
 from services.contract.records import (
     OPS,
     VERSION,
@@ -189,25 +190,30 @@ def test_event_builder_records_hold_to_the_contract() -> None:
     assert [v["op"] for v in snapshot] == ["r", "r"] and snapshot[0]["source"]["txId"] is None
 
 
-def test_debezium_format_holds_to_the_contract_off_its_change_topics() -> None:
-    """Its change records are Debezium's (``tests/integration/test_debezium_format.py``
-    compares them with the real connector's); its schema and message records are the
-    contract's, and its transaction records carry one as their Connect payload."""
+def test_debezium_format_holds_to_the_contract() -> None:
+    """Its change and transaction records are Debezium's Connect JSON
+    (``contract.debezium``; ``tests/integration/test_debezium_format.py`` holds the real
+    connector's records to the same models); its schema and message records are the
+    default format's."""
     builder = DebeziumEventBuilder(
         RelationCatalog(PREFIX, _FACTS.get), PREFIX, "postgres", 1 << 20, None
     )
     stream = _decoded(_CHANGES, 0x1_0000_0000)
     records = builder.transaction(7, 0x1_0000_1000, 0, iter(stream), end_lsn=0x1_0000_1040)
-    seen = set()
-    for topic, _, value, _ in records:
-        model = _MODELS.get(topic)
-        if model is not None and value is not None:
-            decoded = json.loads(value)
-            if model is TransactionRecord:
-                decoded = decoded["payload"]
-            _validator(model).validate(decoded)
-            seen.add(model)
-    assert seen == set(_MODELS.values())
+    models: dict[str, type[BaseModel]] = {
+        **_MODELS,
+        transaction_topic(PREFIX): DebeziumTransactionValue,
+    }
+    seen: list[str] = []
+    for topic, key, value, _ in records:
+        if key is not None and topic not in models:
+            _validator(DebeziumKey).validate(json.loads(key))
+        if value is not None:
+            model = models.get(topic, DebeziumChangeValue)
+            _validator(model).validate(json.loads(value))
+            seen.append(model.__name__)
+    assert set(seen) == {m.__name__ for m in models.values()} | {"DebeziumChangeValue"}
+    assert seen.count("DebeziumChangeValue") >= 5
 
 
 def test_synthetic_records_hold_to_the_contract() -> None:
