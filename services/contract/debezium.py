@@ -32,8 +32,8 @@ class ConnectSchema(BaseModel):
         "int16",
         "int32",
         "int64",
-        "float32",
-        "float64",
+        "float",  # JsonConverter's names for Connect's FLOAT32 and FLOAT64
+        "double",
         "boolean",
         "string",
         "bytes",
