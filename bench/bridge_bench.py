@@ -18,7 +18,8 @@ transaction) and each repeat, on a fresh table, publication and two fresh failov
    line to the moment a read_committed consumer of the progress topic sees a progress
    record whose ``end_lsn`` reaches the last commit's end. The figure from process start
    (connections, Kafka init_transactions) is printed too. Peak RSS is the daemon's VmHWM
-   just before it is stopped. With ``--verify`` (default) the change topic is read back
+   just before it is stopped; its CPU seconds over the same span (utime + stime) are in the
+   ``--json`` output. With ``--verify`` (default) the change topic is read back
    with read_committed and must hold exactly ``--rows`` records.
 
 The server's ``logical_decoding_work_mem`` is left as configured (64MB by default), so the
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,106 @@ def _rss_kb(pid: int, field: str = "VmHWM") -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of every thread of ``pid`` so far (0 once it is gone)."""
+    try:
+        # After the command name, which may itself hold ") ": utime and stime are fields
+        # 14 and 15 of proc(5), the 12th and 13th after it.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class LogMark(threading.Thread):
+    """Watches a process's log for the first line holding ``marker`` (the process streams):
+    ``at`` is then the monotonic time it appeared and ``cpu_s`` the process's CPU seconds by
+    then. Gives up when ``running()`` turns false."""
+
+    def __init__(self, log_path: Path, marker: str, pid: int, running: Callable[[], bool]) -> None:
+        super().__init__(daemon=True)
+        self.log_path = log_path
+        self.marker = marker
+        self.pid = pid
+        self.running = running
+        self.at: float | None = None
+        self.cpu_s = 0.0
+
+    def run(self) -> None:
+        line = ""
+        with self.log_path.open() as reader:
+            while self.running() and self.at is None:
+                chunk = reader.readline()
+                if not chunk:
+                    time.sleep(0.005)
+                    continue
+                # A line still being written comes in pieces: judge it whole.
+                line += chunk
+                if not line.endswith("\n"):
+                    continue
+                if self.marker in line:
+                    self.cpu_s = cpu_seconds(self.pid)
+                    self.at = time.monotonic()
+                line = ""
+
+
+def catch_up(
+    pid: int,
+    spawned: float,
+    mark: LogMark,
+    reached: Callable[[], bool],
+    alive: Callable[[], None],
+    rows: int,
+    what: str,
+    timeout: float = 1800,
+) -> dict[str, Any]:
+    """Times a CDC process (``pid``, spawned at monotonic ``spawned``) through a backlog of
+    ``rows`` rows: from ``mark`` (from the spawn if it never showed) until ``reached()`` - a
+    probe that may block briefly, the loop's pace - says the last row is readable by a
+    read_committed consumer. ``alive()`` raises if the process failed; it runs once a second,
+    as it may cost the process something. CPU seconds are the process's over the same span;
+    peak RSS is its VmHWM, so it includes its start."""
+    peak_kb = 0
+    checked = reported = spawned
+    while not reached():
+        now = time.monotonic()
+        peak_kb = max(peak_kb, _rss_kb(pid))
+        if now - checked >= 1:
+            alive()
+            checked = now
+        if now - reported >= 10:
+            say(f"{what}: catching up, {now - spawned:.0f}s since its start")
+            reported = now
+        if now - spawned > timeout:
+            raise TimeoutError(f"{what} did not catch up in {timeout:.0f} s; see {mark.log_path}")
+    done = time.monotonic()
+    cpu = cpu_seconds(pid)
+    peak_kb = max(peak_kb, _rss_kb(pid))
+    began, cpu_began = (spawned, 0.0) if mark.at is None else (mark.at, mark.cpu_s)
+    return {
+        "seconds": done - began,
+        "seconds_from_spawn": done - spawned,
+        "rows_per_s": rows / (done - began),
+        "rows_per_s_from_spawn": rows / (done - spawned),
+        "peak_rss_mb": peak_kb / 1024,
+        "cpu_s": cpu - cpu_began,
+        "cpu_s_from_spawn": cpu,
+        "cpu_s_per_1m_rows": (cpu - cpu_began) / rows * 1e6,
+    }
+
+
+def stop_process(proc: subprocess.Popen[Any], pid: int | None = None) -> None:
+    """SIGTERM (to ``pid`` when the process to stop is a child of ``proc``, as under py-spy),
+    then up to 60 s for ``proc`` to exit before it is killed."""
+    if proc.poll() is None:
+        os.kill(proc.pid if pid is None else pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def daemon_env(
@@ -138,8 +240,14 @@ def drop_pipeline(
                 say(f"could not delete a topic: {exc}")
 
 
+def new_tag(rows: int, txn_size: int, index: int) -> str:
+    return f"{'big' if txn_size >= rows else 'txn'}{int(time.time()) % 1_000_000}_{index}"
+
+
 class Run:
-    """One shape, one repeat: its own table, publication, slots and topics."""
+    """One shape, one repeat: its own table, publication, slots and topics. ``other_slots``
+    are created with the others, before the load, for other readers of the same WAL (plain
+    pgoutput slots: failover, no two_phase)."""
 
     def __init__(
         self,
@@ -151,6 +259,7 @@ class Run:
         spool_dir: Path,
         verify: bool,
         py_spy: Path | None = None,
+        other_slots: Sequence[str] = (),
     ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
         self.rows, self.txn_size = rows, txn_size
@@ -164,7 +273,36 @@ class Run:
         self.spool_dir = spool_dir
         self.verify = verify
         self.py_spy = py_spy
+        self.other_slots = list(other_slots)
         self.txns = -(-rows // txn_size)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.txn_size}-row txns" if self.txns > 1 else f"one {self.rows}-row txn"
+
+    def facts(self, load_s: float, ceiling: dict[str, Any]) -> dict[str, Any]:
+        """What this run was, for a result: shape, sizes, load time and ceiling."""
+        return {
+            "shape": self.shape,
+            "txn_size": self.txn_size,
+            "rows": self.rows,
+            "load_s": load_s,
+            "ceiling": ceiling,
+        }
+
+    @contextlib.contextmanager
+    def prepared(self, keep: bool) -> Iterator[tuple[float, dict[str, Any]]]:
+        """Set up, load and read the ceiling; yields the load's seconds and the ceiling, for
+        the catch-ups to measure; drops everything afterwards unless ``keep``."""
+        say(f"{self.tag}: {self.rows:,} rows in {self.txns:,} transaction(s) of {self.txn_size:,}")
+        try:
+            self.setup()
+            load_s = self.load()
+            say(f"{self.tag}: loaded in {load_s:.1f}s; reading the ceiling slot")
+            yield load_s, self.ceiling()
+        finally:
+            if not keep:
+                self.cleanup()
 
     # -- setup -------------------------------------------------------------------------
 
@@ -184,6 +322,11 @@ class Run:
                 # failover + two_phase, as the daemon creates its own.
                 conn.execute(
                     "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, true, true)",
+                    (slot,),
+                )
+            for slot in self.other_slots:
+                conn.execute(
+                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)",
                     (slot,),
                 )
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
@@ -288,8 +431,6 @@ class Run:
             }
         )
         consumer.assign([TopicPartition(self.progress_topic, 0, OFFSET_BEGINNING)])
-        streaming_at: list[float] = []
-        log_file = log_path.open("w")
         spawned = time.monotonic()
         # This checkout's code: the venv's console script may belong to another worktree.
         command = [sys.executable, "-m", "services.cli", "run"]
@@ -309,74 +450,49 @@ class Run:
                 "--",
                 *command,
             ]
-        proc = subprocess.Popen(
-            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT
-        )
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(
+                command, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT
+            )
         bridge_pid = proc.pid
         while self.py_spy is not None and bridge_pid == proc.pid and proc.poll() is None:
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             bridge_pid = int(children[0]) if children else proc.pid
             time.sleep(0.01)
+        mark = LogMark(log_path, "streaming", bridge_pid, lambda: proc.poll() is None)
+        mark.start()
+        published = 0
 
-        def watch_log() -> None:
-            with log_path.open() as reader:
-                while proc.poll() is None and not streaming_at:
-                    line = reader.readline()
-                    if not line:
-                        time.sleep(0.005)
-                    elif "streaming" in line:
-                        streaming_at.append(time.monotonic())
-
-        watcher = threading.Thread(target=watch_log, daemon=True)
-        watcher.start()
-        try:
-            published = 0
-            peak_seen = 0
-            deadline = spawned + 1800
-            while published < end_lsn:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"bridge exited with {proc.returncode}; see {log_path}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"bridge did not catch up in 1800 s; see {log_path}")
-                msg = consumer.poll(0.02)
-                peak_seen = max(peak_seen, _rss_kb(bridge_pid))
-                value = None if msg is None or msg.error() is not None else msg.value()
-                if value is None:
-                    continue
+        def reached() -> bool:
+            nonlocal published
+            msg = consumer.poll(0.02)
+            value = None if msg is None or msg.error() is not None else msg.value()
+            if value is not None:
                 published = max(published, int(json.loads(value)["end_lsn"]))
-            done = time.monotonic()
-            peak_kb = max(peak_seen, _rss_kb(bridge_pid))
+            return published >= end_lsn
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"bridge exited with {proc.returncode}; see {log_path}")
+
+        try:
+            result = catch_up(
+                bridge_pid, spawned, mark, reached, alive, self.rows, f"{self.tag}: bridge"
+            )
         finally:
             consumer.close()
-            if proc.poll() is None:
-                if bridge_pid != proc.pid:
-                    os.kill(bridge_pid, signal.SIGTERM)  # py-spy writes its file and exits
-                else:
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            log_file.close()
-            watcher.join(1)
-        began = streaming_at[0] if streaming_at else spawned
-        result = {
-            "seconds": done - began,
-            "seconds_from_spawn": done - spawned,
-            "rows_per_s": self.rows / (done - began),
-            "rows_per_s_from_spawn": self.rows / (done - spawned),
-            "peak_rss_mb": peak_kb / 1024,
-        }
+            stop_process(proc, bridge_pid)
+            mark.join(1)
         if self.verify:
-            result["records"] = self._count(f"{self.prefix}.public.{self.table}")
+            result["records"] = self.count(f"{self.prefix}.public.{self.table}")
             if result["records"] != self.rows:
                 raise RuntimeError(
                     f"change topic holds {result['records']} records, expected {self.rows}"
                 )
         return result
 
-    def _count(self, topic: str) -> int:
+    def count(self, topic: str) -> int:
+        """The records of ``topic`` (one partition) a read_committed consumer reads."""
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
@@ -415,7 +531,7 @@ class Run:
         drop_pipeline(
             self.dsn,
             self.bootstrap,
-            [self.ceiling_slot, self.bridge_slot],
+            [self.ceiling_slot, self.bridge_slot, *self.other_slots],
             self.bridge_slot,
             self.publication,
             self.table,
@@ -426,37 +542,25 @@ class Run:
 def _one(
     args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int, index: int, work: Path
 ) -> dict[str, Any]:
-    tag = f"{'big' if txn_size >= args.rows else 'txn'}{int(time.time()) % 1_000_000}_{index}"
+    tag = new_tag(args.rows, txn_size, index)
     run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify, args.py_spy)
-    say(f"{tag}: {args.rows:,} rows in {run.txns:,} transaction(s) of {txn_size:,}")
-    try:
-        run.setup()
-        load_s = run.load()
-        say(f"{tag}: loaded in {load_s:.1f}s; reading the ceiling slot")
-        ceiling = run.ceiling()
+    with run.prepared(args.keep) as (load_s, ceiling):
         say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
         e2e = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
         say(
             f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
             f"peak RSS {e2e['peak_rss_mb']:.0f} MB"
         )
-    finally:
-        if not args.keep:
-            run.cleanup()
     return {
-        "shape": f"{txn_size}-row txns" if run.txns > 1 else f"one {args.rows}-row txn",
-        "txn_size": txn_size,
-        "rows": args.rows,
-        "load_s": load_s,
-        "ceiling": ceiling,
+        **run.facts(load_s, ceiling),
         "e2e": e2e,
         "ratio": e2e["rows_per_s"] / ceiling["rows_per_s"],
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1_000_000)
+def add_run_arguments(parser: argparse.ArgumentParser, rows: int) -> None:
+    """The workload, repeat, stack and clean-up options (``rows`` is --rows' default)."""
+    parser.add_argument("--rows", type=int, default=rows)
     parser.add_argument("--txn-size", type=int, default=1000)
     parser.add_argument(
         "--shapes",
@@ -470,9 +574,24 @@ def main() -> None:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="skip reading the change topic back to count the records",
+        help="skip reading the change topics back to count the records",
     )
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
+
+
+def txn_sizes(args: argparse.Namespace) -> list[int]:
+    """The transaction size of each shape --shapes asks for."""
+    sizes: list[int] = {
+        "small": [args.txn_size],
+        "big": [args.rows],
+        "both": [args.txn_size, args.rows],
+    }[args.shapes]
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, 1_000_000)
     parser.add_argument(
         "--py-spy",
         type=Path,
@@ -488,9 +607,7 @@ def main() -> None:
         stack.up()
     work = args.stack_dir / "bridge-bench"
     work.mkdir(parents=True, exist_ok=True)
-    sizes = {"small": [args.txn_size], "big": [args.rows], "both": [args.txn_size, args.rows]}[
-        args.shapes
-    ]
+    sizes = txn_sizes(args)
     results = [
         _one(args, stack.primary_dsn, stack.kafka_bootstrap, size, i, work)
         for i in range(args.repeat)

@@ -1,6 +1,6 @@
 """Insert-to-visible latency of the bridge at a steady write rate, on the local stack.
 
-    python bench/latency_bench.py [--rate 5000] [--txn-rows 50] [--seconds 30]
+    python bench/latency_bench.py [--rate 5000] [--txn-rows 50] [--seconds 30] [--warm-up 0]
                                   [--modes new,old] [--stack-dir .stack/bench] [--json]
 
 For each mode, on a fresh table, publication, slot and topics: the real daemon
@@ -9,6 +9,7 @@ For each mode, on a fresh table, publication, slot and topics: the real daemon
 ``clock_timestamp()`` of its insert; a read_committed consumer of the change topic takes,
 per row, its receive time minus that timestamp (server and bench share the machine's
 clock). Printed: p50/p90/p99/max and the rows received, which must equal the rows written.
+With ``--warm-up``, the same write runs that many seconds first and is not counted.
 
 Modes: ``new`` is the daemon as configured by default (a batch is committed as soon as no
 further transaction is ready); ``old`` sets ``batch_linger_ms`` to ``batch_max_ms``, the
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from bench.bridge_bench import daemon_env, drop_pipeline, say
+from bench.bridge_bench import daemon_env, drop_pipeline, say, stop_process
 from services.bridge.settings import BridgeSettings
 from slotbridge_dev.stack.stack import Stack
 
@@ -50,11 +52,18 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-class Receiver(threading.Thread):
-    """Reads the change topic (read_committed) and keeps each row's delay in seconds."""
+def _after(value: Any) -> Any:
+    """The row image of one of the bridge's change records."""
+    return value["after"]
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+
+class Receiver(threading.Thread):
+    """Reads the change topic (read_committed) and keeps each row's delay in seconds;
+    ``after`` finds the row in a record's decoded value."""
+
+    def __init__(self, bootstrap: str, topic: str, after: Callable[[Any], Any] = _after) -> None:
         super().__init__(daemon=True)
+        self.after = after
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -80,7 +89,7 @@ class Receiver(threading.Thread):
                 received = time.time()
                 if msg.error() is not None:
                     raise RuntimeError(f"consumer: {msg.error()}")
-                inserted = datetime.fromisoformat(json.loads(value)["after"]["ts"])
+                inserted = datetime.fromisoformat(self.after(json.loads(value))["ts"])
                 self.delays.append(received - inserted.timestamp())
         except BaseException as exc:  # reported by the caller
             self.error = exc
@@ -113,78 +122,81 @@ def _write(dsn: str, table: str, rate: int, txn_rows: int, seconds: float) -> tu
         return count * txn_rows, time.monotonic() - started
 
 
-def run_mode(
-    mode: str, args: argparse.Namespace, dsn: str, bootstrap: str, work: Path
-) -> dict[str, Any]:
-    tag = f"lat{mode}{int(time.time()) % 1_000_000}"
-    table, prefix = f"bench_{tag}", f"bench.{tag}"
-    topic = f"{prefix}.public.{table}"
+def create_table(dsn: str, table: str, publication: str) -> None:
+    """The bench's table, whose ``ts`` is each row's clock_timestamp() at its insert, and a
+    publication of it."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
             "ts timestamptz NOT NULL DEFAULT clock_timestamp(), pad text)"
         )
-        conn.execute(f"CREATE PUBLICATION {tag} FOR TABLE {table}")
-    log_path = work / f"{tag}.log"
-    env = {**daemon_env(dsn, bootstrap, tag, tag, table, prefix, work / "spool"), **MODES[mode]}
-    receiver: Receiver | None = None
+        conn.execute(f"CREATE PUBLICATION {publication} FOR TABLE {table}")
+
+
+def wait_streaming(
+    log_path: Path, marker: str, alive: Callable[[], None], timeout: float = 60
+) -> None:
+    """Until the CDC process's log holds ``marker``; ``alive()`` raises if it failed."""
+    deadline = time.monotonic() + timeout
+    while marker not in log_path.read_text():
+        alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not streaming after {timeout:.0f}s; see {log_path}")
+        time.sleep(0.05)
+
+
+def measure(
+    args: argparse.Namespace,
+    dsn: str,
+    bootstrap: str,
+    table: str,
+    topic: str,
+    what: str,
+    alive: Callable[[], None],
+    after: Callable[[Any], Any] = _after,
+) -> dict[str, Any]:
+    """The delays through a CDC process streaming ``table`` into ``topic``: a warm-up row
+    (which also has the topic created), the same write as measured for ``args.warm_up``
+    seconds, not counted, then ``args.rate`` rows/s in ``args.txn_rows``-row transactions for
+    ``args.seconds``, every row of which must arrive. ``alive()`` raises if the process
+    failed; ``after`` is the Receiver's."""
+
+    def arrived(count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while len(receiver.delays) < count and time.monotonic() < deadline:
+            alive()
+            if receiver.error is not None:
+                raise RuntimeError(f"{what}: the consumer failed ({receiver.error})")
+            time.sleep(0.05)
+        return len(receiver.delays) >= count
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"INSERT INTO {table} (pad) VALUES ('warm-up')")
+    _wait_for_topic(bootstrap, topic, 60)
+    receiver = Receiver(bootstrap, topic, after)
+    receiver.start()
     try:
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "run"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-        try:
-            # One row once the daemon streams: it creates the topic for it.
-            deadline = time.monotonic() + 60
-            while "streaming" not in log_path.read_text():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the daemon is not streaming; see {log_path}")
-                time.sleep(0.05)
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(f"INSERT INTO {table} (pad) VALUES ('warm-up')")
-            _wait_for_topic(bootstrap, topic, 60)
-            receiver = Receiver(bootstrap, topic)
-            receiver.start()
-            deadline = time.monotonic() + 30
-            while not receiver.delays:
-                if proc.poll() is not None or receiver.error is not None:
-                    raise RuntimeError(f"no warm-up row ({receiver.error}); see {log_path}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no warm-up row within 30s; see {log_path}")
-                time.sleep(0.05)
-            receiver.delays.clear()
-            say(
-                f"{mode}: writing {args.rate:,} rows/s in {args.txn_rows}-row transactions "
-                f"for {args.seconds:.0f}s"
-            )
-            rows, write_s = _write(dsn, table, args.rate, args.txn_rows, args.seconds)
-            deadline = time.monotonic() + 60
-            while len(receiver.delays) < rows and time.monotonic() < deadline:
-                if proc.poll() is not None or receiver.error is not None:
-                    raise RuntimeError(f"stopped early ({receiver.error}); see {log_path}")
-                time.sleep(0.1)
-        finally:
-            if receiver is not None:
-                receiver.stop_flag.set()
-                receiver.join(10)
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if not arrived(1, 30):
+            raise TimeoutError(f"{what}: no warm-up row within 30s")
+        if args.warm_up > 0:
+            say(f"{what}: warming up, {args.rate:,} rows/s for {args.warm_up:.0f}s")
+            warm_rows, _ = _write(dsn, table, args.rate, args.txn_rows, args.warm_up)
+            if not arrived(1 + warm_rows, 60):
+                raise TimeoutError(f"{what}: the warm-up rows did not all arrive within 60s")
+        receiver.delays.clear()
+        say(
+            f"{what}: writing {args.rate:,} rows/s in {args.txn_rows}-row transactions "
+            f"for {args.seconds:.0f}s"
+        )
+        rows, write_s = _write(dsn, table, args.rate, args.txn_rows, args.seconds)
+        arrived(rows, 60)
     finally:
-        if not args.keep:
-            drop_pipeline(dsn, bootstrap, [tag], tag, tag, table, prefix)
+        receiver.stop_flag.set()
+        receiver.join(10)
     delays = sorted(receiver.delays)
     if len(delays) != rows:
-        raise RuntimeError(f"{mode}: received {len(delays)} rows, wrote {rows}")
+        raise RuntimeError(f"{what}: received {len(delays)} rows, wrote {rows}")
     return {
-        "mode": mode,
         "rows": rows,
         "write_rows_per_s": rows / write_s,
         "p50_ms": _percentile(delays, 0.50) * 1000,
@@ -195,11 +207,57 @@ def run_mode(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_mode(
+    mode: str, args: argparse.Namespace, dsn: str, bootstrap: str, work: Path
+) -> dict[str, Any]:
+    tag = f"lat{mode}{int(time.time()) % 1_000_000}"
+    table, prefix = f"bench_{tag}", f"bench.{tag}"
+    create_table(dsn, table, tag)
+    log_path = work / f"{tag}.log"
+    env = {**daemon_env(dsn, bootstrap, tag, tag, table, prefix, work / "spool"), **MODES[mode]}
+    try:
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "run"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {proc.returncode}; see {log_path}")
+
+        try:
+            # The daemon creates the topic for the warm-up row once it streams.
+            wait_streaming(log_path, "streaming", alive)
+            result = measure(args, dsn, bootstrap, table, f"{prefix}.public.{table}", mode, alive)
+        finally:
+            stop_process(proc)
+    finally:
+        if not args.keep:
+            drop_pipeline(dsn, bootstrap, [tag], tag, tag, table, prefix)
+    return {"mode": mode, **result}
+
+
+def add_rate_arguments(parser: argparse.ArgumentParser, warm_up: float = 0) -> None:
+    """The steady write's options, as ``measure`` reads them (``warm_up``: --warm-up's
+    default)."""
     parser.add_argument("--rate", type=int, default=5000, help="rows per second")
     parser.add_argument("--txn-rows", type=int, default=50, help="rows per transaction")
     parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument(
+        "--warm-up",
+        type=float,
+        default=warm_up,
+        help="seconds of the same write before the measured one, not counted",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_rate_arguments(parser)
     parser.add_argument(
         "--modes",
         default="new,old",

@@ -4,7 +4,9 @@ format) and its JDBC sink (a consumer of that format nobody here wrote).
 
 The jars are one of the bootstrap's Maven sets (a classpath folder holding the Connect
 runtime and the connector). Keys and values go through Connect's JsonConverter with the
-``schema`` block (``schemas.enable=true``), the shape of the bridge's Debezium mode.
+``schema`` block (``schemas.enable=true``), the shape of the bridge's Debezium mode. The JVM
+runs with the heap and garbage collector Kafka's own ``connect-standalone.sh`` gives it, so
+what bench/vs_debezium.py measures is Connect as it is usually started.
 """
 
 from __future__ import annotations
@@ -14,29 +16,78 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from psycopg.conninfo import conninfo_to_dict
 
 from slotbridge_dev.stack.cluster import free_ports
 
 _CONVERTER = "org.apache.kafka.connect.json.JsonConverter"
+# connect-standalone.sh's KAFKA_HEAP_OPTS and kafka-run-class.sh's KAFKA_JVM_PERFORMANCE_OPTS.
+_JVM = [
+    "-Xms256M",
+    "-Xmx2G",
+    "-server",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-Djava.awt.headless=true",
+]
 
 
 def _properties(values: Mapping[str, str]) -> str:
     return "".join(f"{key}={value}\n" for key, value in values.items())
 
 
+def debezium_postgres(
+    name: str, dsn: str, prefix: str, slot: str, publication: str, tables: Iterable[str]
+) -> dict[str, str]:
+    """Debezium's PostgreSQL source connector streaming ``tables`` (``schema.table``) of an
+    existing ``publication`` with pgoutput into ``<prefix>.<schema>.<table>``, without reading
+    the tables first. With no stored offset it streams from where ``slot`` is: its creation
+    when Debezium creates it, its confirmed position when it already exists."""
+    parts = conninfo_to_dict(dsn)
+    return {
+        "name": name,
+        "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
+        "tasks.max": "1",
+        "database.hostname": str(parts["host"]),
+        "database.port": str(parts["port"]),
+        "database.user": str(parts["user"]),
+        "database.password": str(parts.get("password") or ""),
+        "database.dbname": str(parts["dbname"]),
+        "topic.prefix": prefix,
+        "plugin.name": "pgoutput",
+        "slot.name": slot,
+        "publication.name": publication,
+        "publication.autocreate.mode": "disabled",
+        "table.include.list": ",".join(tables),
+        "snapshot.mode": "no_data",
+    }
+
+
 class ConnectWorker:
-    """One standalone worker process and its one connector (``connector`` holds ``name``)."""
+    """One standalone worker process and its one connector (``connector`` holds ``name``).
+
+    ``log_level`` is the root logger's: ERROR (log4j's own default) keeps a failing test's
+    output to the failure; INFO adds the connector's progress lines."""
 
     def __init__(
-        self, folder: Path, jars: Path, bootstrap: str, connector: Mapping[str, str]
+        self,
+        folder: Path,
+        jars: Path,
+        bootstrap: str,
+        connector: Mapping[str, str],
+        log_level: str = "ERROR",
     ) -> None:
         self.folder = folder
         self.jars = jars
         self.bootstrap = bootstrap
         self.connector = dict(connector)
+        self.log_level = log_level
         self.proc: subprocess.Popen[bytes] | None = None
         self.rest = ""
 
@@ -67,10 +118,25 @@ class ConnectWorker:
         )
         connector = self.folder / "connector.properties"
         connector.write_text(_properties(self.connector))
+        log4j = self.folder / "log4j2.properties"
+        log4j.write_text(
+            _properties(
+                {
+                    "rootLogger.level": self.log_level,
+                    "rootLogger.appenderRef.stdout.ref": "STDOUT",
+                    "appender.stdout.type": "Console",
+                    "appender.stdout.name": "STDOUT",
+                    "appender.stdout.layout.type": "PatternLayout",
+                    "appender.stdout.layout.pattern": "[%d] %p %m (%c)%n",
+                }
+            )
+        )
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [
                     "java",
+                    *_JVM,
+                    f"-Dlog4j2.configurationFile={log4j}",
                     "-cp",
                     f"{self.jars}/*",
                     "org.apache.kafka.connect.cli.ConnectStandalone",

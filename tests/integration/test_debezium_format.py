@@ -20,7 +20,7 @@ from confluent_kafka import Consumer
 from services.contract.debezium import DebeziumChangeValue, DebeziumKey
 from services.contract.schemas import json_schema
 from slotbridge_dev.bootstrap import DEBEZIUM_SET, cache_dir, jars_dir
-from slotbridge_dev.connect import ConnectWorker
+from slotbridge_dev.connect import ConnectWorker, debezium_postgres
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, sql, wait_for
 
@@ -70,27 +70,15 @@ PREFIX = f"{SCHEMA}_{uuid.uuid4().hex[:8]}"
 BRIDGE_ONLY = {"ia"}
 
 
-def _connect(tmp: Path, bootstrap: str, dsn: dict[str, str]) -> ConnectWorker:
+def _connect(tmp: Path, bootstrap: str, dsn: str) -> ConnectWorker:
     return ConnectWorker(
         tmp,
         JARS,
         bootstrap,
         {
-            "name": "dbzcmp",
-            "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
-            "tasks.max": "1",
-            "database.hostname": dsn["host"],
-            "database.port": dsn["port"],
-            "database.user": dsn["user"],
-            "database.password": "",
-            "database.dbname": dsn["dbname"],
-            "topic.prefix": PREFIX,
-            "plugin.name": "pgoutput",
-            "slot.name": f"{SCHEMA}_dbz",
-            "publication.name": f"{SCHEMA}_dbz",
-            "publication.autocreate.mode": "disabled",
-            "table.include.list": f"{SCHEMA}.alltypes",
-            "snapshot.mode": "no_data",
+            **debezium_postgres(
+                "dbzcmp", dsn, PREFIX, f"{SCHEMA}_dbz", f"{SCHEMA}_dbz", [f"{SCHEMA}.alltypes"]
+            ),
             # The bridge always writes transaction metadata and truncates (documented).
             "provide.transaction.metadata": "true",
             "skipped.operations": "none",
@@ -133,8 +121,7 @@ def both(
     dsn = stack.primary_dsn
     sql(dsn, DDL)
     tmp = Path(tmp_path_factory.mktemp("dbz"))
-    parts = dict(p.split("=", 1) for p in dsn.split())
-    connect = _connect(tmp, stack.kafka.bootstrap, parts)
+    connect = _connect(tmp, stack.kafka.bootstrap, dsn)
     connect.start()
     pipe = Pipeline(stack, [f"{SCHEMA}.alltypes"], tmp)
     try:
