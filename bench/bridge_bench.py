@@ -22,6 +22,12 @@ transaction) and each repeat, on a fresh table, publication and two fresh failov
    ``--json`` output. With ``--verify`` (default) the change topic is read back
    with read_committed and must hold exactly ``--rows`` records.
 
+4. CPU budget: the CPU seconds per row of the daemon, of the walsender decoding for it and
+   of the stack's broker over the same span; the rate at which the three would fill every
+   core of this machine, and what is left per row for the daemon at 0.8 of the ceiling
+   (the goal of issue #14) beside the other two. The daemon's Python threads share one
+   core, so its own figure also bounds it alone: 1e6 / bridge us per row.
+
 The server's ``logical_decoding_work_mem`` is left as configured (64MB by default), so the
 big transaction is streamed in chunks the way production would see it.
 
@@ -90,19 +96,52 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def broker_pid(stack_dir: Path) -> int | None:
+    """The local stack's Kafka broker process (its command line names the stack folder)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "kafka.Kafka" in cmdline and str(stack_dir.resolve()) in cmdline:
+            return int(entry.name)
+    return None
+
+
+def walsender_pid(dsn: str, slot: str) -> int | None:
+    """The server process streaming ``slot`` now, if any."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    return None if row is None else row[0]
+
+
 class LogMark(threading.Thread):
     """Watches a process's log for the first line holding ``marker`` (the process streams):
     ``at`` is then the monotonic time it appeared and ``cpu_s`` the process's CPU seconds by
-    then. Gives up when ``running()`` turns false."""
+    then (``others_cpu_s``: that of each of ``others``). Gives up when ``running()`` turns
+    false."""
 
-    def __init__(self, log_path: Path, marker: str, pid: int, running: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        marker: str,
+        pid: int,
+        running: Callable[[], bool],
+        others: Sequence[int] = (),
+    ) -> None:
         super().__init__(daemon=True)
         self.log_path = log_path
         self.marker = marker
         self.pid = pid
         self.running = running
+        self.others = others
         self.at: float | None = None
         self.cpu_s = 0.0
+        self.others_cpu_s = [cpu_seconds(other) for other in others]
 
     def run(self) -> None:
         line = ""
@@ -118,6 +157,7 @@ class LogMark(threading.Thread):
                     continue
                 if self.marker in line:
                     self.cpu_s = cpu_seconds(self.pid)
+                    self.others_cpu_s = [cpu_seconds(other) for other in self.others]
                     self.at = time.monotonic()
                 line = ""
 
@@ -274,6 +314,8 @@ class Run:
         self.verify = verify
         self.py_spy = py_spy
         self.other_slots = list(other_slots)
+        # The stack's broker, when its CPU seconds are to be measured too.
+        self.broker_pid: int | None = None
         self.txns = -(-rows // txn_size)
 
     @property
@@ -397,10 +439,13 @@ class Run:
                     elif payload:
                         repl.send_status(max(received, a), 0)
             seconds = time.monotonic() - started
+            sender = walsender_pid(self.dsn, self.ceiling_slot)
+            sender_cpu_s = None if sender is None else cpu_seconds(sender)
         finally:
             repl.close()
         return {
             "seconds": seconds,
+            "walsender_cpu_s": sender_cpu_s,
             "messages": count,
             "payload_bytes": nbytes,
             "rows_per_s": self.rows / seconds,
@@ -459,7 +504,8 @@ class Run:
             children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             bridge_pid = int(children[0]) if children else proc.pid
             time.sleep(0.01)
-        mark = LogMark(log_path, "streaming", bridge_pid, lambda: proc.poll() is None)
+        broker = () if self.broker_pid is None else (self.broker_pid,)
+        mark = LogMark(log_path, "streaming", bridge_pid, lambda: proc.poll() is None, broker)
         mark.start()
         published = 0
 
@@ -479,6 +525,13 @@ class Run:
             result = catch_up(
                 bridge_pid, spawned, mark, reached, alive, self.rows, f"{self.tag}: bridge"
             )
+            # The other processes on this machine's cores, over the same span (the
+            # walsender's from its start: all of it is this backlog's decoding).
+            sender = walsender_pid(self.dsn, self.bridge_slot)
+            if sender is not None:
+                result["walsender_cpu_s"] = cpu_seconds(sender)
+            if broker:
+                result["broker_cpu_s"] = cpu_seconds(broker[0]) - mark.others_cpu_s[0]
         finally:
             consumer.close()
             stop_process(proc, bridge_pid)
@@ -544,6 +597,7 @@ def _one(
 ) -> dict[str, Any]:
     tag = new_tag(args.rows, txn_size, index)
     run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify, args.py_spy)
+    run.broker_pid = broker_pid(args.stack_dir)
     with run.prepared(args.keep) as (load_s, ceiling):
         say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
         e2e = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
@@ -555,6 +609,35 @@ def _one(
         **run.facts(load_s, ceiling),
         "e2e": e2e,
         "ratio": e2e["rows_per_s"] / ceiling["rows_per_s"],
+        "cpu_budget": cpu_budget(args.rows, ceiling, e2e),
+    }
+
+
+GOAL_RATIO = 0.8  # issue #14's end-to-end goal, as a share of the ceiling
+
+
+def cpu_budget(rows: int, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the machine's cores go per row, end to end: the bridge, the walsender decoding
+    for it and the broker taking its records. ``bound_rows_per_s``: the rate at which the
+    three would fill every core; ``bridge_us_at_goal``: the bridge's CPU per row that would
+    leave room for ``GOAL_RATIO`` of the ceiling beside the other two (negative: none)."""
+    if "walsender_cpu_s" not in e2e or "broker_cpu_s" not in e2e:
+        return None
+    per_row = {
+        "bridge_us": e2e["cpu_s"] / rows * 1e6,
+        "walsender_us": e2e["walsender_cpu_s"] / rows * 1e6,
+        "broker_us": e2e["broker_cpu_s"] / rows * 1e6,
+    }
+    cores = os.cpu_count() or 1
+    goal = GOAL_RATIO * ceiling["rows_per_s"]
+    others_us = per_row["walsender_us"] + per_row["broker_us"]
+    return {
+        **per_row,
+        "cores": cores,
+        "bound_rows_per_s": cores / (sum(per_row.values()) / 1e6),
+        "goal_rows_per_s": goal,
+        "others_cores_at_goal": goal * others_us / 1e6,
+        "bridge_us_at_goal": cores / goal * 1e6 - others_us,
     }
 
 
@@ -642,6 +725,19 @@ def main() -> None:
             f" {r['ratio']:12.3f} {r['e2e']['rows_per_s_from_spawn']:15,.0f}"
             f" {r['e2e']['peak_rss_mb']:12.0f} {r['load_s']:7.1f}"
         )
+    budgets = [(r["shape"], r["cpu_budget"]) for r in results if r["cpu_budget"]]
+    if budgets:
+        print(
+            f"\nCPU per row (us) {'bridge':>7} {'walsender':>9} {'broker':>7}"
+            f" {'bound rows/s':>13} {'goal rows/s':>12} {'others cores':>13}"
+            f" {'bridge us left':>15}"
+        )
+        for shape, b in budgets:
+            print(
+                f"{shape:16} {b['bridge_us']:7.2f} {b['walsender_us']:9.2f} {b['broker_us']:7.2f}"
+                f" {b['bound_rows_per_s']:13,.0f} {b['goal_rows_per_s']:12,.0f}"
+                f" {b['others_cores_at_goal']:13.2f} {b['bridge_us_at_goal']:15.2f}"
+            )
     if args.repeat > 1:
         print("median")
         for s in summary:

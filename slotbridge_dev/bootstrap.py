@@ -163,7 +163,9 @@ def _fresh(stamp: Path, key: str) -> bool:
 
 
 def ensure_venv() -> None:
-    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    # The C extensions are built by the editable install: a changed source reinstalls too.
+    sources = [ROOT / "pyproject.toml", ROOT / "setup.py", *sorted(ROOT.glob("services/*/*.c"))]
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()
     stamp = VENV / ".slotbridge-stamp"
     if _fresh(stamp, key):
         _say("virtualenv up to date")

@@ -348,7 +348,7 @@ class Bridge:
             high_water=mark,
             last_commit_lsn=kafka_progress.commit_lsn if kafka_progress is not None else mark,
             queue=queue,
-            decode=lambda payload, streamed: replay.decode(payload, streamed),
+            decode=replay.decode,
             metrics=self.metrics,
             book=book,
             snapshot_added=s.snapshot_mode != "never"

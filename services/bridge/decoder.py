@@ -25,6 +25,11 @@ from collections.abc import Callable
 from services.bridge import messages as m
 from services.common.errors import SlotbridgeError
 
+try:
+    from services.bridge._tuples import read as _read_compiled
+except ImportError:  # installed where no C compiler was at hand
+    _read_compiled = None  # type: ignore[assignment]
+
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
 _U64 = struct.Struct("!Q")
@@ -97,6 +102,12 @@ def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
 
 def _tuple(buf: bytes, pos: int) -> tuple[m.TupleData, int]:
     """TupleData at ``pos`` -> the column values and the offset after them."""
+    # The compiled reader takes the usual messages; what it does not (a binary or unknown
+    # column kind, a value past the end) is read here, which says what is wrong.
+    if _read_compiled is not None:
+        read = _read_compiled(buf, pos, m.UNCHANGED_TOAST)
+        if read is not None:
+            return read
     ncols = _u16(buf, pos)[0]
     pos += 2
     # Preallocated with None, so a NULL column costs nothing but its offset, and index

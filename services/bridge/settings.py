@@ -27,6 +27,18 @@ def _user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
+# librdkafka settings the bridge sets itself, and what to use instead.
+_OWNED_KAFKA_KEYS = {
+    "bootstrap.servers": "use kafka_bootstrap",
+    "transactional.id": "use kafka_transactional_id",
+    "transaction.timeout.ms": "use kafka_transaction_timeout_ms",
+    "enable.idempotence": "the bridge always enables it (exactly once)",
+    "acks": "the bridge always uses all (exactly once)",
+    "partitioner": "the bridge uses murmur2_random, as Java clients do",
+    "message.max.bytes": "use max_row_bytes",
+}
+
+
 class BridgeSettings(ServiceSettings):
     """Where to read, where to write, and how hard to batch.
 
@@ -80,7 +92,11 @@ class BridgeSettings(ServiceSettings):
     kafka_bootstrap: str = Field(description="Kafka bootstrap servers, host:port[,host:port]")
     kafka_config: dict[str, str] = Field(
         default_factory=dict,
-        description="extra librdkafka settings (security.protocol, ssl.*, sasl.mechanism ...)",
+        description=(
+            "extra librdkafka settings (security.protocol, ssl.*, sasl.mechanism ...); they "
+            "override the producer's batching defaults (linger.ms 5, batch.size 1000000, "
+            "compression.type lz4, queue.buffering.max.*)"
+        ),
     )
     kafka_sasl_password: SecretStr | None = None
     topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
@@ -164,6 +180,19 @@ class BridgeSettings(ServiceSettings):
     _topic = field_validator("topic_prefix", "progress_topic")(kafka_topic_name)
     _qualified = field_validator("tables")(qualified_tables)
     _strings = field_validator("kafka_config", mode="before")(string_values)
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _not_exactly_once(cls, value: dict[str, str]) -> dict[str, str]:
+        # The producer's exactly-once settings are the bridge's: changed, a replay could
+        # duplicate or lose records without any error.
+        owned = sorted(k for k in value if k in _OWNED_KAFKA_KEYS)
+        if owned:
+            raise ValueError(
+                f"{', '.join(owned)} cannot be set here: "
+                + "; ".join(_OWNED_KAFKA_KEYS[k] for k in owned)
+            )
+        return value
 
     @field_validator("tables")
     @classmethod

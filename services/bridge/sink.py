@@ -75,6 +75,17 @@ _SECURITY_HINT = (
 )
 
 
+# The producer's batching, compression and memory settings, which kafka_config overrides.
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "linger.ms": 5,
+    "batch.size": 1_000_000,
+    "compression.type": "lz4",
+    # Bounded producer memory: produce() blocks (we poll) instead of growing.
+    "queue.buffering.max.messages": 200_000,
+    "queue.buffering.max.kbytes": 262_144,
+}
+
+
 def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
     """Connection settings shared by the producer, admin and progress consumer."""
     # librdkafka's own log lines go through Python logging (structured, level-filtered).
@@ -86,6 +97,22 @@ def kafka_client_config(settings: BridgeSettings) -> dict[str, Any]:
     if settings.kafka_sasl_password is not None:
         config["sasl.password"] = settings.kafka_sasl_password.get_secret_value()
     return config
+
+
+def producer_config(settings: BridgeSettings, record_limit: int) -> dict[str, Any]:
+    """The transactional producer's settings: kafka_config over the tuning defaults, and
+    the exactly-once settings over both (settings validation refuses them in kafka_config)."""
+    return {
+        **PRODUCER_DEFAULTS,
+        **kafka_client_config(settings),
+        "transactional.id": settings.transactional_id,
+        "transaction.timeout.ms": settings.kafka_transaction_timeout_ms,
+        "enable.idempotence": True,
+        "acks": "all",
+        # Java clients' default: a key lands where Kafka Streams and Connect expect it.
+        "partitioner": "murmur2_random",
+        "message.max.bytes": max(record_limit, 1_000_000),
+    }
 
 
 class FirstWrites:
@@ -139,19 +166,7 @@ class KafkaSink:
         self._admin = AdminClient(base)
         self._producer = Producer(
             {
-                **base,
-                "transactional.id": settings.transactional_id,
-                "transaction.timeout.ms": settings.kafka_transaction_timeout_ms,
-                "enable.idempotence": True,
-                "acks": "all",
-                "partitioner": "murmur2_random",
-                "linger.ms": 5,
-                "batch.size": 1_000_000,
-                "compression.type": "lz4",
-                # Bounded producer memory: produce() blocks (we poll) instead of growing.
-                "queue.buffering.max.messages": 200_000,
-                "queue.buffering.max.kbytes": 262_144,
-                "message.max.bytes": max(self.record_limit, 1_000_000),
+                **producer_config(settings, self.record_limit),
                 # A Python callback per record costs a sixth of the hot path; failures are what
                 # we need to hear of. A flush that leaves nothing queued and reported no failure
                 # proves every record of the transaction was delivered.

@@ -62,12 +62,12 @@ def _unescape_octet(match: re.Match[bytes]) -> bytes:
     return b"\\" if code == b"\\" else bytes((int(code, 8),))
 
 
-def _timestamp(text: str) -> JsonValue:
+def timestamp_iso(text: str) -> JsonValue:
     # 'infinity' has no space and stays as is; a BC timestamp keeps its ' BC' suffix.
     return text.replace(" ", "T", 1)
 
 
-def _timestamptz(text: str) -> JsonValue:
+def timestamptz_iso(text: str) -> JsonValue:
     if text.endswith("+00"):
         return text[:-3].replace(" ", "T", 1) + "Z"
     if text.endswith("infinity"):
@@ -131,8 +131,8 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (1043, 1015, "character varying", str),
     (1082, 1182, "date", str),
     (1083, 1183, "time without time zone", str),
-    (1114, 1115, "timestamp without time zone", _timestamp),
-    (1184, 1185, "timestamp with time zone", _timestamptz),
+    (1114, 1115, "timestamp without time zone", timestamp_iso),
+    (1184, 1185, "timestamp with time zone", timestamptz_iso),
     (1186, 1187, "interval", str),
     (1266, 1270, "time with time zone", str),
     (1700, 1231, "numeric", str),  # exact: the string as sent, NaN/Infinity included

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from services.bridge.settings import BridgeSettings
+from services.bridge.sink import producer_config
 from services.bridge.spool import Spool, SpoolError, SpoolStats
 from services.failover.settings import FailoverSettings
 from spark_consumers.settings import ConsumerSettings
@@ -35,9 +37,9 @@ def test_spool_defaults_to_a_folder_of_the_user(
 
 def test_client_settings_accept_yaml_numbers_and_booleans() -> None:
     # As a YAML file gives them (typed here as Any, like the file's contents).
-    yaml_values: dict[str, Any] = {"linger.ms": 5, "enable.idempotence": True}
+    yaml_values: dict[str, Any] = {"linger.ms": 5, "socket.keepalive.enable": True}
     bridge = BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092", kafka_config=yaml_values)
-    assert bridge.kafka_config == {"linger.ms": "5", "enable.idempotence": "true"}
+    assert bridge.kafka_config == {"linger.ms": "5", "socket.keepalive.enable": "true"}
     options: dict[str, Any] = {"fetch.max.bytes": 1048576}
     conf: dict[str, Any] = {"spark.sql.ansi.enabled": False}
     consumer = ConsumerSettings(
@@ -49,6 +51,30 @@ def test_client_settings_accept_yaml_numbers_and_booleans() -> None:
     )
     assert consumer.kafka_options == {"fetch.max.bytes": "1048576"}
     assert consumer.spark_conf == {"spark.sql.ansi.enabled": "false"}
+
+
+def test_kafka_config_cannot_undo_exactly_once() -> None:
+    with pytest.raises(ValidationError) as caught:
+        BridgeSettings(
+            source_dsn="host=a",
+            kafka_bootstrap="k:9092",
+            kafka_config={"acks": "1", "transactional.id": "x", "compression.type": "zstd"},
+        )
+    message = str(caught.value)
+    assert "acks, transactional.id cannot be set here" in message
+    assert "use kafka_transactional_id" in message
+    assert "compression.type" not in message
+
+
+def test_kafka_config_overrides_the_producer_tuning() -> None:
+    tuned = BridgeSettings(
+        source_dsn="host=a", kafka_bootstrap="k:9092", kafka_config={"compression.type": "zstd"}
+    )
+    config = producer_config(tuned, record_limit=2_000_000)
+    assert config["compression.type"] == "zstd"
+    assert config["linger.ms"] == 5  # a default kept
+    assert config["acks"] == "all"
+    assert config["message.max.bytes"] == 2_000_000
 
 
 @pytest.fixture

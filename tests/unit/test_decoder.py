@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import TypeVar
@@ -412,3 +413,26 @@ def test_recorded_streamed_transactions() -> None:
     stream_prepare, commit_prepared = of(m.StreamPrepare, msgs[-2]), of(m.CommitPrepared, msgs[-1])
     assert stream_prepare.gid == commit_prepared.gid == "gid-3"
     assert stream_prepare.xid == commit_prepared.xid
+
+
+def test_the_compiled_tuple_reader_matches_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI installs with a C compiler; the Python loop is the reference the reader is held to.
+    assert importlib.util.find_spec("services.bridge._tuples") is not None
+    values: list[m.TupleValue] = [
+        "42",
+        None,
+        m.UNCHANGED_TOAST,
+        "",
+        "h\u00e9llo \U0001f600",
+        "x" * 70_000,
+        "\x00\x7f",
+    ]
+    messages = [
+        m.Insert(None, 7, [*values]),
+        m.Update(None, 7, ["42", None], True, values[::-1]),
+        m.Delete(None, 7, values[:2], False),
+        m.Insert(None, 7, []),
+    ]
+    compiled = [PgOutputDecoder().decode(encode(msg)) for msg in messages]
+    monkeypatch.setattr("services.bridge.decoder._read_compiled", None)
+    assert compiled == [PgOutputDecoder().decode(encode(msg)) for msg in messages] == messages

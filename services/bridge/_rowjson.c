@@ -1,0 +1,367 @@
+/* A row's text values -> its JSON object and key object, in one pass without dicts.
+
+The hot path of the default record format (see events.RowPlan): the values come as the
+decoder and the snapshot reader give them (a list or tuple of str or None), and the output
+must be byte for byte what orjson.dumps({name: converter(text)}) writes, which
+tests/unit/test_rowjson.py holds it to. Each column has a kind saying how its text becomes
+JSON; the common kinds are handled here, any text a kind does not recognise goes to the
+column's Python converter (which also raises the converter's errors), as do the rare types.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+/* Column kinds, as events.RowPlan spells them in its kinds bytes. */
+#define K_INT 'i'         /* integer text: a JSON number as printed */
+#define K_TEXT 's'        /* a JSON string of the text */
+#define K_BOOL 'b'        /* t / f */
+#define K_TIMESTAMP 't'   /* the first blank becomes a T */
+#define K_TIMESTAMPTZ 'z' /* ... and a +00 offset becomes a Z */
+#define K_PYTHON 'p'      /* the converter, then dumps */
+
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+    char small[2048];
+} Buf;
+
+static int buf_grow(Buf *b, Py_ssize_t more) {
+    Py_ssize_t need = b->len + more;
+    if (need <= b->cap)
+        return 0;
+    Py_ssize_t cap = b->cap * 2 > need ? b->cap * 2 : need;
+    char *data;
+    if (b->data == b->small) {
+        data = PyMem_Malloc(cap);
+        if (data != NULL)
+            memcpy(data, b->small, b->len);
+    } else {
+        data = PyMem_Realloc(b->data, cap);
+    }
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = data;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int buf_put(Buf *b, const char *s, Py_ssize_t n) {
+    if (b->len + n > b->cap && buf_grow(b, n) < 0)
+        return -1;
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+    return 0;
+}
+
+static inline int buf_byte(Buf *b, char c) {
+    if (b->len + 1 > b->cap && buf_grow(b, 1) < 0)
+        return -1;
+    b->data[b->len++] = c;
+    return 0;
+}
+
+static void buf_free(Buf *b) {
+    if (b->data != b->small)
+        PyMem_Free(b->data);
+}
+
+static const char HEX[] = "0123456789abcdef";
+
+/* A JSON string of s[0:n] as orjson escapes it: ", \ and control characters only. With
+   `t_for_blank`, the first blank is written as T; `suffix` is appended inside the quotes. */
+static int put_string(Buf *b, const char *s, Py_ssize_t n, int t_for_blank, const char *suffix) {
+    /* At most six bytes per input byte, plus quotes and suffix. */
+    if (buf_grow(b, 6 * n + 8) < 0)
+        return -1;
+    char *out = b->data + b->len;
+    *out++ = '"';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\') {
+            if (c == ' ' && t_for_blank) {
+                c = 'T';
+                t_for_blank = 0;
+            }
+            *out++ = (char)c;
+            continue;
+        }
+        *out++ = '\\';
+        switch (c) {
+        case '"': *out++ = '"'; break;
+        case '\\': *out++ = '\\'; break;
+        case '\b': *out++ = 'b'; break;
+        case '\t': *out++ = 't'; break;
+        case '\n': *out++ = 'n'; break;
+        case '\f': *out++ = 'f'; break;
+        case '\r': *out++ = 'r'; break;
+        default:
+            *out++ = 'u';
+            *out++ = '0';
+            *out++ = '0';
+            *out++ = HEX[c >> 4];
+            *out++ = HEX[c & 15];
+        }
+    }
+    while (*suffix)
+        *out++ = *suffix++;
+    *out++ = '"';
+    b->len = out - b->data;
+    return 0;
+}
+
+/* Integer text as PostgreSQL prints it: 0 or -?[1-9][0-9]*. Anything else goes to int(). */
+static int canonical_integer(const char *s, Py_ssize_t n) {
+    Py_ssize_t i = (n > 0 && s[0] == '-') ? 1 : 0;
+    if (i == n || (s[i] == '0' && n > 1))
+        return 0;
+    for (; i < n; i++)
+        if (s[i] < '0' || s[i] > '9')
+            return 0;
+    return 1;
+}
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t ncols, nkeys;
+    char *kinds;
+    const char **names; /* '"name":' per column */
+    Py_ssize_t *name_lens;
+    Py_ssize_t *key_idx;
+    PyObject *holder;     /* the tuple that owns the names' bytes and the kinds */
+    PyObject *converters; /* tuple of callables */
+    PyObject *dumps;
+} RowPlan;
+
+static void plan_dealloc(RowPlan *self) {
+    PyMem_Free(self->kinds);
+    PyMem_Free(self->names);
+    PyMem_Free(self->name_lens);
+    PyMem_Free(self->key_idx);
+    Py_XDECREF(self->holder);
+    Py_XDECREF(self->converters);
+    Py_XDECREF(self->dumps);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* RowPlan(names: tuple[bytes], kinds: bytes, key_idx: tuple[int], converters, dumps):
+   names are the columns' '"name":' pieces. */
+static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
+    PyObject *names, *kinds, *key_idx, *converters, *dumps;
+    if (!PyArg_ParseTuple(args, "O!SO!O!O:RowPlan", &PyTuple_Type, &names, &kinds, &PyTuple_Type,
+                          &key_idx, &PyTuple_Type, &converters, &dumps))
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    if (PyBytes_GET_SIZE(kinds) != n || PyTuple_GET_SIZE(converters) != n) {
+        PyErr_SetString(PyExc_ValueError, "names, kinds and converters differ in length");
+        return -1;
+    }
+    if (self->kinds != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RowPlan is initialised once");
+        return -1;
+    }
+    self->ncols = n;
+    self->nkeys = PyTuple_GET_SIZE(key_idx);
+    self->kinds = PyMem_Malloc(n + 1);
+    self->names = PyMem_Malloc((n + 1) * sizeof(char *));
+    self->name_lens = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
+    self->key_idx = PyMem_Malloc((self->nkeys + 1) * sizeof(Py_ssize_t));
+    if (!self->kinds || !self->names || !self->name_lens || !self->key_idx) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(self->kinds, PyBytes_AS_STRING(kinds), n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        if (!PyBytes_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "names must be bytes");
+            return -1;
+        }
+        self->names[i] = PyBytes_AS_STRING(name);
+        self->name_lens[i] = PyBytes_GET_SIZE(name);
+        if (!PyCallable_Check(PyTuple_GET_ITEM(converters, i))) {
+            PyErr_SetString(PyExc_TypeError, "converters must be callable");
+            return -1;
+        }
+    }
+    for (Py_ssize_t k = 0; k < self->nkeys; k++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(key_idx, k));
+        if (i == -1 && PyErr_Occurred())
+            return -1;
+        if (i < 0 || i >= n) {
+            PyErr_SetString(PyExc_ValueError, "key index out of range");
+            return -1;
+        }
+        self->key_idx[k] = i;
+    }
+    self->holder = PyTuple_Pack(2, names, kinds);
+    if (self->holder == NULL)
+        return -1;
+    Py_INCREF(converters);
+    self->converters = converters;
+    Py_INCREF(dumps);
+    self->dumps = dumps;
+    return 0;
+}
+
+/* The value of column i: its JSON text appended to b. */
+static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, PyObject *item) {
+    if (item == Py_None)
+        return buf_put(b, "null", 4);
+    if (!PyUnicode_CheckExact(item)) {
+        PyErr_Format(PyExc_TypeError, "column %zd: text or None expected, got %.100s", i,
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(item, &n);
+    if (s == NULL)
+        return -1;
+    switch (self->kinds[i]) {
+    case K_TEXT:
+        return put_string(b, s, n, 0, "");
+    case K_INT:
+        if (canonical_integer(s, n))
+            return buf_put(b, s, n);
+        break;
+    case K_BOOL:
+        if (n == 1 && s[0] == 't')
+            return buf_put(b, "true", 4);
+        if (n == 1 && s[0] == 'f')
+            return buf_put(b, "false", 5);
+        break;
+    case K_TIMESTAMP:
+        return put_string(b, s, n, 1, "");
+    case K_TIMESTAMPTZ:
+        if (n >= 3 && memcmp(s + n - 3, "+00", 3) == 0)
+            return put_string(b, s, n - 3, 1, "Z");
+        break;
+    }
+    PyObject *converted = PyObject_CallOneArg(PyTuple_GET_ITEM(self->converters, i), item);
+    if (converted == NULL)
+        return -1;
+    PyObject *json = PyObject_CallOneArg(self->dumps, converted);
+    Py_DECREF(converted);
+    if (json == NULL)
+        return -1;
+    int rc = PyBytes_Check(json) ? buf_put(b, PyBytes_AS_STRING(json), PyBytes_GET_SIZE(json))
+                                 : (PyErr_SetString(PyExc_TypeError, "dumps must return bytes"), -1);
+    Py_DECREF(json);
+    return rc;
+}
+
+/* build(values) -> (row JSON, key JSON or None when the table has no key). */
+static PyObject *plan_build(RowPlan *self, PyObject *values) {
+    PyObject *seq = PySequence_Fast(values, "values must be a list or tuple");
+    if (seq == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) < self->ncols) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%zd values for %zd columns",
+                     PySequence_Fast_GET_SIZE(seq), self->ncols);
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Buf b = {.len = 0, .cap = sizeof(b.small)};
+    b.data = b.small;
+    /* Where each column's value starts and ends in b, for the key. */
+    Py_ssize_t spans_small[64][2];
+    Py_ssize_t(*spans)[2] = spans_small;
+    PyObject *result = NULL;
+    if (self->ncols > 64) {
+        spans = PyMem_Malloc(self->ncols * sizeof(*spans));
+        if (spans == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    if (buf_byte(&b, '{') < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < self->ncols; i++) {
+        if ((i > 0 && buf_byte(&b, ',') < 0) || buf_put(&b, self->names[i], self->name_lens[i]) < 0)
+            goto done;
+        spans[i][0] = b.len;
+        if (put_value(self, &b, i, items[i]) < 0)
+            goto done;
+        spans[i][1] = b.len;
+    }
+    if (buf_byte(&b, '}') < 0)
+        goto done;
+    Py_ssize_t row_len = b.len;
+    PyObject *key = Py_None;
+    if (self->nkeys > 0) {
+        /* The key object goes after the row in the same buffer. */
+        if (buf_byte(&b, '{') < 0)
+            goto done;
+        for (Py_ssize_t k = 0; k < self->nkeys; k++) {
+            Py_ssize_t i = self->key_idx[k];
+            if ((k > 0 && buf_byte(&b, ',') < 0) ||
+                buf_put(&b, self->names[i], self->name_lens[i]) < 0 ||
+                buf_grow(&b, spans[i][1] - spans[i][0]) < 0)
+                goto done;
+            memcpy(b.data + b.len, b.data + spans[i][0], spans[i][1] - spans[i][0]);
+            b.len += spans[i][1] - spans[i][0];
+        }
+        if (buf_byte(&b, '}') < 0)
+            goto done;
+        key = PyBytes_FromStringAndSize(b.data + row_len, b.len - row_len);
+        if (key == NULL)
+            goto done;
+    } else {
+        Py_INCREF(key);
+    }
+    PyObject *row = PyBytes_FromStringAndSize(b.data, row_len);
+    if (row == NULL) {
+        Py_DECREF(key);
+        goto done;
+    }
+    result = PyTuple_Pack(2, row, key);
+    Py_DECREF(row);
+    Py_DECREF(key);
+done:
+    if (spans != spans_small)
+        PyMem_Free(spans);
+    buf_free(&b);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyMethodDef plan_methods[] = {
+    {"build", (PyCFunction)plan_build, METH_O,
+     "build(values) -> (row JSON, key JSON or None): a row's text values as JSON objects"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RowPlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.bridge._rowjson.RowPlan",
+    .tp_basicsize = sizeof(RowPlan),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "How one relation version's rows become JSON (see events.RowPlan)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)plan_init,
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_methods = plan_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "services.bridge._rowjson",
+    .m_doc = "Rows' text values to JSON, compiled: the default record format's hot path",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__rowjson(void) {
+    if (PyType_Ready(&RowPlanType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RowPlanType);
+    if (PyModule_AddObject(m, "RowPlan", (PyObject *)&RowPlanType) < 0) {
+        Py_DECREF(&RowPlanType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,14 @@
+from collections.abc import Callable, Sequence
+from typing import Any
+
+class RowPlan:
+    def __init__(
+        self,
+        names: tuple[bytes, ...],
+        kinds: bytes,
+        key_idx: tuple[int, ...],
+        converters: tuple[Callable[[str], Any], ...],
+        dumps: Callable[[Any], bytes],
+        /,
+    ) -> None: ...
+    def build(self, values: Sequence[str | None], /) -> tuple[bytes, bytes | None]: ...

@@ -1,0 +1,3 @@
+from services.bridge.messages import TupleData
+
+def read(buf: bytes, pos: int, unchanged: object, /) -> tuple[TupleData, int] | None: ...

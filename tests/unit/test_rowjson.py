@@ -1,0 +1,193 @@
+"""The compiled row builder writes the very bytes the Python path writes, for every type.
+
+``events.row_plan`` turns a row's text values into its JSON object and key in C; the Python
+path (``whole_row`` then orjson) is the reference it is held to here, value by value,
+including the texts a kind does not recognise and hands back to the column's converter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import time
+from collections.abc import Sequence
+
+import orjson
+import pytest
+
+from services.bridge import events
+from services.bridge import messages as m
+from services.bridge.events import (
+    ColumnFacts,
+    EventBuilder,
+    Record,
+    RelationCatalog,
+    RelationInfo,
+    TableFacts,
+    whole_row,
+)
+from services.bridge.values import TYPE_NAMES
+
+CONTROL = "".join(chr(i) for i in range(0x20))
+# Texts per type OID as the server prints them, plus the odd ones a converter must judge.
+SAMPLES: dict[int, list[str]] = {
+    16: ["t", "f"],
+    17: ["\\x", "\\x00ff10", "ab\\\\c\\001"],
+    18: ["a", '"'],
+    19: ["pg_class", ""],
+    20: ["0", "-1", "9223372036854775807", "-9223372036854775808", "007", "+5", "-0", "-"],
+    21: ["32767", "-32768", "10"],
+    23: ["2147483647", "-2147483648", "1 "],
+    25: ["", "plain", 'quote " back \\ slash /', CONTROL, "\x7f é 😀 \u2028 中文"],
+    26: ["4294967295"],
+    700: ["1.5", "NaN", "Infinity", "-Infinity", "3.4028235e+38", "1e-45"],
+    701: ["0.1", "1e+20", "-1.7976931348623157e+308", "NaN"],
+    790: ["$12.34", "-$1,234.56", "$0.00"],
+    1042: ["a   ", " padded "],
+    1043: ["x", "line\nbreak"],
+    1082: ["2024-02-29", "infinity", "0044-03-15 BC"],
+    1083: ["23:59:59.999999", "00:00:00"],
+    1114: ["2024-01-02 03:04:05.123456", "infinity", "-infinity", "0044-03-15 10:00:00 BC"],
+    1184: [
+        "2024-01-02 03:04:05.123456+00",
+        "2024-01-02 03:04:05+00",
+        "infinity",
+        "-infinity",
+        "0044-03-15 10:00:00+00 BC",
+        "2024-01-02 05:04:05+02",
+        "2024-01-02 03:04:05+05:30",
+    ],
+    1186: ["P1Y2M3DT4H5M6S", "PT0S"],
+    1266: ["10:00:00+02", "10:00:00-03:30"],
+    1700: ["1.50", "NaN", "Infinity", "-0.000000000000000000001", "123456789012345678901234567890"],
+    2950: ["a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"],
+    1007: ["{}", "{1,2,NULL}", "{{1,2},{3,4}}", "[0:1]={7,8}"],
+    1009: ['{"a b","NULL",NULL,"q\\"uote"}', "{x,y}"],
+    1185: ['{"2024-01-02 03:04:05+00",NULL}'],
+    16_385: ["an enum label", "citext value"],  # not in the table: stays text
+}
+
+
+def relation(oids: Sequence[int], key: Sequence[int] = (0,), identity: str = "d") -> m.Relation:
+    columns = tuple(
+        m.Column(f"c{i}_{TYPE_NAMES.get(oid, 'other')}", oid, -1, i in key)
+        for i, oid in enumerate(oids)
+    )
+    return m.Relation(None, 16_401, "public", "every type", identity, columns)
+
+
+def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
+    return RelationCatalog("app", lambda oid: facts).apply(rel)
+
+
+def python_path(info: RelationInfo, values: Sequence[str | None]) -> tuple[bytes, bytes | None]:
+    row = whole_row(info, values)
+    key = orjson.dumps({n: row[n] for n in info.key_names}) if info.key_names else None
+    return orjson.dumps(row), key
+
+
+def test_the_compiled_builder_is_built() -> None:
+    # CI installs with a C compiler: without the extension the benches would measure the
+    # slow path while everything else passed.
+    assert importlib.util.find_spec("services.bridge._rowjson") is not None
+    assert events.row_plan(info_of(relation((20,)))) is not None
+
+
+@pytest.mark.parametrize("oid", sorted(SAMPLES))
+def test_each_type_matches_the_python_path(oid: int) -> None:
+    # The column under test next to an integer key and a text column, each sample with
+    # NULLs around it.
+    info = info_of(relation((20, oid, 25)))
+    plan = info.plan
+    assert plan is not None
+    for text in [*SAMPLES[oid], None]:
+        for values in (["1", text, "x"], ["-2", text, None]):
+            try:
+                expected = python_path(info, values)
+            except ValueError as exc:
+                with pytest.raises(ValueError, match=str(exc).replace("\\", "\\\\")[:20]):
+                    plan.build(values)
+                continue
+            assert plan.build(values) == expected, (oid, text)
+
+
+def test_keys_in_key_order_and_keyless_tables() -> None:
+    rel = relation((25, 20, 1184, 16), key=(2, 0))
+    info = info_of(rel)
+    assert info.plan is not None
+    values = ['name \\ "q"', "42", "2024-01-02 03:04:05+00", "t"]
+    assert info.plan.build(values) == python_path(info, values)
+    assert (
+        info.plan.build(values)[1]
+        == b'{"c0_text":"name \\\\ \\"q\\"","c2_timestamp with time zone":"2024-01-02T03:04:05Z"}'
+    )
+    keyless = info_of(relation((20, 25), key=()))
+    assert keyless.plan is not None and keyless.plan.build(["1", "a"]) == (
+        b'{"c0_bigint":1,"c1_text":"a"}',
+        None,
+    )
+
+
+def test_replica_identity_full_keys_on_the_primary_key() -> None:
+    rel = relation((20, 25, 23), key=(0, 1, 2), identity="f")
+    names = [c.name for c in rel.columns]
+    facts = TableFacts({n: ColumnFacts("x", True) for n in names}, (names[2],))
+    info = info_of(rel, facts)
+    assert info.plan is not None
+    assert info.plan.build(["1", "a", "3"]) == python_path(info, ["1", "a", "3"])
+    assert info.plan.build(["1", "a", "3"])[1] == b'{"c2_integer":3}'
+
+
+def test_wide_rows_and_long_values() -> None:
+    oids = [oid for oid in itertools.islice(itertools.cycle((20, 25, 1184, 16, 1700)), 150)]
+    info = info_of(relation(oids))
+    assert info.plan is not None
+    texts = {20: "7", 25: "é" * 100_000 + CONTROL, 1184: "2024-01-02 03:04:05+00", 16: "f"}
+    values = [texts.get(oid, "1.25") for oid in oids]
+    assert info.plan.build(values) == python_path(info, values)
+
+
+def test_what_the_builder_refuses() -> None:
+    info = info_of(relation((20, 16)))
+    assert info.plan is not None
+    with pytest.raises(ValueError, match="not a boolean"):
+        info.plan.build(["1", "yes"])
+    with pytest.raises(TypeError, match="column 1: text or None expected"):
+        info.plan.build(["1", m.UNCHANGED_TOAST])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="1 values for 2 columns"):
+        info.plan.build(["1"])
+
+
+def test_no_plan_for_json_columns_or_other_formats() -> None:
+    # JSON nulls in json/jsonb columns are named in the record from the row dicts.
+    assert info_of(relation((20, 3802))).plan is None
+    catalog = RelationCatalog("app", lambda oid: None, encoder=lambda info, rel, facts: None)
+    assert catalog.apply(relation((20, 25))).plan is None
+
+
+def test_records_equal_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    rel = relation((20, 25, 1184, 1700))
+    rows: list[list[str | None]] = [
+        [str(i), f"row {i}\n", "2024-01-02 03:04:05+00", None] for i in range(5)
+    ]
+
+    def records(compiled: bool) -> list[Record]:
+        builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
+        info = builder.catalog.apply(rel)
+        if not compiled:
+            info.plan = None
+        changes = iter(
+            [
+                (0x100 + i, m.Insert(None, rel.oid, list[m.TupleValue](row)))
+                for i, row in enumerate(rows)
+            ]
+        )
+        streamed = list(builder.transaction(700, 0x200, 785_000_000_123_456, changes))
+        snapshot = list(builder.snapshot_rows(info, rows, 0x300, 785_000_000_123_456, 0x2F0))
+        return streamed + snapshot
+
+    compiled = records(True)
+    assert compiled == records(False)
+    # BEGIN, 5 inserts, END; the schema record (first published with the chunk), 5 rows.
+    assert len(compiled) == 7 + 1 + 5
