@@ -16,6 +16,11 @@ timestamptz; the load time is printed, never part of a rate):
    connections, Kafka init included), and the peak RSS.
    The change topic is then read back with read_committed and must hold exactly
    ``--rows`` records.
+3. CPU budget: CPU seconds per row over the bridge's run (spawn to exit) of the bridge, of
+   PostgreSQL (the postmaster and every backend that ended meanwhile: the chunk readers,
+   the walsender) and of the broker; the rate at which the three fill every core of this
+   machine, and the cores PostgreSQL and the broker alone would take at half the read
+   ceiling (the goal of issue #13).
 
 Figures, not assertions: the machine is shared, so run it a few times and take medians.
 """
@@ -41,6 +46,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg.types.string import TextLoader
 
+from bench.bridge_bench import broker_pid, cpu_seconds
 from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +71,34 @@ def load(dsn: str, table: str, rows: int) -> float:
         )
         conn.execute(f"VACUUM ANALYZE {table}")
     return time.monotonic() - started
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and of its children that ended and were waited for."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime, stime, cutime, cstime: fields 14-17 of proc(5), the 12th-15th after the name.
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherCpu:
+    """CPU seconds PostgreSQL (``postmaster``) and the broker spend over a span."""
+
+    def __init__(self, postmaster: int, broker: int | None) -> None:
+        self.postmaster, self.broker = postmaster, broker
+        self._start = self._now()
+
+    def _now(self) -> tuple[float, float]:
+        broker = cpu_seconds(self.broker) if self.broker is not None else 0.0
+        return tree_cpu_seconds(self.postmaster), broker
+
+    def spent(self) -> tuple[float, float]:
+        # The backends' exit is reaped by the postmaster shortly after they close.
+        time.sleep(0.5)
+        end = self._now()
+        return end[0] - self._start[0], end[1] - self._start[1]
 
 
 def ceiling(dsn: str, table: str) -> float:
@@ -212,6 +246,8 @@ def main() -> None:
     stack.up()
     work = args.stack_dir / "snapshot-bench"
     work.mkdir(parents=True, exist_ok=True)
+    postmaster = int((stack.node("primary").data_dir / "postmaster.pid").read_text().split()[0])
+    broker = broker_pid(args.stack_dir)
     results = []
     for _ in range(args.repeat):
         tag = uuid.uuid4().hex[:8]
@@ -221,9 +257,11 @@ def main() -> None:
         _say(f"loaded in {load_s:.1f}s; reading the ceiling")
         ceiling_rate = ceiling(stack.primary_dsn, table)
         _say("running the bridge (snapshot_mode initial_only)")
+        others = OtherCpu(postmaster, broker)
         run = bridge(
             stack.primary_dsn, stack.kafka_bootstrap, table, tag, work, args.py_spy, args.set
         )
+        postgres_cpu, broker_cpu = others.spent()
         published = count_committed(stack.kafka_bootstrap, run["topic"])
         if published != args.rows or run["rows"] != args.rows:
             raise SystemExit(
@@ -240,6 +278,9 @@ def main() -> None:
                 "rss": run["peak_rss_mb"],
                 "cpu": run["cpu_s"] / run["wall_s"],
                 "load_s": load_s,
+                "bridge_us": run["cpu_s"] / args.rows * 1e6,
+                "postgres_us": postgres_cpu / args.rows * 1e6,
+                "broker_us": broker_cpu / args.rows * 1e6,
             }
         )
         r = results[-1]
@@ -249,6 +290,16 @@ def main() -> None:
             f"whole process {r['process']:,.0f} rows/s, {r['cpu']:.0%} of a core | "
             f"peak RSS {r['rss']:.0f} MB | "
             f"verified {published:,} records",
+            flush=True,
+        )
+        cores = os.cpu_count() or 1
+        per_row = r["bridge_us"] + r["postgres_us"] + r["broker_us"]
+        goal = 0.5 * r["ceiling"]
+        print(
+            f"  CPU per row: bridge {r['bridge_us']:.2f} us, postgres {r['postgres_us']:.2f} us, "
+            f"broker {r['broker_us']:.2f} us: all {cores} cores at {cores / per_row * 1e6:,.0f} "
+            f"rows/s | at half the ceiling ({goal:,.0f} rows/s) postgres and the broker take "
+            f"{goal * (r['postgres_us'] + r['broker_us']) / 1e6:.2f} cores",
             flush=True,
         )
     if args.repeat > 1:
