@@ -34,6 +34,7 @@ from types import FrameType
 
 import psycopg
 
+from services.bridge import decoder, events
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler
 from services.bridge.confirm import ConfirmTracker
@@ -365,6 +366,7 @@ class Bridge:
             system=identity.system_identifier,
             timeline=identity.timeline,
             high_water=format_lsn(mark),
+            compiled_hot_path=decoder.COMPILED and events.COMPILED,
             snapshots=[
                 f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
             ],

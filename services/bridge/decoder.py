@@ -29,6 +29,7 @@ try:
     from services.bridge._tuples import read as _read_compiled
 except ImportError:  # installed where no C compiler was at hand
     _read_compiled = None  # type: ignore[assignment]
+COMPILED = _read_compiled is not None
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")

@@ -43,6 +43,7 @@ try:
     from services.bridge._rowjson import RowPlan
 except ImportError:  # installed where no C compiler was at hand: rows are built in Python
     RowPlan = None  # type: ignore[assignment,misc]
+COMPILED = RowPlan is not None
 
 
 class RowTooLarge(SlotbridgeError):
