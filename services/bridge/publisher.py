@@ -449,7 +449,8 @@ class Publisher(threading.Thread):
         decode = self._decode
         streamed = txn.streamed
         aborted = txn.aborted_subxids
-        watch = self._watch
+        # Which tables are watched changes only between transactions (see _publish).
+        watching = bool(self._watch)
         relation = m.Relation
         for lsn, payload in txn.spool:
             # A relation described inside an aborted subtransaction still describes it for
@@ -464,7 +465,7 @@ class Publisher(threading.Thread):
                 if payload[0] == OVERSIZED:
                     self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
                 raise
-            if watch and msg.__class__ is not relation:
+            if watching and msg.__class__ is not relation:
                 self._note(msg, txn.xid)
             yield lsn, msg
 
