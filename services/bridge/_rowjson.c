@@ -251,8 +251,35 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, PyObject *item) {
     return rc;
 }
 
-/* build(values) -> (row JSON, key JSON or None when the table has no key). */
-static PyObject *plan_build(RowPlan *self, PyObject *values) {
+/* A non-negative integer in decimal (an LSN, a position in the transaction). */
+static int put_uint(Buf *b, PyObject *number) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(number);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    char digits[24];
+    int n = 0;
+    do {
+        digits[sizeof(digits) - 1 - n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    return buf_put(b, digits + sizeof(digits) - n, n);
+}
+
+/* The row's JSON between pieces[0] and pieces[1], then numbers[i] followed by pieces[i + 2]
+   (no pieces: the row alone); and the key object, or None when the table has no key. */
+static PyObject *emit(RowPlan *self, PyObject *values, PyObject *pieces, PyObject *numbers) {
+    Py_ssize_t nnumbers = numbers == NULL ? 0 : PyTuple_GET_SIZE(numbers);
+    if (pieces != NULL) {
+        if (PyTuple_GET_SIZE(pieces) != nnumbers + 2) {
+            PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers");
+            return NULL;
+        }
+        for (Py_ssize_t j = 0; j < nnumbers + 2; j++)
+            if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
+                PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
+                return NULL;
+            }
+    }
     PyObject *seq = PySequence_Fast(values, "values must be a list or tuple");
     if (seq == NULL)
         return NULL;
@@ -276,7 +303,11 @@ static PyObject *plan_build(RowPlan *self, PyObject *values) {
             goto done;
         }
     }
-    if (buf_byte(&b, '{') < 0)
+#define PIECE(j)                                                                                   \
+    (pieces == NULL ? 0                                                                            \
+                    : buf_put(&b, PyBytes_AS_STRING(PyTuple_GET_ITEM(pieces, j)),                  \
+                              PyBytes_GET_SIZE(PyTuple_GET_ITEM(pieces, j))))
+    if (PIECE(0) < 0 || buf_byte(&b, '{') < 0)
         goto done;
     for (Py_ssize_t i = 0; i < self->ncols; i++) {
         if ((i > 0 && buf_byte(&b, ',') < 0) || buf_put(&b, self->names[i], self->name_lens[i]) < 0)
@@ -286,12 +317,16 @@ static PyObject *plan_build(RowPlan *self, PyObject *values) {
             goto done;
         spans[i][1] = b.len;
     }
-    if (buf_byte(&b, '}') < 0)
+    if (buf_byte(&b, '}') < 0 || PIECE(1) < 0)
         goto done;
-    Py_ssize_t row_len = b.len;
+    for (Py_ssize_t j = 0; j < nnumbers; j++)
+        if (put_uint(&b, PyTuple_GET_ITEM(numbers, j)) < 0 || PIECE(j + 2) < 0)
+            goto done;
+#undef PIECE
+    Py_ssize_t value_len = b.len;
     PyObject *key = Py_None;
     if (self->nkeys > 0) {
-        /* The key object goes after the row in the same buffer. */
+        /* The key object goes after the value in the same buffer. */
         if (buf_byte(&b, '{') < 0)
             goto done;
         for (Py_ssize_t k = 0; k < self->nkeys; k++) {
@@ -305,19 +340,19 @@ static PyObject *plan_build(RowPlan *self, PyObject *values) {
         }
         if (buf_byte(&b, '}') < 0)
             goto done;
-        key = PyBytes_FromStringAndSize(b.data + row_len, b.len - row_len);
+        key = PyBytes_FromStringAndSize(b.data + value_len, b.len - value_len);
         if (key == NULL)
             goto done;
     } else {
         Py_INCREF(key);
     }
-    PyObject *row = PyBytes_FromStringAndSize(b.data, row_len);
-    if (row == NULL) {
+    PyObject *value = PyBytes_FromStringAndSize(b.data, value_len);
+    if (value == NULL) {
         Py_DECREF(key);
         goto done;
     }
-    result = PyTuple_Pack(2, row, key);
-    Py_DECREF(row);
+    result = PyTuple_Pack(2, value, key);
+    Py_DECREF(value);
     Py_DECREF(key);
 done:
     if (spans != spans_small)
@@ -327,9 +362,24 @@ done:
     return result;
 }
 
+/* build(values) -> (row JSON, key JSON or None when the table has no key). */
+static PyObject *plan_build(RowPlan *self, PyObject *values) { return emit(self, values, NULL, NULL); }
+
+/* record(values, pieces, numbers) -> (record value, key JSON or None): the row framed. */
+static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "record(values, pieces: tuple, numbers: tuple)");
+        return NULL;
+    }
+    return emit(self, args[0], args[1], args[2]);
+}
+
 static PyMethodDef plan_methods[] = {
     {"build", (PyCFunction)plan_build, METH_O,
      "build(values) -> (row JSON, key JSON or None): a row's text values as JSON objects"},
+    {"record", (PyCFunction)(void (*)(void))plan_record, METH_FASTCALL,
+     "record(values, pieces, numbers) -> (value, key JSON or None): pieces[0], the row, "
+     "pieces[1], then each number followed by the next piece"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -300,6 +300,8 @@ class Txn:
     now_ms: int
     txid: bytes  # "xid:commit_lsn", encoded once for all its records
     templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    # Relation oid -> the pieces of its insert records for the compiled builder.
+    insert_pieces: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
 
 
 class EventBuilder:
@@ -355,8 +357,14 @@ class EventBuilder:
                 order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
                 plan = info.plan
                 if plan is not None:
-                    row_json, key_json = plan.build(msg.new)  # type: ignore[arg-type]
-                    out = self._join(txn, info, lsn, insert_op, b"null", row_json, total, order)
+                    pieces = txn.insert_pieces.get(info.oid) or self._insert_pieces(
+                        txn, info, insert_op
+                    )
+                    out, key_json = plan.record(
+                        msg.new,  # type: ignore[arg-type]
+                        pieces,
+                        (lsn, lsn, total, order),
+                    )
                     if len(out) > self.max_record_bytes:
                         raise self._too_large(info, lsn, len(out))
                     yield info.topic, key_json, out, headers
@@ -374,6 +382,7 @@ class EventBuilder:
             if isinstance(msg, m.Relation):
                 info = catalog.apply(msg)
                 txn.templates.pop(info.oid, None)
+                txn.insert_pieces.pop(info.oid, None)
                 if not info.published:
                     yield self._schema_record(info)
                 continue
@@ -553,11 +562,11 @@ class EventBuilder:
             f"0:{commit_lsn}".encode(),
         )
         topic, key_names, limit, plan = info.topic, info.key_names, self.max_record_bytes, info.plan
+        pieces = (_SNAPSHOT_BEFORE, rest, _ORDER, _END)
         for n, values in enumerate(rows, 1):
             key: bytes | None
             if plan is not None:
-                after, key = plan.build(values)
-                value = _SNAPSHOT_VALUE % (after, rest, n, n)
+                value, key = plan.record(values, pieces, (n, n))
             else:
                 row = whole_row(info, values)
                 value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)
@@ -620,6 +629,30 @@ class EventBuilder:
             raise self._too_large(info, lsn, len(out))
         return out
 
+    def _insert_pieces(self, txn: Txn, info: RelationInfo, op: str) -> tuple[bytes, ...]:
+        """What ``RowPlan.record`` puts around an insert's row, lsn and orders (``_VALUE``
+        cut at them), made once per relation per transaction."""
+        head, tail = self._pieces(txn, info)
+        pieces = txn.insert_pieces[info.oid] = (
+            _BEFORE % b"null",
+            _SOURCE % head,
+            _SEQUENCE % (tail, txn.commit_lsn),
+            _TRANSACTION % (op.encode(), txn.now_ms, txn.txid),
+            _ORDER,
+            _END,
+        )
+        return pieces
+
+    def _pieces(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
+        """The ``source`` block of a relation's records in ``txn``, before and after lsn."""
+        pieces = txn.templates.get(info.oid)
+        if pieces is None:
+            xid = txn.xid if txn.snapshot == "false" else None
+            pieces = txn.templates[info.oid] = self._source(
+                info, xid, txn.commit_lsn, txn.ts_ms, txn.snapshot.encode()
+            )
+        return pieces
+
     def _join(
         self,
         txn: Txn,
@@ -632,13 +665,7 @@ class EventBuilder:
         order: int,
     ) -> bytes:
         """A change record's value around its serialised rows."""
-        pieces = txn.templates.get(info.oid)
-        if pieces is None:
-            xid = txn.xid if txn.snapshot == "false" else None
-            pieces = txn.templates[info.oid] = self._source(
-                info, xid, txn.commit_lsn, txn.ts_ms, txn.snapshot.encode()
-            )
-        head, tail = pieces
+        head, tail = self._pieces(txn, info)
         return _VALUE % (
             before,
             after,
@@ -662,14 +689,20 @@ class EventBuilder:
         )
 
 
-# A change record's value, cut where a snapshot chunk's records differ from one another.
-_VALUE_REST = (
-    b',"source":%b,"lsn":%d%b,"sequence":"[\\"%d\\",\\"%d\\"]"},'
-    b'"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":'
-)
-_VALUE_END = b'%d,"data_collection_order":%d}}'
-_VALUE = b'{"before":%b,"after":%b' + _VALUE_REST + _VALUE_END
-_SNAPSHOT_VALUE = b'{"before":null,"after":%b%b' + _VALUE_END
+# A change record's value is these pieces around, in turn, its after row, its lsn (twice),
+# total_order and data_collection_order; the pieces' own fields are the transaction's.
+_BEFORE = b'{"before":%b,"after":'  # the before row
+_SOURCE = b',"source":%b,"lsn":'  # the source block up to its lsn
+_SEQUENCE = b'%b,"sequence":"[\\"%d\\",\\"'  # the rest of source, the commit LSN
+_TRANSACTION = b'\\"]"},"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":'
+_ORDER = b',"data_collection_order":'
+_END = b"}}"
+_VALUE = _BEFORE + b"%b" + _SOURCE + b"%d" + _SEQUENCE + b"%d" + _TRANSACTION
+_VALUE += b"%d" + _ORDER + b"%d" + _END
+# Where a snapshot chunk's records differ from one another: the row and the orders.
+_VALUE_REST = _SOURCE + b"%d" + _SEQUENCE + b"%d" + _TRANSACTION
+_SNAPSHOT_BEFORE = _BEFORE % b"null"
+_SNAPSHOT_VALUE = _SNAPSHOT_BEFORE + b"%b%b%d" + _ORDER + b"%d" + _END
 
 
 _JSON_OIDS = frozenset((114, 3802))
