@@ -27,15 +27,19 @@ def _user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
-# librdkafka settings the bridge sets itself, and what to use instead.
-_OWNED_KAFKA_KEYS = {
-    "bootstrap.servers": "use kafka_bootstrap",
-    "transactional.id": "use kafka_transactional_id",
-    "transaction.timeout.ms": "use kafka_transaction_timeout_ms",
-    "enable.idempotence": "the bridge always enables it (exactly once)",
-    "acks": "the bridge always uses all (exactly once)",
-    "partitioner": "the bridge uses murmur2_random, as Java clients do",
-    "message.max.bytes": "use max_row_bytes",
+# librdkafka settings the bridge sets itself: the values that agree with it (none: any value
+# is refused), and what to use instead.
+_OWNED_KAFKA_KEYS: dict[str, tuple[frozenset[str], str]] = {
+    "bootstrap.servers": (frozenset(), "use kafka_bootstrap"),
+    "transactional.id": (frozenset(), "use kafka_transactional_id"),
+    "transaction.timeout.ms": (frozenset(), "use kafka_transaction_timeout_ms"),
+    "enable.idempotence": (frozenset({"true"}), "the bridge always enables it (exactly once)"),
+    "acks": (frozenset({"all", "-1"}), "the bridge always uses all (exactly once)"),
+    "partitioner": (
+        frozenset({"murmur2_random"}),
+        "the bridge uses murmur2_random, as Java clients do",
+    ),
+    "message.max.bytes": (frozenset(), "use max_row_bytes"),
 }
 
 
@@ -186,11 +190,15 @@ class BridgeSettings(ServiceSettings):
     def _not_exactly_once(cls, value: dict[str, str]) -> dict[str, str]:
         # The producer's exactly-once settings are the bridge's: changed, a replay could
         # duplicate or lose records without any error.
-        owned = sorted(k for k in value if k in _OWNED_KAFKA_KEYS)
+        owned = sorted(
+            k
+            for k, v in value.items()
+            if k in _OWNED_KAFKA_KEYS and v.lower() not in _OWNED_KAFKA_KEYS[k][0]
+        )
         if owned:
             raise ValueError(
                 f"{', '.join(owned)} cannot be set here: "
-                + "; ".join(_OWNED_KAFKA_KEYS[k] for k in owned)
+                + "; ".join(_OWNED_KAFKA_KEYS[k][1] for k in owned)
             )
         return value
 

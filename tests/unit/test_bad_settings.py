@@ -64,6 +64,9 @@ def test_kafka_config_cannot_undo_exactly_once() -> None:
     assert "acks, transactional.id cannot be set here" in message
     assert "use kafka_transactional_id" in message
     assert "compression.type" not in message
+    # What agrees with the bridge's own settings is accepted (configs copied from elsewhere).
+    agreeing = {"acks": "all", "enable.idempotence": "true", "partitioner": "murmur2_random"}
+    BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092", kafka_config=agreeing)
 
 
 def test_kafka_config_overrides_the_producer_tuning() -> None:
