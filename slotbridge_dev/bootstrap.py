@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 import venv
 from collections.abc import Mapping
@@ -162,6 +163,19 @@ def _fresh(stamp: Path, key: str) -> bool:
     return stamp.exists() and stamp.read_text() == key
 
 
+def _check_c_toolchain() -> None:
+    """The hot path's C extensions are optional to pip, which would skip them quietly on a
+    machine without a compiler; here they are required (tests/unit/test_rowjson.py)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        sys.exit("bootstrap: no C compiler (cc/gcc); install one, e.g. apt-get install gcc")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        sys.exit(
+            f"bootstrap: {headers} is missing; install this Python's headers "
+            "(apt-get install python3-dev for Debian's python3)"
+        )
+
+
 def ensure_venv() -> None:
     # The C extensions are built by the editable install: a changed source reinstalls too.
     sources = [ROOT / "pyproject.toml", ROOT / "setup.py", *sorted(ROOT.glob("services/*/*.c"))]
@@ -170,6 +184,7 @@ def ensure_venv() -> None:
     if _fresh(stamp, key):
         _say("virtualenv up to date")
         return
+    _check_c_toolchain()
     if not (VENV / "bin" / "python").exists():
         _say(f"creating virtualenv {VENV}")
         venv.EnvBuilder(with_pip=True).create(VENV)

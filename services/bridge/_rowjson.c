@@ -265,21 +265,19 @@ static int put_uint(Buf *b, PyObject *number) {
     return buf_put(b, digits + sizeof(digits) - n, n);
 }
 
-/* The row's JSON between pieces[0] and pieces[1], then numbers[i] followed by pieces[i + 2]
-   (no pieces: the row alone); and the key object, or None when the table has no key. */
+/* The row's JSON between pieces[0] and pieces[1], then numbers[i] followed by pieces[i + 2];
+   and the key object, or None when the table has no key. */
 static PyObject *emit(RowPlan *self, PyObject *values, PyObject *pieces, PyObject *numbers) {
-    Py_ssize_t nnumbers = numbers == NULL ? 0 : PyTuple_GET_SIZE(numbers);
-    if (pieces != NULL) {
-        if (PyTuple_GET_SIZE(pieces) != nnumbers + 2) {
-            PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers");
+    Py_ssize_t nnumbers = PyTuple_GET_SIZE(numbers);
+    if (PyTuple_GET_SIZE(pieces) != nnumbers + 2) {
+        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < nnumbers + 2; j++)
+        if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
+            PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
             return NULL;
         }
-        for (Py_ssize_t j = 0; j < nnumbers + 2; j++)
-            if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
-                PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
-                return NULL;
-            }
-    }
     PyObject *seq = PySequence_Fast(values, "values must be a list or tuple");
     if (seq == NULL)
         return NULL;
@@ -304,9 +302,8 @@ static PyObject *emit(RowPlan *self, PyObject *values, PyObject *pieces, PyObjec
         }
     }
 #define PIECE(j)                                                                                   \
-    (pieces == NULL ? 0                                                                            \
-                    : buf_put(&b, PyBytes_AS_STRING(PyTuple_GET_ITEM(pieces, j)),                  \
-                              PyBytes_GET_SIZE(PyTuple_GET_ITEM(pieces, j))))
+    buf_put(&b, PyBytes_AS_STRING(PyTuple_GET_ITEM(pieces, j)),                                    \
+            PyBytes_GET_SIZE(PyTuple_GET_ITEM(pieces, j)))
     if (PIECE(0) < 0 || buf_byte(&b, '{') < 0)
         goto done;
     for (Py_ssize_t i = 0; i < self->ncols; i++) {
@@ -362,9 +359,6 @@ done:
     return result;
 }
 
-/* build(values) -> (row JSON, key JSON or None when the table has no key). */
-static PyObject *plan_build(RowPlan *self, PyObject *values) { return emit(self, values, NULL, NULL); }
-
 /* record(values, pieces, numbers) -> (record value, key JSON or None): the row framed. */
 static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
@@ -375,8 +369,6 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyMethodDef plan_methods[] = {
-    {"build", (PyCFunction)plan_build, METH_O,
-     "build(values) -> (row JSON, key JSON or None): a row's text values as JSON objects"},
     {"record", (PyCFunction)(void (*)(void))plan_record, METH_FASTCALL,
      "record(values, pieces, numbers) -> (value, key JSON or None): pieces[0], the row, "
      "pieces[1], then each number followed by the next piece"},
