@@ -13,6 +13,7 @@ setup(
         Extension(
             f"services.bridge.{name}",
             [f"services/bridge/{name}.c"],
+            depends=["services/bridge/_tupledata.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         )

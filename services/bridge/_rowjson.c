@@ -1,14 +1,14 @@
 /* A row's text values -> its JSON object and key object, in one pass without dicts.
 
 The hot path of the default record format (see events.RowPlan): the values come as the
-decoder and the snapshot reader give them (a list or tuple of str or None), and the output
+snapshot reader gives them (a list or tuple of str or None), or as the stream's pgoutput
+TupleData, read in place (record_tuple: no str per column), and the output
 must be byte for byte what orjson.dumps({name: converter(text)}) writes, which
 tests/unit/test_rowjson.py holds it to. Each column has a kind saying how its text becomes
 JSON; the common kinds are handled here, any text a kind does not recognise goes to the
 column's Python converter (which also raises the converter's errors), as do the rare types.
 */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_tupledata.h"
 #include <string.h>
 
 /* Column kinds, as events.RowPlan spells them in its kinds bytes. */
@@ -205,19 +205,20 @@ static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* The value of column i: its JSON text appended to b. */
-static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, PyObject *item) {
-    if (item == Py_None)
-        return buf_put(b, "null", 4);
-    if (!PyUnicode_CheckExact(item)) {
-        PyErr_Format(PyExc_TypeError, "column %zd: text or None expected, got %.100s", i,
-                     Py_TYPE(item)->tp_name);
-        return -1;
-    }
+/* One column's value as emit() sees it: its text (s == NULL for NULL) and, when the caller
+   has one, the str it came from (for the column's Python converter). */
+typedef struct {
+    const char *s;
     Py_ssize_t n;
-    const char *s = PyUnicode_AsUTF8AndSize(item, &n);
+    PyObject *text;
+} Col;
+
+/* The value of column i: its JSON text appended to b. */
+static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
+    const char *s = col->s;
+    Py_ssize_t n = col->n;
     if (s == NULL)
-        return -1;
+        return buf_put(b, "null", 4);
     switch (self->kinds[i]) {
     case K_TEXT:
         return put_string(b, s, n, 0, "");
@@ -238,7 +239,16 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, PyObject *item) {
             return put_string(b, s, n - 3, 1, "Z");
         break;
     }
-    PyObject *converted = PyObject_CallOneArg(PyTuple_GET_ITEM(self->converters, i), item);
+    PyObject *text = col->text;
+    if (text == NULL) {
+        text = PyUnicode_DecodeUTF8(s, n, NULL);
+        if (text == NULL)
+            return -1;
+    } else {
+        Py_INCREF(text);
+    }
+    PyObject *converted = PyObject_CallOneArg(PyTuple_GET_ITEM(self->converters, i), text);
+    Py_DECREF(text);
     if (converted == NULL)
         return -1;
     PyObject *json = PyObject_CallOneArg(self->dumps, converted);
@@ -266,28 +276,9 @@ static int put_uint(Buf *b, PyObject *number) {
 }
 
 /* The row's JSON between pieces[0] and pieces[1], then numbers[i] followed by pieces[i + 2];
-   and the key object, or None when the table has no key. */
-static PyObject *emit(RowPlan *self, PyObject *values, PyObject *pieces, PyObject *numbers) {
+   and the key object, or None when the table has no key. cols holds ncols columns. */
+static PyObject *emit(RowPlan *self, const Col *cols, PyObject *pieces, PyObject *numbers) {
     Py_ssize_t nnumbers = PyTuple_GET_SIZE(numbers);
-    if (PyTuple_GET_SIZE(pieces) != nnumbers + 2) {
-        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers");
-        return NULL;
-    }
-    for (Py_ssize_t j = 0; j < nnumbers + 2; j++)
-        if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
-            PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
-            return NULL;
-        }
-    PyObject *seq = PySequence_Fast(values, "values must be a list or tuple");
-    if (seq == NULL)
-        return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) < self->ncols) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "%zd values for %zd columns",
-                     PySequence_Fast_GET_SIZE(seq), self->ncols);
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     Buf b = {.len = 0, .cap = sizeof(b.small)};
     b.data = b.small;
     /* Where each column's value starts and ends in b, for the key. */
@@ -310,7 +301,7 @@ static PyObject *emit(RowPlan *self, PyObject *values, PyObject *pieces, PyObjec
         if ((i > 0 && buf_byte(&b, ',') < 0) || buf_put(&b, self->names[i], self->name_lens[i]) < 0)
             goto done;
         spans[i][0] = b.len;
-        if (put_value(self, &b, i, items[i]) < 0)
+        if (put_value(self, &b, i, &cols[i]) < 0)
             goto done;
         spans[i][1] = b.len;
     }
@@ -355,23 +346,148 @@ done:
     if (spans != spans_small)
         PyMem_Free(spans);
     buf_free(&b);
-    Py_DECREF(seq);
     return result;
+}
+
+/* pieces and numbers as emit() needs them: tuples, bytes pieces, one more piece each side. */
+static int check_frame(PyObject *pieces, PyObject *numbers) {
+    if (!PyTuple_Check(pieces) || !PyTuple_Check(numbers)) {
+        PyErr_SetString(PyExc_TypeError, "pieces and numbers must be tuples");
+        return -1;
+    }
+    Py_ssize_t npieces = PyTuple_GET_SIZE(pieces);
+    if (npieces != PyTuple_GET_SIZE(numbers) + 2) {
+        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers");
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < npieces; j++)
+        if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
+            PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
+            return -1;
+        }
+    return 0;
+}
+
+/* Room for ncols columns: on the stack for the usual table, else on the heap. */
+static Col *cols_for(RowPlan *self, Col *small, Py_ssize_t nsmall) {
+    if (self->ncols <= nsmall)
+        return small;
+    Col *cols = PyMem_Calloc(self->ncols, sizeof(Col));
+    if (cols == NULL)
+        PyErr_NoMemory();
+    return cols;
 }
 
 /* record(values, pieces, numbers) -> (record value, key JSON or None): the row framed. */
 static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+    if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "record(values, pieces: tuple, numbers: tuple)");
         return NULL;
     }
-    return emit(self, args[0], args[1], args[2]);
+    if (check_frame(args[1], args[2]) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "values must be a list or tuple");
+    if (seq == NULL)
+        return NULL;
+    PyObject *result = NULL;
+    Col small[64];
+    Col *cols = NULL;
+    if (PySequence_Fast_GET_SIZE(seq) < self->ncols) {
+        PyErr_Format(PyExc_ValueError, "%zd values for %zd columns", PySequence_Fast_GET_SIZE(seq),
+                     self->ncols);
+        goto done;
+    }
+    cols = cols_for(self, small, 64);
+    if (cols == NULL)
+        goto done;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < self->ncols; i++) {
+        PyObject *item = items[i];
+        cols[i].text = NULL;
+        cols[i].s = NULL;
+        if (item == Py_None)
+            continue;
+        if (!PyUnicode_CheckExact(item)) {
+            PyErr_Format(PyExc_TypeError, "column %zd: text or None expected, got %.100s", i,
+                         Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        cols[i].s = PyUnicode_AsUTF8AndSize(item, &cols[i].n);
+        if (cols[i].s == NULL)
+            goto done;
+        cols[i].text = item;
+    }
+    result = emit(self, cols, args[1], args[2]);
+done:
+    if (cols != small)
+        PyMem_Free(cols);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* record_tuple(buf, pos, pieces, numbers): record() of the pgoutput TupleData at pos, which
+   must run to the end of buf, read in place (no str per column). None when it holds anything
+   but text and NULL values, another column count, or text that is not UTF-8: the caller
+   decodes the message, which says what is wrong. */
+static PyObject *plan_record_tuple(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] = "record_tuple(buf: bytes, pos: int, pieces: tuple, numbers: tuple)";
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    TupleData td;
+    if (tupledata_open(&td, args[0], args[1], usage) < 0 || check_frame(args[2], args[3]) < 0)
+        return NULL;
+    if (tupledata_count(&td) != self->ncols)
+        Py_RETURN_NONE;
+    PyObject *result = NULL;
+    Col small[64];
+    Col *cols = cols_for(self, small, 64);
+    if (cols == NULL)
+        return NULL;
+    Py_ssize_t read = 0; /* columns read, whose text (if any) this call owns */
+    for (; read < self->ncols; read++) {
+        Col *col = &cols[read];
+        col->s = NULL;
+        col->text = NULL;
+        int kind = tupledata_next(&td, &col->s, &col->n);
+        if (kind == 'n')
+            continue;
+        if (kind != 't')
+            goto fallback;
+        for (Py_ssize_t k = 0; k < col->n; k++)
+            if (col->s[k] & 0x80) {
+                /* Not ASCII: decoding proves it is UTF-8, and the str's UTF-8 is these bytes. */
+                col->text = PyUnicode_DecodeUTF8(col->s, col->n, NULL);
+                if (col->text == NULL) {
+                    PyErr_Clear();
+                    goto fallback;
+                }
+                break;
+            }
+    }
+    if (td.pos != td.len)
+        goto fallback;
+    result = emit(self, cols, args[2], args[3]);
+    goto done;
+fallback:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t i = 0; i < read; i++)
+        Py_XDECREF(cols[i].text);
+    if (cols != small)
+        PyMem_Free(cols);
+    return result;
 }
 
 static PyMethodDef plan_methods[] = {
     {"record", (PyCFunction)(void (*)(void))plan_record, METH_FASTCALL,
      "record(values, pieces, numbers) -> (value, key JSON or None): pieces[0], the row, "
      "pieces[1], then each number followed by the next piece"},
+    {"record_tuple", (PyCFunction)(void (*)(void))plan_record_tuple, METH_FASTCALL,
+     "record_tuple(buf, pos, pieces, numbers) -> (value, key JSON or None) or None: record() "
+     "of the pgoutput TupleData at pos, read in place; None for what only the decoder reads"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,6 +43,7 @@ from services.bridge.events import (
     RelationInfo,
     TableFacts,
     Txn,
+    Undecoded,
     key_row,
     transaction_value,
     whole_row,
@@ -262,6 +263,7 @@ class DebeziumEventBuilder(EventBuilder):
     """``EventBuilder`` writing Debezium's records; one per bridge run (the run id)."""
 
     key_change_op = "c"
+    reads_undecoded = False  # its rows are built in Python, from decoded messages
 
     def __init__(
         self,
@@ -285,11 +287,14 @@ class DebeziumEventBuilder(EventBuilder):
         xid: int,
         commit_lsn: int,
         commit_ts: int,
-        changes: Iterator[tuple[int, m.Message]],
+        changes: Iterator[tuple[int, m.Message | bytes]],
         snapshot: str = "false",
         end_lsn: int | None = None,
+        undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
-        yield from super().transaction(xid, commit_lsn, commit_ts, changes, snapshot, end_lsn)
+        yield from super().transaction(
+            xid, commit_lsn, commit_ts, changes, snapshot, end_lsn, undecoded
+        )
         self.last_end_lsn = end_lsn
 
     def _transaction_record(

@@ -201,6 +201,12 @@ def _unexpected(buf: bytes, pos: int, wanted: str) -> DecodeError:
 # inline rather than through helpers, since a call costs as much as a column.
 
 
+def insert_relid_at(streamed: bool) -> int:
+    """Where an Insert message's relation oid starts: after its type byte, and inside a
+    streamed transaction after the xid too. The 'N' marker and the new TupleData follow."""
+    return 5 if streamed else 1
+
+
 def _insert(buf: bytes, streamed: bool) -> m.Message:
     if streamed:
         xid, relid = _TWO_U32.unpack_from(buf, 1)

@@ -304,6 +304,16 @@ class Txn:
     insert_pieces: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Undecoded:
+    """How ``EventBuilder.transaction`` reads Insert messages it is given undecoded: where
+    their relation oid starts (``decoder.insert_relid_at``; the 'N' marker and the TupleData
+    follow it) and how to decode one the compiled plan does not read."""
+
+    relid_at: int
+    decode: Callable[[bytes], m.Message]
+
+
 class EventBuilder:
     """Turns decoded messages of one sealed transaction into Kafka records."""
 
@@ -323,20 +333,26 @@ class EventBuilder:
     # The op of the new key's record after a key change: an update here, a create (with no
     # ``before``) in Debezium's records.
     key_change_op = "u"
+    # Whether the publisher may hand ``transaction`` Insert messages undecoded (see
+    # ``Undecoded``): worth it only where the compiled row builder reads them.
+    reads_undecoded = COMPILED
 
     def transaction(
         self,
         xid: int,
         commit_lsn: int,
         commit_ts: int,
-        changes: Iterator[tuple[int, m.Message]],
+        changes: Iterator[tuple[int, m.Message | bytes]],
         snapshot: str = "false",
         end_lsn: int | None = None,
+        undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
         """Records for one transaction: BEGIN, schema versions as needed, changes, END.
 
         ``end_lsn`` (the end of its commit record) is what the Debezium format's next
-        transaction names as the previous commit in ``source.sequence``."""
+        transaction names as the previous commit in ``source.sequence``. ``changes`` may
+        hold Insert messages as their raw payload when ``undecoded`` says how to read them
+        (see ``reads_undecoded``)."""
         ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
         txid = f"{xid}:{commit_lsn}"
         now_ms = int(time.time() * 1000)
@@ -351,6 +367,29 @@ class EventBuilder:
         key_of = self._key_of
         headers = self.headers
         for lsn, msg in changes:
+            if isinstance(msg, bytes):
+                # An insert left undecoded: the compiled plan reads its TupleData in place
+                # (no str per column); what it cannot read is decoded, then built below.
+                assert undecoded is not None
+                at = undecoded.relid_at
+                target = catalog.by_oid.get(int.from_bytes(msg[at : at + 4], "big"))
+                if target is not None and target.plan is not None and msg[at + 4 : at + 5] == b"N":
+                    order = per_table.get(target.topic, 0) + 1
+                    pieces = txn.insert_pieces.get(target.oid) or self._insert_pieces(
+                        txn, target, insert_op
+                    )
+                    built = target.plan.record_tuple(
+                        msg, at + 5, pieces, (lsn, lsn, total + 1, order)
+                    )
+                    if built is not None:
+                        out, key_json = built
+                        if len(out) > self.max_record_bytes:
+                            raise self._too_large(target, lsn, len(out))
+                        total += 1
+                        per_table[target.topic] = order
+                        yield target.topic, key_json, out, headers
+                        continue
+                msg = undecoded.decode(msg)
             if msg.__class__ is insert:  # the common case first, ahead of the isinstance chain
                 info = catalog.by_oid[msg.relation_oid]
                 total += 1

@@ -34,8 +34,8 @@ from services.bridge import messages as m
 from services.bridge.assembler import OVERSIZED, Transaction, oversized
 from services.bridge.chunks import StreamWatch, TableName
 from services.bridge.confirm import ConfirmTracker
-from services.bridge.decoder import DecodeError
-from services.bridge.events import EventBuilder, Record, RelationInfo
+from services.bridge.decoder import DecodeError, insert_relid_at
+from services.bridge.events import EventBuilder, Record, RelationInfo, Undecoded
 from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress_record import progress_key, progress_value
@@ -407,10 +407,22 @@ class Publisher(threading.Thread):
         watch hears of them (a snapshot started then would change what is being built)."""
         for table in self._tables_to_snapshot(txn):
             self._start_snapshot(table, "added", None)
+        # Inserts go to the builder undecoded, unless a snapshot's watch must see them.
+        undecoded = None
+        if self._builder.reads_undecoded and not self._watch:
+            decode, streamed = self._decode, txn.streamed
+            undecoded = Undecoded(
+                insert_relid_at(streamed), lambda payload: decode(payload, streamed)
+            )
         try:
             count = self._produce(
                 self._builder.transaction(
-                    txn.xid, txn.commit_lsn, txn.commit_ts, self._changes(txn), end_lsn=txn.end_lsn
+                    txn.xid,
+                    txn.commit_lsn,
+                    txn.commit_ts,
+                    self._changes(txn, undecoded is not None),
+                    end_lsn=txn.end_lsn,
+                    undecoded=undecoded,
                 )
             )
         finally:
@@ -443,9 +455,12 @@ class Publisher(threading.Thread):
                 self._not_published.add(name)
         return tables
 
-    def _changes(self, txn: Transaction) -> Iterator[tuple[int, m.Message]]:
-        """The transaction's messages, decoded, less its aborted subtransactions' changes;
-        a table being snapshotted has its changes noted on the way (``_note``)."""
+    def _changes(
+        self, txn: Transaction, inserts_undecoded: bool
+    ) -> Iterator[tuple[int, m.Message | bytes]]:
+        """The transaction's messages, decoded (inserts left as payloads with
+        ``inserts_undecoded``), less its aborted subtransactions' changes; a table being
+        snapshotted has its changes noted on the way (``_note``)."""
         decode = self._decode
         streamed = txn.streamed
         aborted = txn.aborted_subxids
@@ -456,6 +471,9 @@ class Publisher(threading.Thread):
             # A relation described inside an aborted subtransaction still describes it for
             # the rest of the transaction: the server will not send it again.
             if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
+                continue
+            if inserts_undecoded and payload[0] == 0x49:  # 'I'
+                yield lsn, payload
                 continue
             try:
                 msg = decode(payload, streamed)

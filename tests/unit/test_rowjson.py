@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import re
+import struct
 import time
 from collections.abc import Sequence
 
@@ -18,6 +20,7 @@ import pytest
 from services.bridge import events
 from services.bridge import messages as m
 from services.bridge._rowjson import RowPlan
+from services.bridge.decoder import DecodeError, PgOutputDecoder, insert_relid_at
 from services.bridge.events import (
     ColumnFacts,
     EventBuilder,
@@ -25,9 +28,11 @@ from services.bridge.events import (
     RelationCatalog,
     RelationInfo,
     TableFacts,
+    Undecoded,
     whole_row,
 )
 from services.bridge.values import TYPE_NAMES
+from tests.unit.pgoutput_builder import encode, tuple_data
 
 CONTROL = "".join(chr(i) for i in range(0x20))
 # Texts per type OID as the server prints them, plus the odd ones a converter must judge.
@@ -82,8 +87,17 @@ def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
 
 
 def built(plan: RowPlan, values: Sequence[str | None]) -> tuple[bytes, bytes | None]:
-    """The row and key JSON alone: ``record`` with nothing around the row."""
-    return plan.record(values, (b"", b""), ())
+    """The row and key JSON alone: ``record`` with nothing around the row; ``record_tuple``
+    of the same values as pgoutput TupleData (inside an Insert message) must agree."""
+    message = b"I" + struct.pack("!I", 16_401) + b"N" + tuple_data(values)
+    try:
+        expected = plan.record(values, (b"", b""), ())
+    except ValueError as exc:  # a converter refused the text: in place too
+        with pytest.raises(ValueError, match=re.escape(str(exc)[:20])):
+            plan.record_tuple(message, 6, (b"", b""), ())
+        raise
+    assert plan.record_tuple(message, 6, (b"", b""), ()) == expected, values
+    return expected
 
 
 def python_path(info: RelationInfo, values: Sequence[str | None]) -> tuple[bytes, bytes | None]:
@@ -159,9 +173,33 @@ def test_what_the_builder_refuses() -> None:
     with pytest.raises(ValueError, match="not a boolean"):
         built(info.plan, ["1", "yes"])
     with pytest.raises(TypeError, match="column 1: text or None expected"):
-        built(info.plan, ["1", m.UNCHANGED_TOAST])  # type: ignore[list-item]
+        info.plan.record(["1", m.UNCHANGED_TOAST], (b"", b""), ())  # type: ignore[list-item]
     with pytest.raises(ValueError, match="1 values for 2 columns"):
-        built(info.plan, ["1"])
+        info.plan.record(["1"], (b"", b""), ())
+
+
+def test_what_is_left_to_the_decoder() -> None:
+    # record_tuple reads text and NULL columns; for anything else it returns None and the
+    # builder decodes the message, whose decoder names what is wrong.
+    plan = info_of(relation((20, 25))).plan
+    assert plan is not None
+    nothing = ((b"", b""), ())
+    good = tuple_data(["1", "x"])
+    assert plan.record_tuple(b"ab" + good, 2, *nothing) == built(plan, ["1", "x"])
+    for data, pos in [
+        (tuple_data(["1"]), 0),  # another column count
+        (tuple_data(["1", "x", "y"]), 0),
+        (tuple_data(["1", m.UNCHANGED_TOAST]), 0),
+        (tuple_data(["1", b"binary"]), 0),
+        (good[:-1], 0),  # the last value runs past the end
+        (good + b"\0", 0),  # something after the tuple
+        (good[:3], 0),
+        (good, len(good)),
+        (good, -1),
+        (tuple_data(["1", "x"]).replace(b"x", b"\xff"), 0),  # not UTF-8
+        (tuple_data(["1", "é"]).replace("é".encode(), b"\xc3("), 0),
+    ]:
+        assert plan.record_tuple(data, pos, *nothing) is None, data
 
 
 def test_no_plan_for_json_columns_or_other_formats() -> None:
@@ -197,3 +235,52 @@ def test_records_equal_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compiled == records(False)
     # BEGIN, 5 inserts, END; the schema record (first published with the chunk), 5 rows.
     assert len(compiled) == 7 + 1 + 5
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_undecoded_inserts_make_the_decoded_records(
+    monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    # The publisher hands inserts over as payloads; what the plan cannot read (a table with
+    # a jsonb column has no plan) is decoded, and a broken message gets the decoder's error.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    xid = 700 if streamed else None
+    plain = m.Relation(xid, 16_401, "public", "plain", "d", relation((20, 25, 1184)).columns)
+    docs = m.Relation(
+        xid,
+        16_402,
+        "public",
+        "docs",
+        "d",
+        (m.Column("id", 20, -1, True), m.Column("doc", 3802, -1, False)),
+    )
+    changes: list[tuple[int, m.Message]] = [(0x100, plain), (0x101, docs)]
+    for i in range(6):
+        row: list[m.TupleValue] = [str(i), f"é {i}\n" if i % 2 else None, "2024-01-02 03:04:05+00"]
+        changes.append((0x110 + i, m.Insert(xid, plain.oid, row)))
+        changes.append((0x120 + i, m.Insert(xid, docs.oid, [str(i), '{"n": 1e400}'])))
+    decoder = PgOutputDecoder()
+
+    def records(undecoded: bool) -> list[Record]:
+        builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
+        given: list[tuple[int, m.Message | bytes]] = [
+            (lsn, encode(msg) if undecoded and isinstance(msg, m.Insert) else msg)
+            for lsn, msg in changes
+        ]
+        how = Undecoded(insert_relid_at(streamed), lambda p: decoder.decode(p, streamed))
+        return list(
+            builder.transaction(
+                700, 0x200, 785_000_000_123_456, iter(given), undecoded=how if undecoded else None
+            )
+        )
+
+    assert records(True) == records(False)
+    builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
+    broken = encode(m.Insert(xid, plain.oid, ["1", "x", None]))[:-1]
+    how = Undecoded(insert_relid_at(streamed), lambda p: decoder.decode(p, streamed))
+    with pytest.raises(DecodeError, match="malformed Insert"):
+        list(
+            builder.transaction(
+                700, 0x200, 0, iter([(0x100, plain), (0x110, broken)]), undecoded=how
+            )
+        )
