@@ -638,19 +638,24 @@ class Bridge:
         if queue.full:
             self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
             return False
-        for kind, a, b, payload in repl.messages(0.1):
-            if kind == "w":
-                position.received = max(position.received, b)
-                txn = assembler.feed(a, payload)  # type: ignore[arg-type]
-                if txn is not None:
-                    queue.put(txn)
-                    position.queued_end = txn.end_lsn
-            else:
-                position.received = max(position.received, a)
-                position.idle_end = a
-                return bool(payload)
-            if queue.full:
-                break
+        received = position.received  # kept here per message, on the object once
+        try:
+            for kind, a, b, payload in repl.messages(0.1):
+                if kind == "w":
+                    if b > received:
+                        received = b
+                    txn = assembler.feed(a, payload)  # type: ignore[arg-type]
+                    if txn is not None:
+                        queue.put(txn)
+                        position.queued_end = txn.end_lsn
+                else:
+                    received = max(received, a)
+                    position.idle_end = a
+                    return bool(payload)
+                if queue.full:
+                    break
+        finally:
+            position.received = received
         return False
 
     def _confirm(

@@ -110,8 +110,8 @@ class Spool:
                 # 0600, and never through a symlink someone left at our path.
                 fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
                 self._file = open(fd, "w+b")  # noqa: SIM115 - lives as long as the spool
-            self._file.write(_HEADER.pack(lsn, len(payload)))
-            self._file.write(payload)
+            # One call, and no joined copy of a payload that may be hundreds of MB.
+            self._file.writelines((_HEADER.pack(lsn, len(payload)), payload))
         except OSError as exc:
             raise _failed(self._path.parent, exc) from None
         self._disk += _HEADER.size + len(payload)
@@ -143,27 +143,29 @@ class Spool:
 
 
 def _read_records(reader: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    unpack, size = _HEADER.unpack_from, _HEADER.size
     buf = b""
     pos = 0
     while True:
-        if len(buf) - pos < _HEADER.size:
-            more = reader.read(_READ_CHUNK)
-            if not more:
-                return
-            buf = buf[pos:] + more
-            pos = 0
-            continue
-        lsn, length = _HEADER.unpack_from(buf, pos)
-        end = pos + _HEADER.size + length
-        if end > len(buf):
-            more = reader.read(max(_READ_CHUNK, end - len(buf)))
-            if not more:
+        # Every whole record in the buffer, then more of the file: at least what the next
+        # record needs (its header, or all of it once the header is in).
+        held = len(buf)
+        need = size
+        while pos + size <= held:
+            lsn, length = unpack(buf, pos)
+            end = pos + size + length
+            if end > held:
+                need = size + length
+                break
+            yield lsn, buf[pos + size : end]
+            pos = end
+        more = reader.read(max(_READ_CHUNK, pos + need - held))
+        if not more:
+            if pos < held:
                 raise OSError("spool file truncated")
-            buf = buf[pos:] + more
-            pos = 0
-            continue
-        yield lsn, buf[pos + _HEADER.size : end]
-        pos = end
+            return
+        buf = buf[pos:] + more
+        pos = 0
 
 
 def prepare_spool_dir(configured: Path, slot: str) -> Path:

@@ -42,6 +42,19 @@ def test_a_message_larger_than_the_read_chunk_survives(tmp_path: Path) -> None:
     assert list(spool) == [(1, b"x"), (2, big), (3, b"y")]
 
 
+@pytest.mark.parametrize("cut", [1, 12 + 5, 12 + 10 + 3])  # inside a header, a payload
+def test_a_truncated_spool_file_is_an_error_not_an_end(tmp_path: Path, cut: int) -> None:
+    spool = Spool(tmp_path, "txn-7", 0, SpoolStats())
+    spool.append(1, b"x" * 10)
+    spool.append(2, b"y" * 10)
+    assert spool._file is not None
+    spool._file.flush()
+    path = tmp_path / "txn-7.spool"
+    os.truncate(path, path.stat().st_size - cut)
+    with pytest.raises(SpoolError, match="spool file truncated"):
+        list(spool)
+
+
 def test_the_file_is_private_and_discard_removes_it(tmp_path: Path) -> None:
     stats = SpoolStats()
     spool = Spool(tmp_path, "txn-7", 0, stats)
