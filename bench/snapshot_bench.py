@@ -46,7 +46,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg.types.string import TextLoader
 
-from bench.bridge_bench import broker_pid, cpu_seconds
+from bench.bridge_bench import broker_pid, cpu_seconds, delete_topics
 from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,6 +270,7 @@ def main() -> None:
             )
         with psycopg.connect(stack.primary_dsn, autocommit=True) as conn:
             conn.execute(f"DROP TABLE {table}")
+        delete_topics(stack.kafka_bootstrap, f"snapbench{tag}")
         results.append(
             {
                 "ceiling": ceiling_rate,

@@ -106,13 +106,22 @@ build_base
 
 # --- images --------------------------------------------------------------------------------
 # BASE_IMAGE is the dated local tag (base.env has its digest). --network host: the build fetches from PyPI, Debian and Maven Central.
+# The image the tag left behind is removed: every rebuild would otherwise keep one more
+# untagged image of 0.2-2 GB (the layer cache, which CI's next build uses, stays).
 build() {  # build <name> <dockerfile> <image>
-    local started=$SECONDS
+    local started=$SECONDS old new
+    old="$("${PODMAN[@]}" image inspect --format '{{.Id}}' "$3" 2>/dev/null || true)"
     say "building $3 from $2"
     "${PODMAN[@]}" build --network host --layers \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" \
         --ignorefile "$ROOT/helm/Dockerfile.bridge.dockerignore" \
         -f "$ROOT/$2" -t "$3" "$ROOT"
+    new="$("${PODMAN[@]}" image inspect --format '{{.Id}}' "$3")"
+    if [[ -n "$old" && "$old" != "$new" ]]; then
+        "${PODMAN[@]}" rmi "$old" >/dev/null 2>&1 \
+            && say "removed the replaced image ${old:0:12}" \
+            || say "kept the replaced image ${old:0:12} (in use)"
+    fi
     say "$1 image built in $((SECONDS - started)) s"
 }
 case "$WHAT" in

@@ -164,6 +164,7 @@ def both(
             f"SELECT pg_drop_replication_slot('{SCHEMA}_dbz') FROM pg_replication_slots"
             f" WHERE slot_name = '{SCHEMA}_dbz'",
         )
+        sql(dsn, f"DROP PUBLICATION IF EXISTS {SCHEMA}_dbz; DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
 
 
 def _parse(raw: bytes | None, topic: str) -> Any:
