@@ -21,6 +21,7 @@ from types import FrameType
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
+from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer
 from services.common.logs import log_event
 from spark_consumers.batch import BatchProcessor
@@ -273,11 +274,15 @@ def _follow(
         query.awaitTermination(_POLL_S)
         status.record_lag(_progress(query))
         status.write(settings.status_path)
+        failpoint("consume_after_status")
     if query.isActive:
         _stop_between_batches(query, settings.stop_grace_s)
     error = query.exception()
     if error is not None:
         raise error
+    # The last batch may have ended after the loop last read the progress (the query ends
+    # between that read and the isActive check): the lag it leaves is the stopped state's.
+    status.record_lag(_progress(query))
     status.state = "stopped"
     status.write(settings.status_path)
     log_event(log, logging.INFO, "consumer stopped", batches=status.batches)

@@ -307,8 +307,16 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
         changes += 1
 
     # The restart (--once) replays the killed batch, goes on to the end and says so; the
-    # bad record (offset ~190, after the killed batch) is quarantined in this run.
-    code, output = run_cli("consume", "--once", "--fail-on-quarantine", env=env, timeout=600)
+    # bad record (offset ~190, after the killed batch) is quarantined in this run. The
+    # status loop is slowed so that the query ends while it waits: the lag the stopped
+    # state shows must be read after the end, not left from an earlier batch.
+    code, output = run_cli(
+        "consume",
+        "--once",
+        "--fail-on-quarantine",
+        env={**env, "SLOTBRIDGE_FAILPOINTS": "consume_after_status=sleep10"},
+        timeout=600,
+    )
     assert code == 3, output[-3000:]
     final = json.loads(settings.status_path.read_text())
     assert (final["state"], final["error"], final["total_lag"], final["quarantined"]) == (
