@@ -453,36 +453,15 @@ class ChunkReader(threading.Thread):
             conn.adapters.register_loader(column.type_oid, TextLoader)
         self._seq += 1
         token = f"{self._session}:{self._seq}"
-        keyed = bool(shape.key_names)
-        columns = [sql.Identifier(c.name) for c in shape.relation.columns]
         terms: list[sql.Composable] = []
-        params: list[object] = []
         if published.row_filter is not None:
             # The server's own deparsed expression, from the catalogue: SQL already.
             terms.append(sql.SQL(_literal_percent(published.row_filter)))
         if state.where is not None:
             terms.append(sql.SQL(_literal_percent(state.where)))
+        keyed = bool(shape.key_names)
         if keyed:
-            index = {c.name: i for i, c in enumerate(shape.relation.columns)}
-            key_at = [index[n] for n in shape.key_names]
-            if state.cursor is not None:
-                terms.append(
-                    sql.SQL("({}) > ({})").format(
-                        sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
-                        sql.SQL(", ").join(
-                            sql.SQL("CAST({} AS {})").format(sql.Placeholder(), sql.SQL(t))
-                            for t in shape.key_types
-                        ),
-                    )
-                )
-                params.extend(state.cursor)
-            query = sql.SQL("SELECT {} FROM {}{} ORDER BY {} LIMIT {}").format(
-                sql.SQL(", ").join(columns),
-                ident,
-                _where(terms),
-                sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
-                sql.Literal(self._chunk_rows),
-            )
+            query, params = _key_query(state, shape, terms, self._chunk_rows)
         else:
             start = int(state.cursor[0] or 0) if state.cursor is not None else 0
             pages = max(
@@ -490,39 +469,25 @@ class ChunkReader(threading.Thread):
                 round(self._chunk_rows * shape.pages / shape.estimate) if shape.estimate else 1_024,
             )
             stop = start + pages
-            if not shape.partitioned:
-                terms.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)")))
-                if stop < shape.pages:
-                    terms.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({stop},0)")))
-            query = sql.SQL("SELECT ctid::text, xmin::text, {} FROM {}{}").format(
-                sql.SQL(", ").join(columns), ident, _where(terms)
-            )
+            query, params = _page_query(state, shape, terms, start, stop), []
             if not shape.partitioned:
                 # A cut by bytes resumes at the next page, so pages must come in order: a
                 # TID range scan returns them so, a (synchronised) seq scan may not.
                 conn.execute("SET LOCAL enable_seqscan = off")
-        # A keyless partitioned table has no position to resume from (a ctid names a row
-        # of one partition only): it is one chunk, however large.
-        bounded = keyed or not shape.partitioned
-        rows: list[list[str | None]] = []  # text or NULL: nothing here is TOASTed-unchanged
-        size = 0
         with conn.cursor(name=f"chunk_{token.replace(':', '_')}", row_factory=_list_row) as cur:
             cur.itersize = _FETCH
             cur.execute(query, params)
-            while not bounded or size < self._chunk_bytes:
-                batch = cur.fetchmany(_FETCH)
-                if not batch:
-                    break
-                rows.extend(batch)
-                size += sum(len(v) for row in batch for v in row if v is not None)
-            cut = bounded and size >= self._chunk_bytes
+            # A keyless partitioned table has no position to resume from (a ctid names a
+            # row of one partition only): it is one chunk, however large.
+            rows, cut = self._fetch(cur, bounded=keyed or not shape.partitioned)
             if cut and not keyed:
                 stop = _finish_page(cur, rows) + 1
         xmins: list[int] | None = None
         if keyed:
+            index = {c.name: i for i, c in enumerate(shape.relation.columns)}
             full = len(rows) >= self._chunk_rows or cut
             last = not full or not rows
-            cursor = [rows[-1][i] for i in key_at] if rows else state.cursor or []
+            cursor = [rows[-1][index[n]] for n in shape.key_names] if rows else state.cursor or []
         else:
             xmins = [int(str(r[1])) for r in rows]
             rows = [r[2:] for r in rows]
@@ -541,6 +506,65 @@ class ChunkReader(threading.Thread):
             last,
             shape.estimate,
         )
+
+    def _fetch(
+        self, cur: psycopg.ServerCursor[list[str | None]], bounded: bool
+    ) -> tuple[list[list[str | None]], bool]:
+        """The query's rows, up to ``chunk_bytes`` of values when ``bounded``; and whether
+        that bound cut it."""
+        rows: list[list[str | None]] = []  # text or NULL: nothing here is TOASTed-unchanged
+        size = 0
+        while not bounded or size < self._chunk_bytes:
+            batch = cur.fetchmany(_FETCH)
+            if not batch:
+                break
+            rows.extend(batch)
+            size += sum(len(v) for row in batch for v in row if v is not None)
+        return rows, bounded and size >= self._chunk_bytes
+
+
+def _key_query(
+    state: TableSnapshot, shape: _Shape, terms: list[sql.Composable], limit: int
+) -> tuple[sql.Composed, list[object]]:
+    """The next ``limit`` rows in key order after the entry's cursor, and its parameters."""
+    params: list[object] = []
+    if state.cursor is not None:
+        terms.append(
+            sql.SQL("({}) > ({})").format(
+                sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
+                sql.SQL(", ").join(
+                    sql.SQL("CAST({} AS {})").format(sql.Placeholder(), sql.SQL(t))
+                    for t in shape.key_types
+                ),
+            )
+        )
+        params.extend(state.cursor)
+    query = sql.SQL("SELECT {} FROM {}{} ORDER BY {} LIMIT {}").format(
+        _column_list(shape),
+        sql.Identifier(state.schema_, state.table),
+        _where(terms),
+        sql.SQL(", ").join(sql.Identifier(n) for n in shape.key_names),
+        sql.Literal(limit),
+    )
+    return query, params
+
+
+def _page_query(
+    state: TableSnapshot, shape: _Shape, terms: list[sql.Composable], start: int, stop: int
+) -> sql.Composed:
+    """A keyless table's rows on heap pages ``start`` to ``stop``, after their ctid and xmin
+    (a partitioned table's all at once)."""
+    if not shape.partitioned:
+        terms.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({start},0)")))
+        if stop < shape.pages:
+            terms.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({stop},0)")))
+    return sql.SQL("SELECT ctid::text, xmin::text, {} FROM {}{}").format(
+        _column_list(shape), sql.Identifier(state.schema_, state.table), _where(terms)
+    )
+
+
+def _column_list(shape: _Shape) -> sql.Composable:
+    return sql.SQL(", ").join(sql.Identifier(c.name) for c in shape.relation.columns)
 
 
 def _finish_page(cur: psycopg.ServerCursor[list[str | None]], rows: list[list[str | None]]) -> int:
