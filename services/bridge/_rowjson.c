@@ -431,12 +431,8 @@ done:
    decodes the message, which says what is wrong. */
 static PyObject *plan_record_tuple(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char usage[] = "record_tuple(buf: bytes, pos: int, pieces: tuple, numbers: tuple)";
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
-    }
     TupleData td;
-    if (tupledata_open(&td, args[0], args[1], usage) < 0 || check_frame(args[2], args[3]) < 0)
+    if (tupledata_open(&td, args, nargs, 4, usage) < 0 || check_frame(args[2], args[3]) < 0)
         return NULL;
     if (tupledata_count(&td) != self->ncols)
         Py_RETURN_NONE;

@@ -12,15 +12,17 @@ typedef struct {
     Py_ssize_t len, pos;
 } TupleData;
 
-/* td from (buf: bytes, pos: int) arguments; -1 with an exception set if they are not. */
-static int tupledata_open(TupleData *td, PyObject *buf, PyObject *pos, const char *usage) {
-    if (!PyBytes_Check(buf)) {
+/* td from a call's (buf: bytes, pos: int, ...) arguments, of which there must be nargs_wanted;
+   -1 with an exception set (usage, for a TypeError) if they are not so. */
+static int tupledata_open(TupleData *td, PyObject *const *args, Py_ssize_t nargs,
+                          Py_ssize_t nargs_wanted, const char *usage) {
+    if (nargs != nargs_wanted || !PyBytes_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
-    td->buf = (const unsigned char *)PyBytes_AS_STRING(buf);
-    td->len = PyBytes_GET_SIZE(buf);
-    td->pos = PyLong_AsSsize_t(pos);
+    td->buf = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    td->len = PyBytes_GET_SIZE(args[0]);
+    td->pos = PyLong_AsSsize_t(args[1]);
     return td->pos == -1 && PyErr_Occurred() ? -1 : 0;
 }
 

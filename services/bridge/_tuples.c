@@ -8,13 +8,8 @@ again in Python to say what is wrong.
 #include "_tupledata.h"
 
 static PyObject *read_tuple(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "read(buf: bytes, pos: int, unchanged)";
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
-    }
     TupleData td;
-    if (tupledata_open(&td, args[0], args[1], usage) < 0)
+    if (tupledata_open(&td, args, nargs, 3, "read(buf: bytes, pos: int, unchanged)") < 0)
         return NULL;
     Py_ssize_t ncols = tupledata_count(&td);
     if (ncols < 0)
