@@ -17,7 +17,13 @@ transaction) and each repeat, on a fresh table, publication and two fresh failov
    bytes, or 2 ms): a walsender whose reader takes each message at once writes one message
    per send() call, which doubles its CPU per row and halves its rate (1M rows: ~300k rows/s
    read eagerly, 650-700k gathered, on this machine). Sessions before 2026-11-23 read it
-   eagerly, so their ratios are about twice what this ceiling gives;
+   eagerly, so their ratios are about twice what this ceiling gives. For 1000-row
+   transactions it is not a ceiling (2026-11-23): the bridge outruns it (e2e/ceiling above
+   1), and the walsender spends about twice the CPU per row for this reader (5.1-5.5 us) as
+   for the bridge (2.6-2.8 us), whose slower reads leave its socket full so the walsender
+   sends in bulk. Neither other SO_RCVBUF / SO_RCVLOWAT sizes, nor pausing between reads,
+   nor pg_recvlogical did better on that shape; read its ratio as "faster than a bare
+   reader";
 3. end to end: the real daemon (``slotbridge run`` subprocess, own slot, topic prefix and
    progress topic) catches up on the second slot; the clock runs from its "streaming" log
    line to the moment a read_committed consumer of the progress topic sees a progress

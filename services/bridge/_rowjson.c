@@ -262,10 +262,7 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
 }
 
 /* A non-negative integer in decimal (an LSN, a position in the transaction). */
-static int put_uint(Buf *b, PyObject *number) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(number);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
+static int put_uint(Buf *b, unsigned long long v) {
     char digits[24];
     int n = 0;
     do {
@@ -275,16 +272,17 @@ static int put_uint(Buf *b, PyObject *number) {
     return buf_put(b, digits + sizeof(digits) - n, n);
 }
 
-/* The row's JSON between pieces[0] and pieces[1], then numbers[i] followed by pieces[i + 2];
-   and the key object, or None when the table has no key. cols holds ncols columns. */
-static PyObject *emit(RowPlan *self, const Col *cols, PyObject *pieces, PyObject *numbers) {
-    Py_ssize_t nnumbers = PyTuple_GET_SIZE(numbers);
+/* *value: the row's JSON between pieces[0] and pieces[1], then numbers[i] followed by
+   pieces[i + 2]; *key: the key object, or None when the table has no key. cols holds ncols
+   columns. 0, or -1 with an exception set. */
+static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned long long *numbers,
+                Py_ssize_t nnumbers, PyObject **value, PyObject **key) {
     Buf b = {.len = 0, .cap = sizeof(b.small)};
     b.data = b.small;
     /* Where each column's value starts and ends in b, for the key. */
     Py_ssize_t spans_small[64][2];
     Py_ssize_t(*spans)[2] = spans_small;
-    PyObject *result = NULL;
+    int rc = -1;
     if (self->ncols > 64) {
         spans = PyMem_Malloc(self->ncols * sizeof(*spans));
         if (spans == NULL) {
@@ -308,11 +306,10 @@ static PyObject *emit(RowPlan *self, const Col *cols, PyObject *pieces, PyObject
     if (buf_byte(&b, '}') < 0 || PIECE(1) < 0)
         goto done;
     for (Py_ssize_t j = 0; j < nnumbers; j++)
-        if (put_uint(&b, PyTuple_GET_ITEM(numbers, j)) < 0 || PIECE(j + 2) < 0)
+        if (put_uint(&b, numbers[j]) < 0 || PIECE(j + 2) < 0)
             goto done;
 #undef PIECE
     Py_ssize_t value_len = b.len;
-    PyObject *key = Py_None;
     if (self->nkeys > 0) {
         /* The key object goes after the value in the same buffer. */
         if (buf_byte(&b, '{') < 0)
@@ -328,36 +325,49 @@ static PyObject *emit(RowPlan *self, const Col *cols, PyObject *pieces, PyObject
         }
         if (buf_byte(&b, '}') < 0)
             goto done;
-        key = PyBytes_FromStringAndSize(b.data + value_len, b.len - value_len);
-        if (key == NULL)
+        *key = PyBytes_FromStringAndSize(b.data + value_len, b.len - value_len);
+        if (*key == NULL)
             goto done;
     } else {
-        Py_INCREF(key);
+        *key = Py_NewRef(Py_None);
     }
-    PyObject *value = PyBytes_FromStringAndSize(b.data, value_len);
-    if (value == NULL) {
-        Py_DECREF(key);
+    *value = PyBytes_FromStringAndSize(b.data, value_len);
+    if (*value == NULL) {
+        Py_CLEAR(*key);
         goto done;
     }
-    result = PyTuple_Pack(2, value, key);
-    Py_DECREF(value);
-    Py_DECREF(key);
+    rc = 0;
 done:
     if (spans != spans_small)
         PyMem_Free(spans);
     buf_free(&b);
-    return result;
+    return rc;
 }
 
-/* pieces and numbers as emit() needs them: tuples, bytes pieces, one more piece each side. */
-static int check_frame(PyObject *pieces, PyObject *numbers) {
+/* emit() as the (value, key) pair record() and record_tuple() return. */
+static PyObject *emit_pair(RowPlan *self, const Col *cols, PyObject *pieces,
+                           const unsigned long long *numbers, Py_ssize_t nnumbers) {
+    PyObject *value, *key;
+    if (emit(self, cols, pieces, numbers, nnumbers, &value, &key) < 0)
+        return NULL;
+    PyObject *pair = PyTuple_Pack(2, value, key);
+    Py_DECREF(value);
+    Py_DECREF(key);
+    return pair;
+}
+
+#define MAX_NUMBERS 8
+
+/* pieces as emit() needs them (a tuple of bytes, two more than the numbers), and numbers, a
+   tuple of non-negative ints, into out (MAX_NUMBERS at most); their count, or -1. */
+static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long long *out) {
     if (!PyTuple_Check(pieces) || !PyTuple_Check(numbers)) {
         PyErr_SetString(PyExc_TypeError, "pieces and numbers must be tuples");
         return -1;
     }
-    Py_ssize_t npieces = PyTuple_GET_SIZE(pieces);
-    if (npieces != PyTuple_GET_SIZE(numbers) + 2) {
-        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers");
+    Py_ssize_t npieces = PyTuple_GET_SIZE(pieces), nnumbers = PyTuple_GET_SIZE(numbers);
+    if (npieces != nnumbers + 2 || nnumbers > MAX_NUMBERS) {
+        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers, at most 8");
         return -1;
     }
     for (Py_ssize_t j = 0; j < npieces; j++)
@@ -365,7 +375,12 @@ static int check_frame(PyObject *pieces, PyObject *numbers) {
             PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
             return -1;
         }
-    return 0;
+    for (Py_ssize_t j = 0; j < nnumbers; j++) {
+        out[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(numbers, j));
+        if (out[j] == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+    }
+    return nnumbers;
 }
 
 /* Room for ncols columns: on the stack for the usual table, else on the heap. */
@@ -384,7 +399,9 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "record(values, pieces: tuple, numbers: tuple)");
         return NULL;
     }
-    if (check_frame(args[1], args[2]) < 0)
+    unsigned long long numbers[MAX_NUMBERS];
+    Py_ssize_t nnumbers = check_frame(args[1], args[2], numbers);
+    if (nnumbers < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(args[0], "values must be a list or tuple");
     if (seq == NULL)
@@ -417,7 +434,7 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
             goto done;
         cols[i].text = item;
     }
-    result = emit(self, cols, args[1], args[2]);
+    result = emit_pair(self, cols, args[1], numbers, nnumbers);
 done:
     if (cols != small)
         PyMem_Free(cols);
@@ -425,22 +442,21 @@ done:
     return result;
 }
 
-/* record_tuple(buf, pos, pieces, numbers): record() of the pgoutput TupleData at pos, which
-   must run to the end of buf, read in place (no str per column). None when it holds anything
-   but text and NULL values, another column count, or text that is not UTF-8: the caller
-   decodes the message, which says what is wrong. */
-static PyObject *plan_record_tuple(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "record_tuple(buf: bytes, pos: int, pieces: tuple, numbers: tuple)";
-    TupleData td;
-    if (tupledata_open(&td, args, nargs, 4, usage) < 0 || check_frame(args[2], args[3]) < 0)
-        return NULL;
+/* The record of the pgoutput TupleData at pos in buf[0:len], which must run to the end, read
+   in place (no str per column), into *value and *key: 1; 0 when it holds anything but text
+   and NULL values, another column count, or text that is not UTF-8 (the caller decodes the
+   message, which says what is wrong); -1 with an exception set. */
+static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, Py_ssize_t pos,
+                       PyObject *pieces, const unsigned long long *numbers, Py_ssize_t nnumbers,
+                       PyObject **value, PyObject **key) {
+    TupleData td = {.buf = buf, .len = len, .pos = pos};
     if (tupledata_count(&td) != self->ncols)
-        Py_RETURN_NONE;
-    PyObject *result = NULL;
+        return 0;
+    int rc = 0;
     Col small[64];
     Col *cols = cols_for(self, small, 64);
     if (cols == NULL)
-        return NULL;
+        return -1;
     Py_ssize_t read = 0; /* columns read, whose text (if any) this call owns */
     for (; read < self->ncols; read++) {
         Col *col = &cols[read];
@@ -450,31 +466,163 @@ static PyObject *plan_record_tuple(RowPlan *self, PyObject *const *args, Py_ssiz
         if (kind == 'n')
             continue;
         if (kind != 't')
-            goto fallback;
+            goto done;
         for (Py_ssize_t k = 0; k < col->n; k++)
             if (col->s[k] & 0x80) {
                 /* Not ASCII: decoding proves it is UTF-8, and the str's UTF-8 is these bytes. */
                 col->text = PyUnicode_DecodeUTF8(col->s, col->n, NULL);
                 if (col->text == NULL) {
                     PyErr_Clear();
-                    goto fallback;
+                    goto done;
                 }
                 break;
             }
     }
-    if (td.pos != td.len)
-        goto fallback;
-    result = emit(self, cols, args[2], args[3]);
-    goto done;
-fallback:
-    result = Py_None;
-    Py_INCREF(result);
+    if (td.pos == td.len)
+        rc = emit(self, cols, pieces, numbers, nnumbers, value, key) < 0 ? -1 : 1;
 done:
     for (Py_ssize_t i = 0; i < read; i++)
         Py_XDECREF(cols[i].text);
     if (cols != small)
         PyMem_Free(cols);
+    return rc;
+}
+
+/* record_tuple(buf, pos, pieces, numbers): record() of the pgoutput TupleData at pos, or None
+   (see build_tuple). */
+static PyObject *plan_record_tuple(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] = "record_tuple(buf: bytes, pos: int, pieces: tuple, numbers: tuple)";
+    TupleData td;
+    unsigned long long numbers[MAX_NUMBERS];
+    Py_ssize_t nnumbers;
+    if (tupledata_open(&td, args, nargs, 4, usage) < 0 ||
+        (nnumbers = check_frame(args[2], args[3], numbers)) < 0)
+        return NULL;
+    PyObject *value, *key;
+    int built = build_tuple(self, td.buf, td.len, td.pos, args[2], numbers, nnumbers, &value, &key);
+    if (built <= 0)
+        return built < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *pair = PyTuple_Pack(2, value, key);
+    Py_DECREF(value);
+    Py_DECREF(key);
+    return pair;
+}
+
+/* The (lsn, payload) of an insert into relation relid with a new tuple ('N' at at + 4, the
+   TupleData from at + 5), as the spool holds it: its payload, or NULL. */
+static PyObject *insert_into(PyObject *item, Py_ssize_t at, const unsigned char relid[4],
+                             unsigned long long *lsn) {
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2)
+        return NULL;
+    PyObject *payload = PyTuple_GET_ITEM(item, 1);
+    if (!PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) < at + 5)
+        return NULL;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
+    if (p[0] != 'I' || memcmp(p + at, relid, 4) != 0 || p[at + 4] != 'N')
+        return NULL;
+    *lsn = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 0));
+    if (*lsn == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return payload;
+}
+
+/* records(items, lsn, payload, at, pieces, total, order, topic, headers, max_bytes, limit)
+   -> (records, total, order, leftover): the change records of a run of inserts into one
+   relation, as the builder's loop would make them one by one (numbers lsn, lsn, total + 1,
+   order + 1), without a Python frame per row. The run starts with (lsn, payload), an insert
+   whose relation oid starts at payload[at], and goes on with the items the iterator gives
+   while they are inserts into the same relation, up to limit records. leftover is the item
+   the run stopped at, which the caller handles itself (another message, a row only the
+   decoder reads, a record over max_bytes), or None. */
+static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, pieces: "
+                                "tuple, total: int, order: int, topic: str, headers, "
+                                "max_bytes: int, limit: int)";
+    if (nargs != 11 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
+        !PyTuple_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    PyObject *items = args[0], *payload = args[2], *pieces = args[4];
+    PyObject *topic = args[7], *headers = args[8];
+    unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
+    Py_ssize_t at = PyLong_AsSsize_t(args[3]);
+    unsigned long long total = PyLong_AsUnsignedLongLong(args[5]);
+    unsigned long long order = PyLong_AsUnsignedLongLong(args[6]);
+    Py_ssize_t max_bytes = PyLong_AsSsize_t(args[9]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (PyTuple_GET_SIZE(pieces) != 6 || at < 1 || PyBytes_GET_SIZE(payload) < at + 5) {
+        PyErr_SetString(PyExc_ValueError, "records: six pieces, and an insert at least at + 5 long");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < 6; j++)
+        if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
+            PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
+            return NULL;
+        }
+    unsigned char relid[4];
+    memcpy(relid, PyBytes_AS_STRING(payload) + at, 4);
+    PyObject *records = PyList_New(0);
+    if (records == NULL)
+        return NULL;
+    PyObject *item = NULL; /* the item payload came from, once it came from the iterator */
+    while (1) {
+        const unsigned long long numbers[4] = {lsn, lsn, total + 1, order + 1};
+        PyObject *value, *key;
+        int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
+                                PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, 4, &value,
+                                &key);
+        if (built < 0)
+            goto error;
+        if (built == 0 || PyBytes_GET_SIZE(value) > max_bytes) {
+            if (built) {
+                Py_DECREF(value);
+                Py_DECREF(key);
+            }
+            break;
+        }
+        PyObject *record = PyTuple_Pack(4, topic, key, value, headers);
+        Py_DECREF(value);
+        Py_DECREF(key);
+        if (record == NULL || PyList_Append(records, record) < 0) {
+            Py_XDECREF(record);
+            goto error;
+        }
+        Py_DECREF(record);
+        total++;
+        order++;
+        Py_CLEAR(item);
+        if (PyList_GET_SIZE(records) >= limit)
+            break;
+        item = PyIter_Next(items);
+        if (item == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            break;
+        }
+        payload = insert_into(item, at, relid, &lsn);
+        if (payload == NULL)
+            break;
+    }
+    /* item is the leftover: not built, or the first item of another kind. The run's first
+       payload unbuilt means the caller's own (lsn, payload) is the leftover. */
+    PyObject *leftover = item;
+    if (leftover == NULL && PyList_GET_SIZE(records) == 0)
+        leftover = PyTuple_Pack(2, args[1], args[2]);
+    else if (leftover == NULL)
+        leftover = Py_NewRef(Py_None);
+    if (leftover == NULL)
+        goto error;
+    PyObject *result = Py_BuildValue("(NKKN)", records, total, order, leftover);
     return result;
+error:
+    Py_XDECREF(item);
+    Py_DECREF(records);
+    return NULL;
 }
 
 static PyMethodDef plan_methods[] = {
@@ -484,6 +632,9 @@ static PyMethodDef plan_methods[] = {
     {"record_tuple", (PyCFunction)(void (*)(void))plan_record_tuple, METH_FASTCALL,
      "record_tuple(buf, pos, pieces, numbers) -> (value, key JSON or None) or None: record() "
      "of the pgoutput TupleData at pos, read in place; None for what only the decoder reads"},
+    {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
+     "records(items, lsn, payload, at, pieces, total, order, topic, headers, max_bytes, limit) "
+     "-> (records, total, order, leftover): the records of a run of inserts into one relation"},
     {NULL, NULL, 0, NULL},
 };
 

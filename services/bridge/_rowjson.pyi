@@ -1,4 +1,4 @@
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 class RowPlan:
@@ -17,3 +17,18 @@ class RowPlan:
     def record_tuple(
         self, buf: bytes, pos: int, pieces: tuple[bytes, ...], numbers: tuple[int, ...], /
     ) -> tuple[bytes, bytes | None] | None: ...
+    def records(
+        self,
+        items: Iterator[tuple[int, Any]],
+        lsn: int,
+        payload: bytes,
+        at: int,
+        pieces: tuple[bytes, ...],
+        total: int,
+        order: int,
+        topic: str,
+        headers: Any,
+        max_bytes: int,
+        limit: int,
+        /,
+    ) -> tuple[list[Any], int, int, tuple[int, Any] | None]: ...

@@ -306,12 +306,18 @@ class Txn:
 
 @dataclass(frozen=True, slots=True)
 class Undecoded:
-    """How ``EventBuilder.transaction`` reads Insert messages it is given undecoded: where
-    their relation oid starts (``decoder.insert_relid_at``; the 'N' marker and the TupleData
-    follow it) and how to decode one the compiled plan does not read."""
+    """How ``EventBuilder.transaction`` reads the messages it is given undecoded: where an
+    Insert's relation oid starts (``decoder.insert_relid_at``; the 'N' marker and the
+    TupleData follow it), and how to decode, at its LSN, what the compiled plan does not
+    read."""
 
     relid_at: int
-    decode: Callable[[bytes], m.Message]
+    decode: Callable[[int, bytes], m.Message]
+
+
+# Most records one RowPlan.records call builds: a run of inserts waits in memory as records
+# until the sink takes them, so this bounds that memory (about 0.5 MB of 500-byte values).
+_RUN = 1024
 
 
 class EventBuilder:
@@ -333,8 +339,8 @@ class EventBuilder:
     # The op of the new key's record after a key change: an update here, a create (with no
     # ``before``) in Debezium's records.
     key_change_op = "u"
-    # Whether the publisher may hand ``transaction`` Insert messages undecoded (see
-    # ``Undecoded``): worth it only where the compiled row builder reads them.
+    # Whether the publisher may hand ``transaction`` its messages undecoded (see
+    # ``Undecoded``): worth it only where the compiled row builder reads the inserts.
     reads_undecoded = COMPILED
 
     def transaction(
@@ -351,8 +357,8 @@ class EventBuilder:
 
         ``end_lsn`` (the end of its commit record) is what the Debezium format's next
         transaction names as the previous commit in ``source.sequence``. ``changes`` may
-        hold Insert messages as their raw payload when ``undecoded`` says how to read them
-        (see ``reads_undecoded``)."""
+        hold messages as their raw payloads when ``undecoded`` says how to read them (see
+        ``reads_undecoded``)."""
         ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
         txid = f"{xid}:{commit_lsn}"
         now_ms = int(time.time() * 1000)
@@ -366,30 +372,44 @@ class EventBuilder:
         insert = m.Insert
         key_of = self._key_of
         headers = self.headers
+        changes = iter(changes)  # records() reads on from where this loop is
         for lsn, msg in changes:
             if isinstance(msg, bytes):
-                # An insert left undecoded: the compiled plan reads its TupleData in place
-                # (no str per column); what it cannot read is decoded, then built below.
+                # Undecoded: a run of inserts into a table the compiled plan covers becomes
+                # records in one call, which reads their TupleData in place. What a run
+                # stops at (another message, a row the plan does not read, a record over the
+                # limit, an insert into another table) is decoded and built below.
                 assert undecoded is not None
                 at = undecoded.relid_at
-                target = catalog.by_oid.get(int.from_bytes(msg[at : at + 4], "big"))
+                target = (
+                    catalog.by_oid.get(int.from_bytes(msg[at : at + 4], "big"))
+                    if msg[0] == 0x49  # 'I'
+                    else None
+                )
                 if target is not None and target.plan is not None and msg[at + 4 : at + 5] == b"N":
-                    order = per_table.get(target.topic, 0) + 1
-                    pieces = txn.insert_pieces.get(target.oid) or self._insert_pieces(
-                        txn, target, insert_op
+                    topic = target.topic
+                    built, total, order, leftover = target.plan.records(
+                        changes,
+                        lsn,
+                        msg,
+                        at,
+                        txn.insert_pieces.get(target.oid)
+                        or self._insert_pieces(txn, target, insert_op),
+                        total,
+                        per_table.get(topic, 0),
+                        topic,
+                        headers,
+                        self.max_record_bytes,
+                        _RUN,
                     )
-                    built = target.plan.record_tuple(
-                        msg, at + 5, pieces, (lsn, lsn, total + 1, order)
-                    )
-                    if built is not None:
-                        out, key_json = built
-                        if len(out) > self.max_record_bytes:
-                            raise self._too_large(target, lsn, len(out))
-                        total += 1
-                        per_table[target.topic] = order
-                        yield target.topic, key_json, out, headers
-                        continue
-                msg = undecoded.decode(msg)
+                    if built:
+                        per_table[topic] = order
+                        yield from built
+                        if leftover is None:
+                            continue
+                        lsn, msg = leftover
+                if isinstance(msg, bytes):
+                    msg = undecoded.decode(lsn, msg)
             if msg.__class__ is insert:  # the common case first, ahead of the isinstance chain
                 info = catalog.by_oid[msg.relation_oid]
                 total += 1

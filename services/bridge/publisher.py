@@ -407,12 +407,14 @@ class Publisher(threading.Thread):
         watch hears of them (a snapshot started then would change what is being built)."""
         for table in self._tables_to_snapshot(txn):
             self._start_snapshot(table, "added", None)
-        # Inserts go to the builder undecoded, unless a snapshot's watch must see them.
+        # Messages go to the builder undecoded (it reads inserts in place, and decodes the
+        # rest), unless a snapshot's watch must see them decoded.
         undecoded = None
         if self._builder.reads_undecoded and not self._watch:
-            decode, streamed = self._decode, txn.streamed
+            streamed = txn.streamed
             undecoded = Undecoded(
-                insert_relid_at(streamed), lambda payload: decode(payload, streamed)
+                insert_relid_at(streamed),
+                lambda lsn, payload: self._decoded(lsn, payload, streamed),
             )
         try:
             count = self._produce(
@@ -455,13 +457,15 @@ class Publisher(threading.Thread):
                 self._not_published.add(name)
         return tables
 
-    def _changes(
-        self, txn: Transaction, inserts_undecoded: bool
-    ) -> Iterator[tuple[int, m.Message | bytes]]:
-        """The transaction's messages, decoded (inserts left as payloads with
-        ``inserts_undecoded``), less its aborted subtransactions' changes; a table being
-        snapshotted has its changes noted on the way (``_note``)."""
-        decode = self._decode
+    def _changes(self, txn: Transaction, raw: bool) -> Iterator[tuple[int, m.Message | bytes]]:
+        """The transaction's messages less its aborted subtransactions' changes: as spooled
+        with ``raw`` (the spool itself when nothing is aborted), else decoded, a table being
+        snapshotted having its changes noted on the way (``_note``)."""
+        if raw and not txn.aborted_subxids:
+            return iter(txn.spool)
+        return self._filtered(txn, raw)
+
+    def _filtered(self, txn: Transaction, raw: bool) -> Iterator[tuple[int, m.Message | bytes]]:
         streamed = txn.streamed
         aborted = txn.aborted_subxids
         # Which tables are watched changes only between transactions (see _publish).
@@ -472,20 +476,23 @@ class Publisher(threading.Thread):
             # the rest of the transaction: the server will not send it again.
             if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
                 continue
-            if inserts_undecoded and payload[0] == 0x49:  # 'I'
+            if raw:
                 yield lsn, payload
                 continue
-            try:
-                msg = decode(payload, streamed)
-            except DecodeError:
-                # The assembler's stand-in for a change too large to publish is no pgoutput
-                # message: found here, off the path every other message takes.
-                if payload[0] == OVERSIZED:
-                    self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
-                raise
+            msg = self._decoded(lsn, payload, streamed)
             if watching and msg.__class__ is not relation:
                 self._note(msg, txn.xid)
             yield lsn, msg
+
+    def _decoded(self, lsn: int, payload: bytes, streamed: bool) -> m.Message:
+        try:
+            return self._decode(payload, streamed)
+        except DecodeError:
+            # The assembler's stand-in for a change too large to publish is no pgoutput
+            # message: found here, off the path every other message takes.
+            if payload[0] == OVERSIZED:
+                self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
+            raise
 
     def _note(self, msg: m.Message, xid: int) -> None:
         """Tell the watch what a change did to a table being snapshotted.

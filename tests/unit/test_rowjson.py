@@ -241,9 +241,12 @@ def test_records_equal_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_undecoded_inserts_make_the_decoded_records(
     monkeypatch: pytest.MonkeyPatch, streamed: bool
 ) -> None:
-    # The publisher hands inserts over as payloads; what the plan cannot read (a table with
-    # a jsonb column has no plan) is decoded, and a broken message gets the decoder's error.
+    # The publisher hands messages over as payloads: runs of inserts the plan reads become
+    # records in one call each (at most _RUN of them, 3 here); the rest (a table with a
+    # jsonb column has no plan, other messages) is decoded, and a broken message gets the
+    # decoder's error.
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(events, "_RUN", 3)
     xid = 700 if streamed else None
     plain = m.Relation(xid, 16_401, "public", "plain", "d", relation((20, 25, 1184)).columns)
     docs = m.Relation(
@@ -254,33 +257,75 @@ def test_undecoded_inserts_make_the_decoded_records(
         "d",
         (m.Column("id", 20, -1, True), m.Column("doc", 3802, -1, False)),
     )
-    changes: list[tuple[int, m.Message]] = [(0x100, plain), (0x101, docs)]
+    more = m.Relation(xid, 16_403, "public", "more", "d", relation((20, 25, 1184)).columns)
+    changes: list[tuple[int, m.Message]] = [(0x100, plain), (0x101, docs), (0x102, more)]
     for i in range(6):
         row: list[m.TupleValue] = [str(i), f"é {i}\n" if i % 2 else None, "2024-01-02 03:04:05+00"]
         changes.append((0x110 + i, m.Insert(xid, plain.oid, row)))
         changes.append((0x120 + i, m.Insert(xid, docs.oid, [str(i), '{"n": 1e400}'])))
+    for i in range(6, 14):  # a run longer than a call's limit
+        changes.append((0x130 + i, m.Insert(xid, plain.oid, [str(i), f"run {i}", None])))
+    changes.append((0x150, m.Insert(xid, docs.oid, ["99", "[]"])))
+    for i in range(4):  # two compiled tables in turn: each run stops at the other's insert
+        changes.append(
+            (0x160 + i, m.Insert(xid, (plain, more)[i % 2].oid, [str(200 + i), "", None]))
+        )
+    changes.append((0x170, m.Insert(xid, plain.oid, ["100", "last", None])))
     decoder = PgOutputDecoder()
 
     def records(undecoded: bool) -> list[Record]:
         builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
         given: list[tuple[int, m.Message | bytes]] = [
-            (lsn, encode(msg) if undecoded and isinstance(msg, m.Insert) else msg)
-            for lsn, msg in changes
+            (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
         ]
-        how = Undecoded(insert_relid_at(streamed), lambda p: decoder.decode(p, streamed))
+        how = Undecoded(insert_relid_at(streamed), lambda _, p: decoder.decode(p, streamed))
         return list(
             builder.transaction(
                 700, 0x200, 785_000_000_123_456, iter(given), undecoded=how if undecoded else None
             )
         )
 
-    assert records(True) == records(False)
+    compiled = records(True)
+    assert compiled == records(False)
+    assert len(compiled) == 2 + 3 + 6 + 6 + 8 + 1 + 4 + 1  # BEGIN, END, 3 schemas; inserts
     builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
     broken = encode(m.Insert(xid, plain.oid, ["1", "x", None]))[:-1]
-    how = Undecoded(insert_relid_at(streamed), lambda p: decoder.decode(p, streamed))
+    how = Undecoded(insert_relid_at(streamed), lambda _, p: decoder.decode(p, streamed))
     with pytest.raises(DecodeError, match="malformed Insert"):
         list(
             builder.transaction(
                 700, 0x200, 0, iter([(0x100, plain), (0x110, broken)]), undecoded=how
             )
         )
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_run_of_inserts_stops_at_a_record_over_the_limit(
+    monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    # The record over max_record_bytes in the middle of a run is refused as the decoded path
+    # refuses it, naming its LSN; the rows before it were built.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    xid = 700 if streamed else None
+    plain = m.Relation(xid, 16_401, "public", "plain", "d", relation((20, 25, 1184)).columns)
+    changes: list[tuple[int, m.Message]] = [(0x100, plain)]
+    for i in range(5):
+        note = "x" * 2000 if i == 3 else f"row {i}"
+        changes.append((0x110 + i, m.Insert(xid, plain.oid, [str(i), note, None])))
+    decoder = PgOutputDecoder()
+    how = Undecoded(insert_relid_at(streamed), lambda _, p: decoder.decode(p, streamed))
+
+    def refusal(undecoded: bool) -> tuple[int, str]:
+        builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1500)
+        given = iter([(lsn, encode(msg) if undecoded else msg) for lsn, msg in changes])
+        made = builder.transaction(700, 0x200, 0, given, undecoded=how if undecoded else None)
+        seen = 0
+        with pytest.raises(events.RowTooLarge) as refused:
+            for _ in made:
+                seen += 1
+        return seen, str(refused.value)
+
+    seen, message = refusal(True)
+    assert (seen, message) == refusal(False)
+    assert seen == 1 + 1 + 3  # BEGIN, the schema record, rows 0-2
+    assert "at LSN 0/113" in message
