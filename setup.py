@@ -1,9 +1,10 @@
 """The compiled parts of slotbridge; everything else is in pyproject.toml.
 
-Two C extensions for the hot path: ``services.bridge._tuples`` reads pgoutput TupleData
-(the decoder) and ``services.bridge._rowjson`` writes the default record format's rows and
-keys (the event builder). Both are optional: where no C compiler is at hand the build goes
-on without them and the bridge does the same in Python, only slower.
+Three C extensions for the hot path: ``services.bridge._tuples`` reads pgoutput TupleData
+(the decoder), ``services.bridge._rowjson`` writes the default record format's rows and
+keys (the event builder) and ``services.bridge._spoolread`` splits spool files into their
+records. All are optional: where no C compiler is at hand the build goes on without them
+and the bridge does the same in Python, only slower.
 """
 
 from setuptools import Extension, setup
@@ -17,6 +18,6 @@ setup(
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         )
-        for name in ("_tuples", "_rowjson")
+        for name in ("_tuples", "_rowjson", "_spoolread")
     ]
 )

@@ -142,23 +142,41 @@ class Spool:
                 os.unlink(self._path)
 
 
-def _read_records(reader: BinaryIO) -> Iterator[tuple[int, bytes]]:
+def _split_python(buf: bytes, pos: int) -> tuple[list[tuple[int, bytes]], int]:
+    """The (lsn, payload) of every whole record in ``buf`` from ``pos``, and where the first
+    record not wholly in it starts (``_spoolread.split``, where that is not compiled)."""
     unpack, size = _HEADER.unpack_from, _HEADER.size
+    held = len(buf)
+    records = []
+    while pos + size <= held:
+        lsn, length = unpack(buf, pos)
+        end = pos + size + length
+        if end > held:
+            break
+        records.append((lsn, buf[pos + size : end]))
+        pos = end
+    return records, pos
+
+
+try:
+    from services.bridge._spoolread import split as _split
+except ImportError:  # installed where no C compiler was at hand
+    _split = _split_python
+
+
+def _read_records(reader: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    size = _HEADER.size
     buf = b""
     pos = 0
     while True:
         # Every whole record in the buffer, then more of the file: at least what the next
         # record needs (its header, or all of it once the header is in).
+        records, pos = _split(buf, pos)
+        yield from records
         held = len(buf)
         need = size
-        while pos + size <= held:
-            lsn, length = unpack(buf, pos)
-            end = pos + size + length
-            if end > held:
-                need = size + length
-                break
-            yield lsn, buf[pos + size : end]
-            pos = end
+        if pos + size <= held:
+            need += _HEADER.unpack_from(buf, pos)[1]
         more = reader.read(max(_READ_CHUNK, pos + need - held))
         if not more:
             if pos < held:

@@ -3,16 +3,33 @@ back in arrival order; discarded without a trace."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import random
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from services.bridge import spool as spool_module
 from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
 
+Splitter = Callable[[bytes, int], tuple[list[tuple[int, bytes]], int]]
+SPLITTERS: dict[str, Splitter] = {"python": spool_module._split_python}
+if importlib.util.find_spec("services.bridge._spoolread") is not None:
+    from services.bridge._spoolread import split
 
-def test_messages_come_back_in_order_across_memory_and_disk(tmp_path: Path) -> None:
+    SPLITTERS["compiled"] = split
+
+
+@pytest.fixture(params=sorted(SPLITTERS))
+def splitter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spool files read back with each way of splitting them into records."""
+    monkeypatch.setattr(spool_module, "_split", SPLITTERS[request.param])
+
+
+def test_messages_come_back_in_order_across_memory_and_disk(tmp_path: Path, splitter: None) -> None:
     stats = SpoolStats()
     spool = Spool(tmp_path, "txn-7", 100, stats)
     sent = [(lsn, bytes([lsn % 256]) * 40) for lsn in range(1, 6)]  # two fit in memory
@@ -25,7 +42,7 @@ def test_messages_come_back_in_order_across_memory_and_disk(tmp_path: Path) -> N
     assert list(spool) == sent  # read again, as a retried publish does
 
 
-def test_once_on_disk_later_messages_stay_behind_it(tmp_path: Path) -> None:
+def test_once_on_disk_later_messages_stay_behind_it(tmp_path: Path, splitter: None) -> None:
     """A small message after a large one must not jump the queue into memory."""
     spool = Spool(tmp_path, "txn-7", 100, SpoolStats())
     spool.append(1, b"a" * 200)
@@ -33,7 +50,7 @@ def test_once_on_disk_later_messages_stay_behind_it(tmp_path: Path) -> None:
     assert list(spool) == [(1, b"a" * 200), (2, b"b")]
 
 
-def test_a_message_larger_than_the_read_chunk_survives(tmp_path: Path) -> None:
+def test_a_message_larger_than_the_read_chunk_survives(tmp_path: Path, splitter: None) -> None:
     spool = Spool(tmp_path, "txn-7", 0, SpoolStats())
     big = os.urandom(3 << 20)
     spool.append(1, b"x")
@@ -43,7 +60,9 @@ def test_a_message_larger_than_the_read_chunk_survives(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cut", [1, 12 + 5, 12 + 10 + 3])  # inside a header, a payload
-def test_a_truncated_spool_file_is_an_error_not_an_end(tmp_path: Path, cut: int) -> None:
+def test_a_truncated_spool_file_is_an_error_not_an_end(
+    tmp_path: Path, cut: int, splitter: None
+) -> None:
     spool = Spool(tmp_path, "txn-7", 0, SpoolStats())
     spool.append(1, b"x" * 10)
     spool.append(2, b"y" * 10)
@@ -53,6 +72,23 @@ def test_a_truncated_spool_file_is_an_error_not_an_end(tmp_path: Path, cut: int)
     os.truncate(path, path.stat().st_size - cut)
     with pytest.raises(SpoolError, match="spool file truncated"):
         list(spool)
+
+
+def test_the_compiled_splitter_splits_as_the_python_one() -> None:
+    # CI installs with a C compiler; the Python loop is the reference the splitter is held to.
+    assert "compiled" in SPLITTERS
+    rng = random.Random(7)
+    records = [
+        (rng.getrandbits(64), rng.randbytes(rng.choice((0, 1, 11, 12, 300)))) for _ in range(50)
+    ]
+    whole = b"".join(spool_module._HEADER.pack(lsn, len(p)) + p for lsn, p in records)
+    for cut in (0, 1, 11, 12, 13, 100, len(whole) // 2, len(whole) - 1, len(whole)):
+        for pos in (0, 12 + len(records[0][1])):
+            buf = whole[:cut]
+            if pos > len(buf):
+                continue
+            assert SPLITTERS["compiled"](buf, pos) == SPLITTERS["python"](buf, pos)
+    assert SPLITTERS["compiled"](whole, 0) == (records, len(whole))
 
 
 def test_the_file_is_private_and_discard_removes_it(tmp_path: Path) -> None:
