@@ -2,7 +2,7 @@
 
 The hot path of the default record format (see events.RowPlan): the values come as the
 snapshot reader gives them (a list or tuple of str or None), or as the stream's pgoutput
-TupleData, read in place (record_tuple: no str per column), and the output
+TupleData, read in place (records: no str per column), and the output
 must be byte for byte what orjson.dumps({name: converter(text)}) writes, which
 tests/unit/test_rowjson.py holds it to. Each column has a kind saying how its text becomes
 JSON; the common kinds are handled here, any text a kind does not recognise goes to the
@@ -344,18 +344,6 @@ done:
     return rc;
 }
 
-/* emit() as the (value, key) pair record() and record_tuple() return. */
-static PyObject *emit_pair(RowPlan *self, const Col *cols, PyObject *pieces,
-                           const unsigned long long *numbers, Py_ssize_t nnumbers) {
-    PyObject *value, *key;
-    if (emit(self, cols, pieces, numbers, nnumbers, &value, &key) < 0)
-        return NULL;
-    PyObject *pair = PyTuple_Pack(2, value, key);
-    Py_DECREF(value);
-    Py_DECREF(key);
-    return pair;
-}
-
 #define MAX_NUMBERS 8
 
 /* pieces as emit() needs them (a tuple of bytes, two more than the numbers), and numbers, a
@@ -434,7 +422,12 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
             goto done;
         cols[i].text = item;
     }
-    result = emit_pair(self, cols, args[1], numbers, nnumbers);
+    PyObject *value, *key;
+    if (emit(self, cols, args[1], numbers, nnumbers, &value, &key) == 0) {
+        result = PyTuple_Pack(2, value, key);
+        Py_DECREF(value);
+        Py_DECREF(key);
+    }
 done:
     if (cols != small)
         PyMem_Free(cols);
@@ -488,26 +481,6 @@ done:
     return rc;
 }
 
-/* record_tuple(buf, pos, pieces, numbers): record() of the pgoutput TupleData at pos, or None
-   (see build_tuple). */
-static PyObject *plan_record_tuple(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "record_tuple(buf: bytes, pos: int, pieces: tuple, numbers: tuple)";
-    TupleData td;
-    unsigned long long numbers[MAX_NUMBERS];
-    Py_ssize_t nnumbers;
-    if (tupledata_open(&td, args, nargs, 4, usage) < 0 ||
-        (nnumbers = check_frame(args[2], args[3], numbers)) < 0)
-        return NULL;
-    PyObject *value, *key;
-    int built = build_tuple(self, td.buf, td.len, td.pos, args[2], numbers, nnumbers, &value, &key);
-    if (built <= 0)
-        return built < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *pair = PyTuple_Pack(2, value, key);
-    Py_DECREF(value);
-    Py_DECREF(key);
-    return pair;
-}
-
 /* The (lsn, payload) of an insert into relation relid with a new tuple ('N' at at + 4, the
    TupleData from at + 5), as the spool holds it: its payload, or NULL. */
 static PyObject *insert_into(PyObject *item, Py_ssize_t at, const unsigned char relid[4],
@@ -534,8 +507,9 @@ static PyObject *insert_into(PyObject *item, Py_ssize_t at, const unsigned char 
    order + 1), without a Python frame per row. The run starts with (lsn, payload), an insert
    whose relation oid starts at payload[at], and goes on with the items the iterator gives
    while they are inserts into the same relation, up to limit records. leftover is the item
-   the run stopped at, which the caller handles itself (another message, a row only the
-   decoder reads, a record over max_bytes), or None. */
+   taken from the iterator that the run stopped at, which the caller handles itself (another
+   message, a row only the decoder reads, a record over max_bytes), or None; with no records,
+   the caller's own (lsn, payload) is what it handles. */
 static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, pieces: "
                                 "tuple, total: int, order: int, topic: str, headers, "
@@ -608,17 +582,8 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
         if (payload == NULL)
             break;
     }
-    /* item is the leftover: not built, or the first item of another kind. The run's first
-       payload unbuilt means the caller's own (lsn, payload) is the leftover. */
-    PyObject *leftover = item;
-    if (leftover == NULL && PyList_GET_SIZE(records) == 0)
-        leftover = PyTuple_Pack(2, args[1], args[2]);
-    else if (leftover == NULL)
-        leftover = Py_NewRef(Py_None);
-    if (leftover == NULL)
-        goto error;
-    PyObject *result = Py_BuildValue("(NKKN)", records, total, order, leftover);
-    return result;
+    /* item, if any, is the leftover: taken from the iterator but not built. */
+    return Py_BuildValue("(NKKN)", records, total, order, item != NULL ? item : Py_NewRef(Py_None));
 error:
     Py_XDECREF(item);
     Py_DECREF(records);
@@ -629,9 +594,6 @@ static PyMethodDef plan_methods[] = {
     {"record", (PyCFunction)(void (*)(void))plan_record, METH_FASTCALL,
      "record(values, pieces, numbers) -> (value, key JSON or None): pieces[0], the row, "
      "pieces[1], then each number followed by the next piece"},
-    {"record_tuple", (PyCFunction)(void (*)(void))plan_record_tuple, METH_FASTCALL,
-     "record_tuple(buf, pos, pieces, numbers) -> (value, key JSON or None) or None: record() "
-     "of the pgoutput TupleData at pos, read in place; None for what only the decoder reads"},
     {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
      "records(items, lsn, payload, at, pieces, total, order, topic, headers, max_bytes, limit) "
      "-> (records, total, order, leftover): the records of a run of inserts into one relation"},

@@ -14,9 +14,6 @@ class RowPlan:
     def record(
         self, values: Sequence[str | None], pieces: tuple[bytes, ...], numbers: tuple[int, ...], /
     ) -> tuple[bytes, bytes | None]: ...
-    def record_tuple(
-        self, buf: bytes, pos: int, pieces: tuple[bytes, ...], numbers: tuple[int, ...], /
-    ) -> tuple[bytes, bytes | None] | None: ...
     def records(
         self,
         items: Iterator[tuple[int, Any]],

@@ -1,5 +1,5 @@
 /* pgoutput TupleData read in place, for both extensions: _tuples.c turns it into the
-   decoder's list, _rowjson.c (record_tuple) straight into a record. Whatever these do not
+   decoder's list, _rowjson.c (RowPlan.records) straight into records. Whatever these do not
    read (a binary value, an unknown kind, a value past the end) the Python decoder reads,
    and says what is wrong. */
 #ifndef SLOTBRIDGE_TUPLEDATA_H
@@ -14,7 +14,7 @@ typedef struct {
 
 /* td from a call's (buf: bytes, pos: int, ...) arguments, of which there must be nargs_wanted;
    -1 with an exception set (usage, for a TypeError) if they are not so. */
-static int tupledata_open(TupleData *td, PyObject *const *args, Py_ssize_t nargs,
+static inline int tupledata_open(TupleData *td, PyObject *const *args, Py_ssize_t nargs,
                           Py_ssize_t nargs_wanted, const char *usage) {
     if (nargs != nargs_wanted || !PyBytes_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, usage);

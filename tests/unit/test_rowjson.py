@@ -86,17 +86,29 @@ def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
     return RelationCatalog("app", lambda oid: facts).apply(rel)
 
 
+# What RowPlan.records puts around a row (six pieces, four numbers): nothing, for the tests.
+SIX = (b"",) * 6
+
+
+def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
+    """``records`` of one Insert whose TupleData is ``data``: (value, key), or None when the
+    plan leaves it to the decoder."""
+    message = b"I" + struct.pack("!I", 16_401) + b"N" + data
+    records, *_ = plan.records(iter(()), 0, message, 1, SIX, 0, 0, "t", None, 1 << 30, 1)
+    return (records[0][2], records[0][1]) if records else None
+
+
 def built(plan: RowPlan, values: Sequence[str | None]) -> tuple[bytes, bytes | None]:
-    """The row and key JSON alone: ``record`` with nothing around the row; ``record_tuple``
-    of the same values as pgoutput TupleData (inside an Insert message) must agree."""
-    message = b"I" + struct.pack("!I", 16_401) + b"N" + tuple_data(values)
+    """The row and key JSON alone: ``record`` with nothing around the row; ``records`` of
+    the same values as pgoutput TupleData (inside an Insert message) must agree."""
     try:
         expected = plan.record(values, (b"", b""), ())
     except ValueError as exc:  # a converter refused the text: in place too
         with pytest.raises(ValueError, match=re.escape(str(exc)[:20])):
-            plan.record_tuple(message, 6, (b"", b""), ())
+            in_place(plan, tuple_data(values))
         raise
-    assert plan.record_tuple(message, 6, (b"", b""), ()) == expected, values
+    framed = plan.record(values, SIX, (0, 0, 1, 1))
+    assert in_place(plan, tuple_data(values)) == framed, values
     return expected
 
 
@@ -179,27 +191,26 @@ def test_what_the_builder_refuses() -> None:
 
 
 def test_what_is_left_to_the_decoder() -> None:
-    # record_tuple reads text and NULL columns; for anything else it returns None and the
+    # records reads text and NULL columns; for anything else it builds nothing and the
     # builder decodes the message, whose decoder names what is wrong.
     plan = info_of(relation((20, 25))).plan
     assert plan is not None
-    nothing = ((b"", b""), ())
     good = tuple_data(["1", "x"])
-    assert plan.record_tuple(b"ab" + good, 2, *nothing) == built(plan, ["1", "x"])
-    for data, pos in [
-        (tuple_data(["1"]), 0),  # another column count
-        (tuple_data(["1", "x", "y"]), 0),
-        (tuple_data(["1", m.UNCHANGED_TOAST]), 0),
-        (tuple_data(["1", b"binary"]), 0),
-        (good[:-1], 0),  # the last value runs past the end
-        (good + b"\0", 0),  # something after the tuple
-        (good[:3], 0),
-        (good, len(good)),
-        (good, -1),
-        (tuple_data(["1", "x"]).replace(b"x", b"\xff"), 0),  # not UTF-8
-        (tuple_data(["1", "é"]).replace("é".encode(), b"\xc3("), 0),
+    assert in_place(plan, good) == plan.record(["1", "x"], SIX, (0, 0, 1, 1))
+    for data in [
+        tuple_data(["1"]),  # another column count
+        tuple_data(["1", "x", "y"]),
+        tuple_data(["1", m.UNCHANGED_TOAST]),
+        tuple_data(["1", b"binary"]),
+        good[:-1],  # the last value runs past the end
+        good + b"\0",  # something after the tuple
+        good[:3],
+        b"",  # no column count
+        good[:1],
+        tuple_data(["1", "x"]).replace(b"x", b"\xff"),  # not UTF-8
+        tuple_data(["1", "é"]).replace("é".encode(), b"\xc3("),
     ]:
-        assert plan.record_tuple(data, pos, *nothing) is None, data
+        assert in_place(plan, data) is None, data
 
 
 def test_no_plan_for_json_columns_or_other_formats() -> None:
