@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 import uuid
@@ -12,7 +13,13 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import FencedError, KafkaRefused, KafkaSink, SinkError
+from services.bridge.sink import (
+    FencedError,
+    KafkaRefused,
+    KafkaSink,
+    SinkError,
+    UnnamedDeliveryFailure,
+)
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
@@ -77,4 +84,82 @@ def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
         assert not isinstance(caught.value, FencedError)
     finally:
         sink.close()
+    assert read_topics(stack.kafka, [name]) == []
+
+
+def _settings(stack: Stack, name: str, **extra: object) -> BridgeSettings:
+    return BridgeSettings(
+        source_dsn="host=unused",
+        kafka_bootstrap=stack.kafka_bootstrap,
+        slot_name=name,
+        topic_prefix=name,
+        http_port=0,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["rdsend", "checked"])
+def test_records_keep_their_order_across_both_paths(stack: Stack, checked: bool) -> None:
+    """Runs of plain records go to librdkafka in one call each (_rdsend), the others (with
+    headers, or while its queue is full: 500 records here) through produce(); a checked
+    sink sends all through produce(). Per partition, Kafka must hold them exactly in the
+    order given."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(
+        _settings(stack, name, kafka_config={"queue.buffering.max.messages": "500"}),
+        checked=checked,
+    )
+    assert (sink._direct is None) == checked
+    topics = [f"{name}.a", f"{name}.b"]
+    records: list[
+        tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
+    ] = []
+    for n in range(20_000):
+        topic = topics[(n // 700) % 2]  # runs of 700 records per topic
+        key = None if n % 97 == 0 else b'{"id":%d}' % n
+        value = None if n % 89 == 0 else b'{"n":%d}' % n
+        records.append((topic, key, value, [("h", b"%d" % n)] if n % 53 == 0 else None))
+    try:
+        sink.start()
+        sink.begin()
+        assert sink.produce_all(iter(records), ()) == len(records)
+        sink.commit()
+    finally:
+        sink.close()
+    got = read_topics(stack.kafka, topics)
+    for topic in topics:
+        expected = [
+            (None if k is None else json.loads(k), None if v is None else json.loads(v))
+            for t, k, v, _ in records
+            if t == topic
+        ]
+        assert [(r.key, r.value) for r in got if r.topic == topic] == expected
+
+
+def test_refusal_of_a_record_sent_unchecked_fails_the_commit(stack: Stack) -> None:
+    """A record sent through _rdsend has no delivery report of its own: when the broker
+    refuses it, the commit must still fail, nothing of the transaction may be visible, and
+    the error must say the next session checks every record (the daemon then uses
+    ``checked=True``: produce(), whose reports name the record, as the test above shows)."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": "2000"})])[name].result()
+    big = b'"%s"' % base64.b64encode(os.urandom(50_000))
+    sink = KafkaSink(_settings(stack, name))
+    assert sink._direct is not None
+    try:
+        sink.start()
+        sink.begin()  # not through ensure_topics, which would raise the topic's limit
+        sink.produce(name, b"k", b'"small"')  # the partition's first write: now proven
+        sink.produce_all(iter([(name, b"k", big, None), (name, b"k", b'"behind"', None)]), ())
+        with pytest.raises(UnnamedDeliveryFailure) as failed:
+            sink.commit()
+    finally:
+        sink.close()  # aborts
+    text = str(failed.value)
+    assert "MSG_SIZE_TOO_LARGE" in text and name in text and "\n" not in text
+    assert "every record checked" in text
+    checked = KafkaSink(_settings(stack, name), checked=True)
+    assert checked._direct is None
+    checked.close()
     assert read_topics(stack.kafka, [name]) == []
