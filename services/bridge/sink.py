@@ -55,9 +55,9 @@ class FencedError(SinkError):
 
 class UnnamedDeliveryFailure(SinkError):
     """A record sent without a delivery report of its own (``_rdsend``) failed delivery:
-    Kafka says how many, not which or why. The next session sends the transaction again
-    with every record checked (``KafkaSink(checked=True)``), which names the cause if it
-    persists."""
+    the commit fails with the Kafka transaction's error, which need not name the record.
+    The next session publishes the same changes again with every record checked
+    (``KafkaSink(checked=True)``), which names the record and the cause if it persists."""
 
     retryable = True
 
@@ -563,7 +563,7 @@ class KafkaSink:
 
     def _unnamed(self, err: KafkaError) -> UnnamedDeliveryFailure:
         return UnnamedDeliveryFailure(
-            f"Kafka: {explain(err)}; the next session publishes this transaction again with "
+            f"Kafka: {explain(err)}; the next session publishes these changes again with "
             "every record checked, to name the record and the cause"
         )
 
