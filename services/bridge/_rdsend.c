@@ -69,23 +69,30 @@ static int load_symbols(const char *library) {
         PyErr_Format(PyExc_OSError, "%s is not loaded: %s", library, dlerror());
         return -1;
     }
-    *(void **)&topic_new = dlsym(lib, "rd_kafka_topic_new");
-    *(void **)&topic_destroy = dlsym(lib, "rd_kafka_topic_destroy");
-    *(void **)&produce_batch = dlsym(lib, "rd_kafka_produce_batch");
-    *(void **)&opaque_of = dlsym(lib, "rd_kafka_opaque");
-    *(void **)&type_of = dlsym(lib, "rd_kafka_type");
     /* The module stays loaded as long as confluent-kafka does: no dlclose. */
-    if (!topic_new || !topic_destroy || !produce_batch || !opaque_of || !type_of) {
-        PyErr_Format(PyExc_OSError, "librdkafka's functions are not visible from %s", library);
-        return -1;
-    }
+    void *found[5] = {dlsym(lib, "rd_kafka_topic_new"), dlsym(lib, "rd_kafka_topic_destroy"),
+                      dlsym(lib, "rd_kafka_produce_batch"), dlsym(lib, "rd_kafka_opaque"),
+                      dlsym(lib, "rd_kafka_type")};
+    for (int i = 0; i < 5; i++)
+        if (found[i] == NULL) {
+            PyErr_Format(PyExc_OSError, "librdkafka's functions are not visible from %s",
+                         library);
+            return -1;
+        }
+    /* All or none: bind() takes topic_new being set for all of them loaded. */
+    *(void **)&topic_destroy = found[1];
+    *(void **)&produce_batch = found[2];
+    *(void **)&opaque_of = found[3];
+    *(void **)&type_of = found[4];
+    *(void **)&topic_new = found[0];
     return 0;
 }
 
 static PyTypeObject SenderType;
 
 /* bind(library, producer) -> Sender: library is the path of confluent-kafka's extension
-   module (confluent_kafka.cimpl.__file__). */
+   module (confluent_kafka.cimpl.__file__), where the first successful call finds the
+   librdkafka functions; a process has one confluent-kafka. */
 static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     const char *library;

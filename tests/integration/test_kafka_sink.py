@@ -9,9 +9,11 @@ import time
 import uuid
 
 import pytest
+from confluent_kafka import Consumer, Producer, cimpl
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
+from services.bridge import _rdsend
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import (
     FencedError,
@@ -163,3 +165,24 @@ def test_refusal_of_a_record_sent_unchecked_fails_the_commit(stack: Stack) -> No
     assert checked._direct is None
     checked.close()
     assert read_topics(stack.kafka, [name]) == []
+
+
+def test_rdsend_binds_only_to_a_confluent_kafka_producer(stack: Stack) -> None:
+    """_rdsend reads the handle out of the Producer object: it must refuse anything whose
+    layout it cannot vouch for, a subclass included, rather than read a stray pointer."""
+
+    class MyProducer(Producer):
+        pass
+
+    config = {"bootstrap.servers": stack.kafka_bootstrap}
+    consumer = Consumer({**config, "group.id": f"g{uuid.uuid4().hex[:8]}"})
+    try:
+        for other in (object(), consumer, MyProducer(config)):
+            with pytest.raises(TypeError, match="not a confluent-kafka Producer"):
+                _rdsend.bind(cimpl.__file__, other)  # type: ignore[arg-type]
+    finally:
+        consumer.close()
+    sender = _rdsend.bind(cimpl.__file__, Producer(config))
+    with pytest.raises(TypeError):
+        sender.send((), 0, set())  # type: ignore[arg-type]
+    assert sender.send([], 0, set()) == (0, 0)
