@@ -55,9 +55,10 @@ class FencedError(SinkError):
 
 class UnnamedDeliveryFailure(SinkError):
     """A record sent without a delivery report of its own (``_rdsend``) failed delivery:
-    the commit fails with the Kafka transaction's error, which need not name the record.
-    The next session publishes the same changes again with every record checked
-    (``KafkaSink(checked=True)``), which names the record and the cause if it persists."""
+    what is heard of it is the transaction's failure (``KafkaSink._transaction_failed``),
+    which need not name the record. The next session publishes the same changes again with
+    every record checked (``KafkaSink(checked=True)``), which names the record and the
+    cause if it persists."""
 
     retryable = True
 
@@ -476,10 +477,10 @@ class KafkaSink:
         """Wait until every record produced so far is acknowledged, or raise."""
         undelivered = self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)
         if self._failure is not None:
-            if self._direct is not None and self._failure.code() in _PURGED:
-                # Purged behind a record that failed unreported (see _unnamed).
-                raise self._unnamed(self._failure)
-            raise self._classify(self._failure, "Kafka delivery failed: ")
+            failed = self._failure
+            raise self._transaction_failed(failed) or self._classify(
+                failed, "Kafka delivery failed: "
+            )
         if undelivered:
             # Never commit a transaction we cannot prove whole.
             raise SinkError(
@@ -494,15 +495,12 @@ class KafkaSink:
             self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
         except (KafkaException, SystemError) as exc:
             err = cause(exc)
-            if (
-                self._direct is not None
-                and isinstance(err, KafkaError)
-                and err.txn_requires_abort()
-            ):
-                # Every record produce() sent was delivered (_deliver_all): the commit failed
-                # on one sent through _rdsend, with the transaction's error, not the record's.
-                raise self._unnamed(err) from None
-            raise self._classify(exc) from None
+            known = (
+                self._transaction_failed(err)
+                if isinstance(err, KafkaError) and err.txn_requires_abort()
+                else None
+            )
+            raise known or self._classify(exc) from None
         self._in_txn = False
         return time.monotonic() - started
 
@@ -561,11 +559,22 @@ class KafkaSink:
             self._failure = err
             self._failed_record = (msg.topic(), len(msg.value() or b""))
 
-    def _unnamed(self, err: KafkaError) -> UnnamedDeliveryFailure:
-        return UnnamedDeliveryFailure(
-            f"Kafka: {explain(err)}; the next session publishes these changes again with "
-            "every record checked, to name the record and the cause"
-        )
+    def _transaction_failed(self, err: KafkaError) -> SinkError | None:
+        """Why the open transaction failed, where ``err`` says only that it did: once one of
+        its records fails, librdkafka purges those queued behind it, takes no more
+        (``_STATE``) and fails the commit. The failed record's own delivery report says why;
+        a record sent through ``_rdsend`` has none (``UnnamedDeliveryFailure``). None when
+        nothing says more than ``err``."""
+        self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)  # the reports
+        failure = self._failure
+        if failure is not None and failure.code() not in _PURGED:
+            return self._classify(failure, "Kafka delivery failed: ")
+        if self._direct is not None:
+            return UnnamedDeliveryFailure(
+                f"Kafka: {explain(err)}; the next session publishes these changes again with "
+                "every record checked, to name the record and the cause"
+            )
+        return None
 
     def _classify(
         self,
@@ -586,6 +595,15 @@ class KafkaSink:
         # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
         # bridge would reconnect and fence the bridge that fenced it, in turn.
         err = cause(exc)
+        if (
+            isinstance(err, KafkaError)
+            and err.code() == KafkaError._STATE
+            and self._in_txn
+            and err is not self._failure
+        ):
+            known = self._transaction_failed(err)
+            if known is not None:
+                return known
         if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
             topic, size = record or self._failed_record or ("?", 0)
             return KafkaRefused(

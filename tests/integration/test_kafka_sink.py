@@ -14,6 +14,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from services.bridge import _rdsend
+from services.bridge.events import Record
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import (
     FencedError,
@@ -26,6 +27,17 @@ from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
 
+def _settings(stack: Stack, name: str, **extra: object) -> BridgeSettings:
+    return BridgeSettings(
+        source_dsn="host=unused",
+        kafka_bootstrap=stack.kafka_bootstrap,
+        slot_name=name,
+        topic_prefix=name,
+        http_port=0,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
 def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
     """Only failed deliveries are reported to Python; the commit must still hear of them,
     and say in one line which topic refused what (a fatal error: no retry changes it)."""
@@ -33,14 +45,7 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     # A topic made elsewhere with a small record limit: the broker refuses our big record.
     admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": "2000"})])[name].result()
-    settings = BridgeSettings(
-        source_dsn="host=unused",
-        kafka_bootstrap=stack.kafka_bootstrap,
-        slot_name=name,
-        topic_prefix=name,
-        http_port=0,
-    )
-    sink = KafkaSink(settings)
+    sink = KafkaSink(_settings(stack, name))
     try:
         sink.start()
         sink.begin()  # not through ensure_topics, which would raise the topic's limit
@@ -65,15 +70,7 @@ def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
     """The broker aborts it and fences the producer; the error must name the setting, not
     blame another bridge."""
     name = f"sink{uuid.uuid4().hex[:8]}"
-    settings = BridgeSettings(
-        source_dsn="host=unused",
-        kafka_bootstrap=stack.kafka_bootstrap,
-        slot_name=name,
-        topic_prefix=name,
-        http_port=0,
-        kafka_transaction_timeout_ms=1000,
-    )
-    sink = KafkaSink(settings)
+    sink = KafkaSink(_settings(stack, name, kafka_transaction_timeout_ms=1000))
     try:
         sink.start()
         sink.ensure_topics({name: False})
@@ -89,17 +86,6 @@ def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
     assert read_topics(stack.kafka, [name]) == []
 
 
-def _settings(stack: Stack, name: str, **extra: object) -> BridgeSettings:
-    return BridgeSettings(
-        source_dsn="host=unused",
-        kafka_bootstrap=stack.kafka_bootstrap,
-        slot_name=name,
-        topic_prefix=name,
-        http_port=0,
-        **extra,  # type: ignore[arg-type]
-    )
-
-
 @pytest.mark.parametrize("checked", [False, True], ids=["rdsend", "checked"])
 def test_records_keep_their_order_across_both_paths(stack: Stack, checked: bool) -> None:
     """Runs of plain records go to librdkafka in one call each (_rdsend), the others (with
@@ -113,9 +99,7 @@ def test_records_keep_their_order_across_both_paths(stack: Stack, checked: bool)
     )
     assert (sink._direct is None) == checked
     topics = [f"{name}.a", f"{name}.b"]
-    records: list[
-        tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
-    ] = []
+    records: list[Record] = []
     for n in range(20_000):
         topic = topics[(n // 700) % 2]  # runs of 700 records per topic
         key = None if n % 97 == 0 else b'{"id":%d}' % n
@@ -164,6 +148,33 @@ def test_refusal_of_a_record_sent_unchecked_fails_the_commit(stack: Stack) -> No
     checked = KafkaSink(_settings(stack, name), checked=True)
     assert checked._direct is None
     checked.close()
+    assert read_topics(stack.kafka, [name]) == []
+
+
+def test_records_behind_an_unchecked_refusal_fail_the_transaction_too(stack: Stack) -> None:
+    """Once a record of the transaction failed, librdkafka takes no more (``_STATE``): a
+    record sent through produce() behind one refused unreported (these carry headers) must
+    fail the same way, as UnnamedDeliveryFailure, never as a bare state error the next
+    session would meet again."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin.create_topics([NewTopic(name, 1, 1, config={"max.message.bytes": "2000"})])[name].result()
+    big = b'"%s"' % base64.b64encode(os.urandom(50_000))
+    behind: list[Record] = [
+        (name, b"k%d" % n, b'"behind"', [("h", b"%d" % n)]) for n in range(2000)
+    ]
+    sink = KafkaSink(_settings(stack, name))
+    try:
+        sink.start()
+        sink.begin()  # not through ensure_topics, which would raise the topic's limit
+        sink.produce(name, b"k", b'"small"')  # the partition's first write: now proven
+        with pytest.raises(UnnamedDeliveryFailure, match="every record checked"):
+            sink.produce_all(iter([(name, b"k", big, None), *behind]), ())
+            time.sleep(1)  # the refusal is in by now, whichever call hears of it
+            sink.produce_all(iter(behind), ())
+            sink.commit()
+    finally:
+        sink.close()  # aborts
     assert read_topics(stack.kafka, [name]) == []
 
 
