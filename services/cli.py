@@ -17,6 +17,7 @@ _COMMANDS = {
     "run": "services.bridge.cli:run",
     "status": "services.bridge.cli:status",
     "snapshot": "services.bridge.cli:snapshot",
+    "adopt-upgrade": "services.bridge.cli:adopt_upgrade",
     "failover": "services.failover.cli:failover",
     "consume": "spark_consumers.cli:consume",
 }

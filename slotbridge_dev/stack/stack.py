@@ -34,6 +34,7 @@ from slotbridge_dev.stack.cluster import (
     wait_until,
 )
 from slotbridge_dev.stack.kafka import Kafka, has_broker, new_cluster_id
+from slotbridge_dev.stack.upgrade import old_bin_dir, pg_upgrade, replace_data_dir
 
 __all__ = ["NODE_NAMES", "Stack", "StackError"]
 
@@ -144,10 +145,14 @@ class Stack:
             "ports": dict(zip(names, free_ports(len(names)), strict=True)),
             "kafka_cluster_id": new_cluster_id(),
         }
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
-        tmp.replace(self.state_path)
+        self._state = state
+        self._save_state()
         return state
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        tmp.replace(self.state_path)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -283,6 +288,51 @@ class Stack:
             self._standby_up()
             kafka_ready.result()
         say(f"ready in {time.monotonic() - started:.1f}s ({self.state_dir})")
+
+    def up_source(self) -> None:
+        """Only the primary and its standby: for a test that brings its own broker and
+        changes the source's servers under it (``upgrade``)."""
+        self._preflight()
+        if self._state is None:
+            self._state = self._new_state()
+        self._primary_up()
+        self._standby_up()
+
+    def upgrade(self, to_major: str) -> None:
+        """The primary upgraded to ``to_major`` with ``pg_upgrade``, the standby rebuilt from
+        it: the procedure of the README's upgrade section, on this stack.
+
+        The caller stops writes and lets every logical slot catch up first (pg_upgrade
+        refuses a slot with changes it has not confirmed). What ``pg_upgrade`` does not carry
+        is set again: the physical slot of the standby (only logical slots move) and
+        ``synchronized_standby_slots`` (it lives in postgresql.auto.conf, which is not copied).
+        """
+        old_major = self.pg_major
+        if to_major not in SUPPORTED or int(to_major) <= int(old_major):
+            raise StackError(f"cannot upgrade PostgreSQL {old_major} to {to_major}")
+        primary = self.node("primary")
+        self.node("standby").shutdown()
+        if not primary.stop("fast"):
+            raise StackError(f"primary: did not stop cleanly; log: {primary.log_path}")
+        tools = bootstrap.pg_upgrade_bin(self._cache(), to_major)
+        target = Node(f"primary-{to_major}", self.state_dir, primary.port, tools, self._user())
+        shutil.rmtree(target.dir, ignore_errors=True)
+        # pg_upgrade wants the new cluster's checksum setting to match the old one's (off:
+        # the stack's 17 initdb default; 18's initdb turns them on).
+        target.initdb("--no-data-checksums")
+        target.write_config(COMMON_SETTINGS)
+        pg_upgrade(primary, target, old_bin_dir(primary, old_major))
+        replace_data_dir(primary, target)
+        shutil.rmtree(target.dir)
+        self.state["pg_major"] = to_major
+        self._save_state()
+        self._nodes = {}  # their binaries were the old major's
+        self._primary_up()
+        self.node("standby").wipe()
+        self._standby_up()
+        with self.node("primary").connect() as conn:
+            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def _kafka_up(self) -> None:
         self.kafka.start()
