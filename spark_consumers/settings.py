@@ -14,6 +14,8 @@ from pydantic import Field, field_validator
 
 from services.common.settings import (
     HTTP_HOST,
+    LOG_FORMAT,
+    LOG_LEVEL,
     ServiceSettings,
     kafka_topic_name,
     qualified_tables,
@@ -36,7 +38,9 @@ class ConsumerSettings(ServiceSettings):
         description="extra Kafka client settings without the 'kafka.' prefix "
         "(security.protocol, sasl.jaas.config ...)",
     )
-    topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
+    topic_prefix: str = Field(
+        default="slotbridge", max_length=MAX_PREFIX, description="the bridge's topic_prefix"
+    )
     tables: list[str] | None = Field(
         default=None,
         description="schema.table names to consume; every change topic when unset",
@@ -72,7 +76,9 @@ class ConsumerSettings(ServiceSettings):
         "them in /opt/slotbridge/jars/spark; a checkout: `slotbridge stack env`); needed "
         "in local mode, optional under spark-submit (--jars / --packages bring them)",
     )
-    shuffle_partitions: int = Field(default=4, ge=1)
+    shuffle_partitions: int = Field(
+        default=4, ge=1, description="spark.sql.shuffle.partitions of the job's session"
+    )
     stop_grace_s: float = Field(
         default=60.0,
         ge=0,
@@ -103,8 +109,8 @@ class ConsumerSettings(ServiceSettings):
     http_port: int = Field(
         default=9189, ge=0, le=65535, description="/healthz /readyz /metrics; 0 disables the server"
     )
-    log_format: Literal["json", "text"] = "json"
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = LOG_FORMAT
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = LOG_LEVEL
 
     @field_validator("warehouse", "checkpoint_dir")
     @classmethod

@@ -12,6 +12,8 @@ from pydantic import Field, SecretStr, field_validator
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,
+    LOG_FORMAT,
+    LOG_LEVEL,
     ServiceSettings,
     kafka_topic_name,
     qualified_tables,
@@ -54,17 +56,43 @@ class BridgeSettings(ServiceSettings):
     """
 
     source_dsn: str = Field(description="libpq connection string of the source database")
-    source_password: SecretStr | None = None
-    slot_name: str = "slotbridge"
-    publication_name: str = "slotbridge"
+    source_password: SecretStr | None = Field(
+        default=None,
+        description="password added to source_dsn (better from SLOTBRIDGE_SOURCE_PASSWORD or "
+        "PGPASSFILE than from the file); never logged",
+    )
+    slot_name: str = Field(
+        default="slotbridge",
+        description="the failover logical slot the bridge streams (created if missing); also "
+        "names the replication origin slotbridge_<slot_name> and the default transactional id",
+    )
+    publication_name: str = Field(
+        default="slotbridge", description="the publication whose tables and rows are published"
+    )
     tables: list[str] | None = Field(
         default=None,
         description="schema.table names to publish; all tables when unset",
     )
-    create_publication: bool = True
-    streaming: Literal["parallel", "on", "off"] = "parallel"
-    two_phase: bool = True
-    snapshot_mode: Literal["initial", "never", "initial_only"] = "initial"
+    create_publication: bool = Field(
+        default=True,
+        description="create a missing publication together with a new slot (needs the tables' "
+        "owner, or a superuser for all tables); an existing one is never changed",
+    )
+    streaming: Literal["parallel", "on", "off"] = Field(
+        default="parallel",
+        description="pgoutput streaming of large in-progress transactions: they arrive while "
+        "running, are spooled, and are published at their commit",
+    )
+    two_phase: bool = Field(
+        default=True,
+        description="decode prepared transactions at PREPARE (spooled until COMMIT PREPARED); "
+        "fixed when the slot is created",
+    )
+    snapshot_mode: Literal["initial", "never", "initial_only"] = Field(
+        default="initial",
+        description="initial: snapshot a new slot's tables (chunked, while streaming); never; "
+        "initial_only: stream until the initial snapshot is published, then drop the slot",
+    )
     snapshot_workers: int = Field(
         default=2,
         ge=1,
@@ -102,8 +130,17 @@ class BridgeSettings(ServiceSettings):
             "compression.type lz4, queue.buffering.max.*)"
         ),
     )
-    kafka_sasl_password: SecretStr | None = None
-    topic_prefix: str = Field(default="slotbridge", max_length=MAX_PREFIX)
+    kafka_sasl_password: SecretStr | None = Field(
+        default=None,
+        description="sasl.password of the Kafka clients (better from "
+        "SLOTBRIDGE_KAFKA_SASL_PASSWORD than from the file); never logged",
+    )
+    topic_prefix: str = Field(
+        default="slotbridge",
+        max_length=MAX_PREFIX,
+        description="first part of every topic name: <prefix>.<schema>.<table>, "
+        "<prefix>.transaction, <prefix>.schema, <prefix>.message",
+    )
     value_format: Literal["slotbridge", "debezium"] = Field(
         default="slotbridge",
         description=(
@@ -112,10 +149,23 @@ class BridgeSettings(ServiceSettings):
             "(schemas.enable=true), for consumers built for Debezium"
         ),
     )
-    progress_topic: str = "__slotbridge_progress"
-    topic_partitions: int = Field(default=1, ge=1)
+    progress_topic: str = Field(
+        default="__slotbridge_progress",
+        description="compacted topic of each slot's last published position (one key per slot)",
+    )
+    topic_partitions: int = Field(
+        default=1,
+        ge=1,
+        description="partitions of the change topics the bridge creates (records of one key "
+        "stay in one partition, in order)",
+    )
     topic_replication_factor: int = Field(default=-1, description="-1: the broker's default")
-    kafka_transaction_timeout_ms: int = Field(default=300_000, ge=1_000)
+    kafka_transaction_timeout_ms: int = Field(
+        default=300_000,
+        ge=1_000,
+        description="transaction.timeout.ms of the producer: the broker aborts a Kafka "
+        "transaction open longer (at most the broker's transaction.max.timeout.ms)",
+    )
     kafka_transactional_id: str | None = Field(
         default=None,
         min_length=1,
@@ -158,7 +208,12 @@ class BridgeSettings(ServiceSettings):
             "batch_max_ms or more batches by time alone"
         ),
     )
-    status_interval_s: float = Field(default=10.0, gt=0)
+    status_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds between standby status updates to the walsender when nothing "
+        "else prompts one (below wal_sender_timeout)",
+    )
     max_row_bytes: int = Field(
         default=8 * 1024 * 1024,
         ge=1024,
@@ -168,8 +223,8 @@ class BridgeSettings(ServiceSettings):
 
     http_host: str = HTTP_HOST
     http_port: int = Field(default=9187, ge=0, le=65535, description="0 disables the server")
-    log_format: Literal["json", "text"] = "json"
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = LOG_FORMAT
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = LOG_LEVEL
 
     @field_validator("slot_name", "publication_name")
     @classmethod

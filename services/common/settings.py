@@ -61,6 +61,12 @@ HTTP_HOST: Any = Field(
     "/metrics ...; no authentication): loopback by default, the Helm chart sets 0.0.0.0",
 )
 
+LOG_FORMAT: Any = Field(
+    default="json",
+    description="json: one JSON object per line (for log shippers); text: for people",
+)
+LOG_LEVEL: Any = Field(default="INFO", description="the least severe log level written")
+
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 

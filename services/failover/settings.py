@@ -15,7 +15,7 @@ from psycopg import conninfo
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from services.common.pg import check_dsn, with_password
-from services.common.settings import HTTP_HOST, ServiceSettings
+from services.common.settings import HTTP_HOST, LOG_FORMAT, LOG_LEVEL, ServiceSettings
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -26,7 +26,9 @@ class Node(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dsn: str = Field(description="libpq connection string the failover service uses")
-    password: SecretStr | None = None
+    password: SecretStr | None = Field(
+        default=None, description="password added to dsn; never logged or printed"
+    )
 
     @field_validator("dsn")
     @classmethod
@@ -77,17 +79,30 @@ class Subscriber(Node):
 class FailoverSettings(ServiceSettings):
     """Primary, standbys, subscribers and the bridge's slots, plus the daemon's knobs."""
 
-    primary: Node
-    standbys: dict[str, Standby] = Field(min_length=1)
-    subscribers: dict[str, Subscriber] = Field(default_factory=dict)
+    primary: Node = Field(description="the current primary")
+    standbys: dict[str, Standby] = Field(
+        min_length=1, description="physical standbys that may be promoted, by name"
+    )
+    subscribers: dict[str, Subscriber] = Field(
+        default_factory=dict,
+        description="subscriber clusters whose subscriptions follow a promotion, by name",
+    )
     bridge_slots: list[str] = Field(
         default_factory=list,
         description="logical slots of slotbridge bridges on the primary",
     )
 
-    check_interval_s: float = Field(default=10.0, gt=0)
-    max_slot_lag_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
-    max_replay_lag_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
+    check_interval_s: float = Field(default=10.0, gt=0, description="watch: seconds between checks")
+    max_slot_lag_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="a synced slot further behind the primary's slot than this is not ready",
+    )
+    max_replay_lag_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="a standby whose replay is further behind the primary than this is not ready",
+    )
     auto_repoint: bool = Field(
         default=False,
         description="watch: repoint subscribers itself when it sees a promotion",
@@ -102,14 +117,24 @@ class FailoverSettings(ServiceSettings):
         "(e.g. pg_ctl stop, a cloud API call); the node name is in "
         "SLOTBRIDGE_FENCE_NODE",
     )
-    promote_timeout_s: float = Field(default=60.0, gt=0)
-    catchup_timeout_s: float = Field(default=60.0, gt=0)
-    stream_timeout_s: float = Field(default=60.0, gt=0)
+    promote_timeout_s: float = Field(
+        default=60.0, gt=0, description="promote: how long pg_promote may take"
+    )
+    catchup_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="promote: how long the standby may take to replay what the primary sent",
+    )
+    stream_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="promote: how long repointed subscriptions may take to stream again",
+    )
 
     http_host: str = HTTP_HOST
     http_port: int = Field(default=9188, ge=0, le=65535, description="0 disables the server")
-    log_format: Literal["json", "text"] = "json"
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = LOG_FORMAT
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = LOG_LEVEL
 
     @field_validator("bridge_slots")
     @classmethod
