@@ -388,10 +388,24 @@ class Stack:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (STANDBY_SLOT,))
         conn.execute("SELECT pg_create_physical_replication_slot(%s, true)", (STANDBY_SLOT,))
 
-    def _clone_standby(self) -> None:
-        primary, standby = self.node("primary"), self.node("standby")
+    def rejoin_as_standby(self, name: str, primary_name: str) -> None:
+        """Node ``name`` (an old primary after a failover drill) rebuilt as a standby of node
+        ``primary_name``, which then waits for it before sending logical changes
+        (``synchronized_standby_slots``), as the stack's first primary does."""
+        node = self.node(name)
+        node.shutdown()
+        node.wipe()
+        self._clone_standby(primary_name, name)
+        node.start()
+        self._wait_streaming(name)
+        with self.node(primary_name).connect() as conn:
+            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
+            conn.execute("SELECT pg_reload_conf()")
+
+    def _clone_standby(self, primary_name: str = "primary", standby_name: str = "standby") -> None:
+        primary, standby = self.node(primary_name), self.node(standby_name)
         standby.make_dir()
-        say("standby: cloning the primary (pg_backup_start / copy / pg_backup_stop)")
+        say(f"{standby_name}: cloning {primary_name} (pg_backup_start / copy / pg_backup_stop)")
         with primary.connect() as conn:
             self._ensure_standby_slot(conn)
             # Non-exclusive backup: it belongs to this session, which must also end it.
@@ -407,7 +421,7 @@ class Stack:
         standby.write_config(
             {
                 **COMMON_SETTINGS,
-                "primary_conninfo": f"{primary.dsn} application_name=standby",
+                "primary_conninfo": f"{primary.dsn} application_name={standby_name}",
                 "primary_slot_name": STANDBY_SLOT,
                 "hot_standby_feedback": True,
                 "sync_replication_slots": True,
@@ -417,13 +431,13 @@ class Stack:
         if standby.run_as is not None:
             standby.run_as.chown_tree(standby.dir)
 
-    def _wait_streaming(self, timeout: float = 90) -> None:
-        standby = self.node("standby")
-        say(f"standby: waiting until it streams from the primary (up to {timeout:.0f}s)")
+    def _wait_streaming(self, name: str = "standby", timeout: float = 90) -> None:
+        standby = self.node(name)
+        say(f"{name}: waiting until it streams from the primary (up to {timeout:.0f}s)")
 
         def streaming() -> bool:
             if not standby.is_running():
-                raise StackError(f"standby: postgres exited; log: {standby.log_path}")
+                raise StackError(f"{name}: postgres exited; log: {standby.log_path}")
             try:
                 rows = standby.query("SELECT status FROM pg_stat_wal_receiver")
             except (StackError, psycopg.Error):
@@ -432,7 +446,7 @@ class Stack:
 
         if not wait_until(streaming, timeout, interval=0.5):
             raise StackError(
-                f"standby: never reached streaming within {timeout:.0f}s; log: {standby.log_path}"
+                f"{name}: never reached streaming within {timeout:.0f}s; log: {standby.log_path}"
             )
 
     # -- down -----------------------------------------------------------------------------
@@ -549,7 +563,14 @@ class Stack:
 
     # -- failover slots -------------------------------------------------------------------
 
-    def wait_slot_synced(self, slot: str, timeout: float = 60, advance: bool = False) -> float:
+    def wait_slot_synced(
+        self,
+        slot: str,
+        timeout: float = 60,
+        advance: bool = False,
+        primary_name: str = "primary",
+        standby_name: str = "standby",
+    ) -> float:
         """Wait until ``standby`` holds ``slot`` synced, permanent and valid; seconds taken.
 
         A fresh slot whose catalog xmin is older than the standby's own horizon stays
@@ -559,7 +580,7 @@ class Stack:
         primary, and with ``advance`` also advances the slot to the primary's current WAL
         position, playing the consumer: only for slots whose skipped changes nobody needs.
         """
-        primary, standby = self.node("primary"), self.node("standby")
+        primary, standby = self.node(primary_name), self.node(standby_name)
         started = time.monotonic()
 
         def ready() -> bool:
@@ -578,9 +599,12 @@ class Stack:
                     )
             return False
 
-        say(f"standby: waiting for failover slot {slot} to be sync-ready (up to {timeout:.0f}s)")
+        say(
+            f"{standby_name}: waiting for failover slot {slot} to be sync-ready (up to {timeout:.0f}s)"
+        )
         if not wait_until(ready, timeout, interval=1.0):
             raise StackError(
-                f"standby: slot {slot} not synced within {timeout:.0f}s; log: {standby.log_path}"
+                f"{standby_name}: slot {slot} not synced within {timeout:.0f}s; "
+                f"log: {standby.log_path}"
             )
         return time.monotonic() - started
