@@ -353,7 +353,7 @@ class Soak:
 
     def verdict(self) -> dict[str, Any]:
         topics = [self.pipe.topic(f"public.{t}") for t in TABLES]
-        records = read_topics(self.stack.kafka, topics, timeout=120)
+        records = read_topics(self.stack.kafka, topics, stall_s=120)
         with psycopg.connect(self.primary().dsn) as conn:
             rows: dict[str, dict[int, int]] = {
                 t: dict(conn.execute(f"SELECT id, {_value(t)} FROM {t}").fetchall()) for t in TABLES

@@ -48,6 +48,22 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
         time.sleep(interval)
 
 
+def wait_progressing(
+    done: Callable[[], bool], progress: Callable[[], Any], stall_s: float, what: str
+) -> None:
+    """Until ``done()``; fails only when ``progress()`` (a position that moves while the
+    work goes on) stayed the same for ``stall_s``: work that grows with volume is never
+    given a fixed deadline."""
+    last, moved = progress(), time.monotonic()
+    while not done():
+        now = progress()
+        if now != last:
+            last, moved = now, time.monotonic()
+        elif time.monotonic() - moved > stall_s:
+            raise AssertionError(f"no progress for {stall_s}s (at {last}) waiting for {what}")
+        time.sleep(0.5)
+
+
 def one_line_error(output: str) -> str:
     """The only error line of a run (an ERROR log line, or a CLI's ``slotbridge: ...``
     refusal); fails on a traceback or a raw Kafka repr."""
@@ -82,8 +98,12 @@ class Record:
     raw: bytes | None = None  # the value as written, for checks json.loads would blur
 
 
-def read_topics(kafka: Kafka, topics: list[str], timeout: float = 20.0) -> list[Record]:
+def read_topics(kafka: Kafka, topics: list[str], stall_s: float = 20.0) -> list[Record]:
     """Everything committed (read_committed) on the topics, in partition order.
+
+    ``stall_s``: how long the read may go without a new record (or a new end of
+    partition) before it fails; never a bound on the whole read, whose length grows with
+    the topics.
 
     A read_committed reader stops at the last stable offset: below the high watermark
     only while a Kafka transaction there has no COMMIT/ABORT marker yet (the broker writes
@@ -92,11 +112,14 @@ def read_topics(kafka: Kafka, topics: list[str], timeout: float = 20.0) -> list[
     ended since: a bridge still publishing commits one every few hundred ms); anything
     else is a missing record and fails.
     """
-    deadline = time.monotonic() + timeout
+    seen: list[tuple[str, int, int]] = []
+    stuck_since = time.monotonic()
     while True:
-        records, behind = _read_once(kafka.bootstrap, topics, timeout)
+        records, behind = _read_once(kafka.bootstrap, topics, stall_s)
         if not behind:
             return records
+        if behind != seen:  # the open transactions moved on: progress, however long the read
+            seen, stuck_since = behind, time.monotonic()
         unexplained = [
             (t, p, end) for t, p, end in behind if not transaction_starts_at(kafka, t, p, end)
         ]
@@ -105,15 +128,15 @@ def read_topics(kafka: Kafka, topics: list[str], timeout: float = 20.0) -> list[
                 f"read_committed stopped below the high watermark at "
                 f"{unexplained} where no transaction begins in the log"
             )
-        if time.monotonic() > deadline:
+        if time.monotonic() - stuck_since > stall_s:
             raise AssertionError(
-                f"{behind} still hold records of open Kafka transactions after {timeout}s"
+                f"{behind} still hold records of open Kafka transactions after {stall_s}s"
             )
         time.sleep(0.3)
 
 
 def _read_once(
-    bootstrap: str, topics: list[str], timeout: float
+    bootstrap: str, topics: list[str], stall_s: float
 ) -> tuple[list[Record], list[tuple[str, int, int]]]:
     consumer = Consumer(
         {
@@ -125,7 +148,7 @@ def _read_once(
         }
     )
     try:
-        meta = consumer.list_topics(timeout=timeout).topics
+        meta = consumer.list_topics(timeout=stall_s).topics
         parts = [TopicPartition(t, p, 0) for t in topics if t in meta for p in meta[t].partitions]
         if not parts:
             return [], []
@@ -133,11 +156,12 @@ def _read_once(
         pending = {(p.topic, p.partition) for p in parts}
         ends: dict[tuple[str, int], int] = {}
         out: list[Record] = []
-        deadline = time.monotonic() + timeout
-        while pending and time.monotonic() < deadline:
+        stalled_at = time.monotonic() + stall_s
+        while pending and time.monotonic() < stalled_at:
             msg = consumer.poll(0.5)
             if msg is None:
                 continue
+            stalled_at = time.monotonic() + stall_s  # progress: the clock starts again
             topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
             assert topic is not None and partition is not None and offset is not None
             error = msg.error()
@@ -152,7 +176,9 @@ def _read_once(
             value = json.loads(raw) if raw is not None else None
             out.append(Record(topic, key, value, partition, offset, raw))
         if pending:
-            raise AssertionError(f"did not reach the end of {sorted(pending)} in {timeout}s")
+            raise AssertionError(
+                f"no record from {sorted(pending)} for {stall_s}s before their end"
+            )
         behind = [
             (*tp, end)
             for tp, end in ends.items()
@@ -276,12 +302,14 @@ class Pipeline:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def published_end_lsn(self) -> int:
-        records = read_topics(self.kafka, [self.progress_topic], timeout=30)
+        records = read_topics(self.kafka, [self.progress_topic], stall_s=30)
         mine = [r.value for r in records if r.key == {"slot": self.name}]
         return max((v["end_lsn"] for v in mine if v), default=0)
 
-    def wait_caught_up(self, timeout: float = 120) -> None:
-        """Until the bridge has published everything the source has written now.
+    def wait_caught_up(self, stall_s: float = 120) -> None:
+        """Until the bridge has published everything the source has written now; fails when
+        for ``stall_s`` the server decoded nothing more for the slot and neither its confirmed
+        position nor the origin moved (a streamed transaction is confirmed only once whole).
 
         The slot's confirmed position alone says too little: snapshots are read in chunks
         while the slot streams. The bridge confirms only what Kafka holds, and advances its
@@ -291,14 +319,23 @@ class Pipeline:
         """
         target = _lsn(sql(self.stack.primary_dsn, "SELECT pg_current_wal_insert_lsn()::text")[0][0])
         snapshot = self.env().get("SLOTBRIDGE_SNAPSHOT_MODE", "initial") != "never"
-        wait_for(
+        wait_progressing(
             lambda: (
                 self._confirmed() >= target
                 and (not snapshot or (self._origin() > 0 and not self._snapshots_under_way()))
             ),
-            timeout,
+            lambda: (self._confirmed(), self._origin(), self._decoded_bytes()),
+            stall_s,
             f"slot {self.name} to confirm {target:X} after its snapshots\n{self.output()[-3000:]}",
         )
+
+    def _decoded_bytes(self) -> int:
+        rows = sql(
+            self.stack.primary_dsn,
+            "SELECT total_bytes FROM pg_stat_replication_slots WHERE slot_name = %s",
+            (self.name,),
+        )
+        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
 
     def _snapshots_under_way(self) -> bool:
         progress = read_kafka_progress(
@@ -327,12 +364,9 @@ class Pipeline:
         )
         return _lsn(rows[0][0]) if rows and rows[0][0] else 0
 
-    def changes(self, table: str, timeout: float = 20.0) -> list[Record]:
-        """The table's change records (tombstones left out); ``timeout``: for the read, which
-        a topic of a million records needs more of."""
-        return [
-            r for r in read_topics(self.kafka, [self.topic(table)], timeout) if r.value is not None
-        ]
+    def changes(self, table: str) -> list[Record]:
+        """The table's change records (tombstones left out)."""
+        return [r for r in read_topics(self.kafka, [self.topic(table)]) if r.value is not None]
 
     def audit(self) -> AuditReport:
         """The broker-log audit of everything this pipeline's bridges wrote; fails on any
