@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
 import threading
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 import psycopg
+from psycopg.errors import DuplicateObject, ObjectInUse, UndefinedObject
 
 from services.bridge import decoder, events
 from services.bridge import messages as m
@@ -427,7 +427,9 @@ class Bridge:
                 finally:
                     poller.stop(_STOP_GRACE_S)
         except StreamError as exc:
-            if f'publication "{s.publication_name}" does not exist' in str(exc):
+            # Undefined object while streaming our existing slot: the publication, which
+            # pgoutput reads as of each change's WAL position, is gone there.
+            if exc.sqlstate == UndefinedObject.sqlstate and slot_state(server.sql, s.slot_name):
                 raise publication_dropped(s) from None
             raise
         self._stop_cleanly(session)
@@ -547,11 +549,13 @@ class Bridge:
         try:
             yield
         except StreamError as exc:
-            text = str(exc)
-            holder = re.search(r"is active for PID (\d+)", text)
-            if holder is not None:
-                raise self._slot_busy(sql, f"process {holder[1]}") from None
-            if "already exists" in text:  # both found no slot; the other created it first
+            if exc.sqlstate == ObjectInUse.sqlstate:
+                state = slot_state(sql, self.settings.slot_name)
+                holder = state.active_pid if state is not None else None
+                raise self._slot_busy(
+                    sql, f"process {holder}" if holder else "a process that has just let it go"
+                ) from None
+            if exc.sqlstate == DuplicateObject.sqlstate:  # both found no slot; the other made it
                 raise self._slot_busy(sql, "another bridge that just created it") from None
             raise
 

@@ -33,9 +33,24 @@ SESSION_OPTIONS = (
 
 
 class StreamError(SlotbridgeError):
-    """The replication connection failed or was refused; the message says why."""
+    """The replication connection failed or was refused; the message says why, and
+    ``sqlstate`` (the server's error code, None for a client-side failure) is what callers
+    decide on: messages follow the server's lc_messages."""
 
     retryable = True
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+def _failed(what: str, res: pq.abc.PGresult) -> StreamError:
+    """The error of a command's result, with its SQLSTATE."""
+    code = res.error_field(pq.DiagnosticField.SQLSTATE)
+    return StreamError(
+        f"{what}: {(res.error_message or b'').decode(errors='replace').strip()}",
+        code.decode() if code else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +103,7 @@ class ReplicationConnection:
         res = self.conn.exec_(sql.encode())
         status = pq.ExecStatus(res.status)
         if status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-            raise StreamError(
-                f"{sql.split()[0]} failed: "
-                f"{(res.error_message or b'').decode(errors='replace').strip()}"
-            )
+            raise _failed(f"{sql.split()[0]} failed", res)
         rows = []
         for r in range(res.ntuples):
             row = []
@@ -119,10 +131,7 @@ class ReplicationConnection:
         sql = f"START_REPLICATION SLOT {slot} LOGICAL {format_lsn(lsn)} ({opts})"
         res = self.conn.exec_(sql.encode())
         if pq.ExecStatus(res.status) != pq.ExecStatus.COPY_BOTH:
-            raise StreamError(
-                "START_REPLICATION failed: "
-                f"{(res.error_message or b'').decode(errors='replace').strip()}"
-            )
+            raise _failed("START_REPLICATION failed", res)
         self.conn.nonblocking = 1
         self._streaming = True
 
@@ -145,7 +154,7 @@ class ReplicationConnection:
                 conn.consume_input()
                 continue
             if nbytes < 0:
-                raise StreamError(self._stream_end_reason())
+                raise self._stream_ended()
             # One copy, of the payload only: a single message may be hundreds of MB (one
             # huge row), and each extra copy of it is that much more peak memory.
             raw = memoryview(data)
@@ -179,11 +188,11 @@ class ReplicationConnection:
     def _error(self) -> str:
         return self.conn.get_error_message().strip() or "connection lost"
 
-    def _stream_end_reason(self) -> str:
+    def _stream_ended(self) -> StreamError:
         res = self.conn.get_result()
         if res is not None and res.error_message:
-            return "replication stream ended: " + res.error_message.decode(errors="replace").strip()
-        return "replication stream ended: " + self._error()
+            return _failed("replication stream ended", res)
+        return StreamError("replication stream ended: " + self._error())
 
 
 def drop_slot(dsn: str, name: str) -> None:

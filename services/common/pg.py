@@ -117,7 +117,13 @@ def redact_dsn(dsn: str) -> str:
 
 
 def explain_connect_error(exc: psycopg.Error, dsn: str) -> str:
-    """One line: what failed and the likely fix, never the password."""
+    """One line: what failed and the likely fix, never the password.
+
+    The one place that reads an error's text: libpq reports a failed connection attempt by
+    message only (no SQLSTATE reaches a client before its session exists), so the hint is
+    picked from libpq's and the server's English words and is "see the server log" under
+    another language. It only words the line: nothing is decided on it.
+    """
     # libpq's messages span lines (the cause first, its own hint after): fold them.
     text = (
         " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
