@@ -61,7 +61,9 @@ from services.bridge.publisher import (
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import (
+    FencedError,
     KafkaSink,
+    SinkError,
     UnnamedDeliveryFailure,
     kafka_client_config,
 )
@@ -79,6 +81,7 @@ from services.bridge.source import (
 )
 from services.bridge.spool import Spool, SpoolStats, prepare_spool_dir
 from services.bridge.stream import ReplicationConnection, StreamError, drop_slot
+from services.bridge.takeover import end_walsender, slot_holder
 from services.common.errors import retryable
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
@@ -92,16 +95,19 @@ log = logging.getLogger(__name__)
 
 _QUEUE_BYTES = 64 * 1024 * 1024
 _STOP_GRACE_S = 15.0  # three times this stays inside the chart's 60 s termination grace
+# How long a successor waits for the predecessor's walsender to exit once it ended it.
+_TAKEOVER_WAIT_S = 10.0
 
 
 class SlotBusy(SourceError):
     """The slot is in use by another walsender.
 
     Two bridges on a slot: the one that registered its Kafka transactional id last wins.
-    Every session starts by fencing the producers before it, so the walsender in the way is
-    a fenced bridge's - which stops at its next Kafka call, within HEARTBEAT_S - or a dead
-    client's, which the server ends after wal_sender_timeout. ``wait_s`` covers both; a slot
-    still held after that is streamed by something else.
+    Every session starts by fencing the producers before it and ends a fenced bridge's
+    walsender itself (``takeover``); where it may not, the walsender in the way stops at its
+    bridge's next Kafka call, within HEARTBEAT_S, or the server ends it after
+    wal_sender_timeout. ``wait_s`` covers both; a slot still held after that is streamed by
+    something else.
     """
 
     retryable = True  # and waited out even before a session streamed (``retry_session``)
@@ -326,7 +332,7 @@ class Bridge:
         builder = self._builder(sql, server.system.dbname, mark)
         sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
         with self._racing_for_slot(sql):
-            self._ensure_slot(sql, server.repl, origin, server.system.dbname, kafka_progress)
+            self._ensure_slot(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
         warn_keyless_tables(sql, s.publication_name)
         book = self._book = self._snapshots(sql, kafka_progress, mark)
 
@@ -426,11 +432,21 @@ class Bridge:
                     self._loop(session, poller)
                 finally:
                     poller.stop(_STOP_GRACE_S)
-        except StreamError as exc:
+        except Exception as exc:
             # Undefined object while streaming our existing slot: the publication, which
             # pgoutput reads as of each change's WAL position, is gone there.
-            if exc.sqlstate == UndefinedObject.sqlstate and slot_state(server.sql, s.slot_name):
+            if (
+                isinstance(exc, StreamError)
+                and exc.sqlstate == UndefinedObject.sqlstate
+                and slot_state(server.sql, s.slot_name)
+            ):
                 raise publication_dropped(s) from None
+            # A session that ends for a reason a new one could get past: first make sure no
+            # successor took the slot over, or the new session would fence it in turn.
+            if retryable(exc) and not isinstance(exc, FencedError):
+                fenced = self._superseded(session)
+                if fenced is not None:
+                    raise fenced from None
             raise
         self._stop_cleanly(session)
 
@@ -496,6 +512,7 @@ class Bridge:
         self,
         sql: psycopg.Connection[tuple[object, ...]],
         repl: ReplicationConnection,
+        sink: KafkaSink,
         origin: OriginStore,
         dbname: str,
         kafka_progress: ProgressRecord | None,
@@ -509,7 +526,7 @@ class Bridge:
             # Before anything else: is it ours at all?
             check_slot(state, s, ours=kafka_progress is not None or origin.exists())
         if state is not None and state.active_pid is not None:
-            raise self._slot_busy(sql, f"process {state.active_pid}")
+            self._take_over(sql, repl, sink, state.active_pid)
         ensure_publication(sql, s, slot_is_new=state is None)
         if state is None:
             # The origin first: a crash between the two leaves an origin without a slot
@@ -532,6 +549,83 @@ class Bridge:
         if not state.failover:
             repl.command(f"ALTER_REPLICATION_SLOT {s.slot_name} (FAILOVER true)")
             log_event(log, logging.INFO, "enabled failover on existing slot", slot=s.slot_name)
+
+    def _take_over(
+        self,
+        sql: psycopg.Connection[tuple[object, ...]],
+        repl: ReplicationConnection,
+        sink: KafkaSink,
+        pid: int,
+    ) -> None:
+        """End the walsender of a predecessor this session's producer has fenced (see
+        ``takeover``); SlotBusy to wait for it where that is not allowed."""
+        holder = slot_holder(sql, pid)
+        if holder is None:
+            return  # gone since the slot was read: it is free
+        if holder.application_name != repl.application_name():
+            raise self._slot_busy(sql, f"{holder}, not a bridge")
+        # Still the newest? Two bridges starting together each fence the other's earlier
+        # registration; only the last one registered may end the other's walsender
+        # (FencedError stops this one instead).
+        sink.prove_not_fenced()
+        try:
+            ended = end_walsender(sql, holder, _TAKEOVER_WAIT_S)
+        except psycopg.errors.InsufficientPrivilege:
+            log_event(
+                log,
+                logging.WARNING,
+                f"cannot end the walsender of the fenced predecessor, {holder}: role "
+                f"{sql.info.user} may not signal it; waiting until the server ends it "
+                "(wal_sender_timeout). GRANT pg_signal_backend to this role, or run every "
+                "bridge of the slot as one role, to take over at once",
+                slot=self.settings.slot_name,
+            )
+            raise self._slot_busy(sql, str(holder)) from None
+        if not ended:
+            raise self._slot_busy(sql, f"{holder}, still exiting")
+        log_event(
+            log,
+            logging.INFO,
+            f"ended the walsender of the predecessor, {holder}: this bridge registered the "
+            "slot's Kafka transactional id, so the predecessor can publish and confirm nothing "
+            "more",
+            slot=self.settings.slot_name,
+            pid=holder.pid,
+        )
+
+    def _superseded(self, session: _Session) -> FencedError | None:
+        """After the stream broke: whether a successor fenced this bridge (it may have
+        ended our walsender to take the slot over). Asked with this session's producer,
+        the one a successor fenced: a new producer would fence the successor instead. While
+        Kafka cannot answer, it keeps asking rather than start a session that could."""
+        publisher = session.publisher
+        publisher.stop()
+        publisher.join(_STOP_GRACE_S)
+        if isinstance(publisher.error, FencedError):
+            return publisher.error
+        if publisher.is_alive():
+            return None  # its batch is stuck in Kafka; the session ends as before
+        backoff = Backoff()
+        while not self._stop.is_set():
+            try:
+                session.sink.prove_not_fenced()
+                return None
+            except FencedError as exc:
+                return exc
+            except SinkError as exc:
+                if not exc.retryable:
+                    raise
+                wait_s = backoff.session_ended(False)
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "stream ended and Kafka cannot say whether another bridge took over; "
+                    "asking again before any new session",
+                    error=one_line(exc),
+                    retry_in_s=round(wait_s, 1),
+                )
+                self._stop.wait(wait_s)
+        return None
 
     @contextmanager
     def _known_wait(self, what: str) -> Iterator[None]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psycopg
 from psycopg import conninfo, pq
 
 from services.bridge import messages as m
@@ -26,6 +27,7 @@ _KEEPALIVE = struct.Struct("!QQB")  # walEnd, sendTime, replyRequested
 _STATUS = struct.Struct("!cQQQQB")
 # Session settings that make text output canonical for the value converters (money's
 # output follows lc_monetary: C prints '-$1,234.56' whatever the database's locale).
+APPLICATION_NAME = "slotbridge"
 SESSION_OPTIONS = (
     "-c DateStyle=ISO -c IntervalStyle=iso_8601 -c TimeZone=UTC -c extra_float_digits=3"
     " -c lc_monetary=C"
@@ -83,6 +85,9 @@ class ReplicationConnection:
             replication="database",
             client_encoding="UTF8",
             options=f"{user_options} {SESSION_OPTIONS}".strip(),
+            # Marks the walsender as a bridge's for a successor (``takeover``) unless the
+            # DSN names one (synchronous_standby_names may depend on it).
+            fallback_application_name=APPLICATION_NAME,
         )
         self._redacted = redact_dsn(full)
         self.conn = pq.PGconn.connect(full.encode())
@@ -112,6 +117,11 @@ class ReplicationConnection:
                 row.append(None if value is None else bytes(value).decode())
             rows.append(tuple(row))
         return rows
+
+    def application_name(self) -> str:
+        """The session's application_name, as the server reported it."""
+        value = self.conn.parameter_status(b"application_name")
+        return value.decode() if value else ""
 
     def identify_system(self) -> SystemInfo:
         ((sysid, timeline, xlogpos, dbname),) = self.command("IDENTIFY_SYSTEM")
@@ -151,7 +161,10 @@ class ReplicationConnection:
                 waited = True
                 if not ready:
                     return
-                conn.consume_input()
+                try:
+                    conn.consume_input()
+                except psycopg.OperationalError as exc:  # the connection broke
+                    raise StreamError(f"replication stream ended: {exc}") from None
                 continue
             if nbytes < 0:
                 raise self._stream_ended()

@@ -599,9 +599,7 @@ class Stack:
                     )
             return False
 
-        say(
-            f"{standby_name}: waiting for failover slot {slot} to be sync-ready (up to {timeout:.0f}s)"
-        )
+        say(f"{standby_name}: waiting for failover slot {slot} to be sync-ready ({timeout:.0f}s)")
         if not wait_until(ready, timeout, interval=1.0):
             raise StackError(
                 f"{standby_name}: slot {slot} not synced within {timeout:.0f}s; "

@@ -364,7 +364,8 @@ def test_slot_held_by_another_consumer_is_waited_for_then_refused(
     assert pipe.stop() == 0
     sql(stack.primary_dsn, "ALTER SYSTEM SET wal_sender_timeout = '2s'")
     sql(stack.primary_dsn, "SELECT pg_reload_conf()")
-    other = ReplicationConnection(stack.primary_dsn)
+    # Named as another program: a bridge would end a walsender named as its own.
+    other = ReplicationConnection(f"{stack.primary_dsn} application_name=pg_recvlogical")
     stop = threading.Event()
 
     def consume() -> None:  # a live client: it reads and replies, so it is never timed out

@@ -1,0 +1,114 @@
+"""A successor takes the slot over in seconds, not after ``wal_sender_timeout``.
+
+The predecessor is paused (SIGSTOP: a frozen VM, a long stall) or cut off from PostgreSQL
+with its connection left half-open (a lost node), so its walsender keeps the slot. The
+successor fences it in Kafka, ends that walsender and streams; the predecessor, running
+again, publishes and confirms nothing and stops with one line. Kafka holds every row once
+(broker-log audit). The stack's wal_sender_timeout is 60 s: a successor that waited for it
+would stream after a minute.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from psycopg import conninfo
+
+from slotbridge_dev.stack.stack import Stack
+from slotbridge_dev.stack.tcp_relay import FreezableRelay
+from tests.integration.bridge_harness import Pipeline, one_line_error, sql
+
+SCHEMA = "takeover"
+# Far below the stack's wal_sender_timeout (60 s), even on a slow, busy machine; the
+# measured figure is printed (and in the README).
+TAKEOVER_LIMIT_S = 30.0
+
+
+@pytest.fixture
+def table(stack: Stack) -> Iterator[str]:
+    sql(stack.primary_dsn, f"CREATE SCHEMA {SCHEMA}")
+    sql(stack.primary_dsn, f"CREATE TABLE {SCHEMA}.t (id int PRIMARY KEY, v text)")
+    yield f"{SCHEMA}.t"
+    sql(stack.primary_dsn, f"DROP SCHEMA {SCHEMA} CASCADE")
+
+
+def _ids(pipe: Pipeline, table: str) -> list[int]:
+    return [r.value["after"]["id"] for r in pipe.changes(table)]
+
+
+def _take_over(old: Pipeline, table: str, tmp_path: Path, resume: Callable[[], object]) -> float:
+    """Start a successor while ``old`` is out of action; seconds until it streams. Then
+    ``resume()`` brings the predecessor back, which must stop by itself, fenced."""
+    new = Pipeline(old.stack, old.tables, tmp_path / "successor", name=old.name)
+    new.workdir.mkdir()
+    try:
+        started = time.monotonic()
+        new.start()
+        new.wait_for_log(" streaming slot=", 120)
+        took = time.monotonic() - started
+        assert "ended the walsender of the predecessor" in new.output(), new.output()[-3000:]
+        sql(old.stack.primary_dsn, f"INSERT INTO {table} VALUES (2, 'successor')")
+        new.wait_caught_up()
+        resume()
+        assert old.proc is not None
+        assert old.proc.wait(120) == 1, old.output()[-3000:]
+        line = one_line_error(
+            "\n".join(t for t in old.output().splitlines() if "[rdkafka#" not in t)
+        )
+        assert f"another bridge took over slot {old.name}" in line, line
+        sql(old.stack.primary_dsn, f"INSERT INTO {table} VALUES (3, 'after')")
+        new.wait_caught_up()
+        assert _ids(new, table) == [1, 2, 3]
+        assert new.stop() == 0
+        new.audit()
+        return took
+    finally:
+        new.kill()
+
+
+def test_paused_predecessor_is_taken_over_in_seconds(
+    stack: Stack, table: str, tmp_path: Path
+) -> None:
+    old = Pipeline(stack, [table], tmp_path / "old")
+    old.workdir.mkdir()
+    try:
+        old.start()
+        old.wait_caught_up()
+        sql(stack.primary_dsn, f"INSERT INTO {table} VALUES (1, 'predecessor')")
+        old.wait_caught_up()
+        paused = old.proc
+        assert paused is not None
+        paused.send_signal(signal.SIGSTOP)
+        took = _take_over(old, table, tmp_path, lambda: paused.send_signal(signal.SIGCONT))
+        print(f"\nTAKEOVER paused predecessor: successor streaming {took:.1f}s after its start")
+        assert took < TAKEOVER_LIMIT_S
+    finally:
+        old.cleanup()
+
+
+def test_cut_off_predecessor_is_taken_over_in_seconds(
+    stack: Stack, table: str, tmp_path: Path
+) -> None:
+    params = conninfo.conninfo_to_dict(stack.primary_dsn)
+    relay = FreezableRelay(str(params["host"]), int(str(params["port"]))).start()
+    old = Pipeline(stack, [table], tmp_path / "old")
+    old.workdir.mkdir()
+    old.extra["SLOTBRIDGE_SOURCE_DSN"] = conninfo.make_conninfo(
+        stack.primary_dsn, port=str(relay.port)
+    )
+    try:
+        old.start()
+        old.wait_caught_up()
+        sql(stack.primary_dsn, f"INSERT INTO {table} VALUES (1, 'predecessor')")
+        old.wait_caught_up()
+        relay.freeze()  # the server's side of the walsender's connection stays open
+        took = _take_over(old, table, tmp_path, relay.close)
+        print(f"\nTAKEOVER cut-off predecessor: successor streaming {took:.1f}s after its start")
+        assert took < TAKEOVER_LIMIT_S
+    finally:
+        relay.close()
+        old.cleanup()
