@@ -1,10 +1,9 @@
 """The compiled parts of slotbridge; everything else is in pyproject.toml.
 
-Four C extensions for the hot path: ``services.bridge._tuples`` reads pgoutput TupleData
+Three C extensions for the hot path: ``services.bridge._tuples`` reads pgoutput TupleData
 (the decoder), ``services.bridge._rowjson`` writes the default record format's rows and
-keys (the event builder), ``services.bridge._spoolread`` splits spool files into their
-records and ``services.bridge._rdsend`` hands runs of records to librdkafka (the sink). All
-are optional: where no C compiler is at hand the build goes on without them
+keys (the event builder) and ``services.bridge._spoolread`` splits spool files into their
+records. All are optional: where no C compiler is at hand the build goes on without them
 and the bridge does the same in Python, only slower.
 """
 
@@ -18,9 +17,7 @@ setup(
             depends=["services/bridge/_tupledata.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
-            # dlopen/dlsym: in libc itself only from glibc 2.34 on.
-            libraries=["dl"] if name == "_rdsend" else [],
         )
-        for name in ("_tuples", "_rowjson", "_spoolread", "_rdsend")
+        for name in ("_tuples", "_rowjson", "_spoolread")
     ]
 )

@@ -9,7 +9,7 @@ commits under backlog, two ways, each with the bridge's own producer settings
 
 - ``produce()``: one confluent-kafka ``Producer.produce`` call per record;
 - ``sink``: the bridge's ``KafkaSink.produce_all``, which hands runs of records to
-  librdkafka in one call each (``services/bridge/_rdsend.c``).
+  librdkafka in one call each (confluent-kafka's public ``Producer.produce_batch``).
 
 Printed for each: records/s, this process's CPU microseconds per record (the calls plus
 librdkafka's own threads: batching, compression, the network) and the microseconds spent

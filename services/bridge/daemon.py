@@ -64,7 +64,6 @@ from services.bridge.sink import (
     FencedError,
     KafkaSink,
     SinkError,
-    UnnamedDeliveryFailure,
     kafka_client_config,
 )
 from services.bridge.snapshot import ChunkReader, SnapshotBook
@@ -196,9 +195,6 @@ class Bridge:
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
         self._sessions_streamed = 0
-        # The last session ended on a delivery failure Kafka did not say the cause of: the
-        # next one sends every record checked (see UnnamedDeliveryFailure).
-        self._check_records = False
         self._dsn = with_password(
             settings.source_dsn,
             settings.source_password.get_secret_value() if settings.source_password else None,
@@ -266,7 +262,6 @@ class Bridge:
                     ) from None
                 if not self._retryable(exc):
                     raise
-                self._check_records = isinstance(exc, UnnamedDeliveryFailure)
                 wait_s = backoff.session_ended(self._sessions_streamed > streamed_before)
                 self.metrics.reconnects.inc()
                 self._health.error = one_line(exc)
@@ -316,7 +311,7 @@ class Bridge:
         opened here is closed by ``ending``."""
         s = self.settings
         spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
-        sink = KafkaSink(s, checked=self._check_records)
+        sink = KafkaSink(s)
         ending.callback(sink.close)
         sink.start()  # fences a killed predecessor; must precede reading progress
         sink.ensure_topics({s.progress_topic: True})

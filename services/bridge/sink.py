@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Container, Iterable
 from itertools import islice
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition, cimpl
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 # The package re-exports these without declaring it; mypy wants their own modules.
@@ -30,13 +30,6 @@ from services.bridge.settings import BridgeSettings
 from services.common.errors import SlotbridgeError
 from services.common.kafka import KafkaLog, cause, check_reachable, explain
 from services.common.logs import log_event
-
-_bind: Callable[[str, Producer], Sender] | None
-try:
-    from services.bridge._rdsend import Sender
-    from services.bridge._rdsend import bind as _bind
-except ImportError:  # installed where no C compiler was at hand
-    _bind = None
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +44,6 @@ class FencedError(SinkError):
     """Another bridge instance owns this slot's transactional id now."""
 
     retryable = False  # the newer bridge streams the slot; this one steps aside
-
-
-class UnnamedDeliveryFailure(SinkError):
-    """A record sent without a delivery report of its own (``_rdsend``) failed delivery:
-    what is heard of it is the transaction's failure (``KafkaSink._transaction_failed``),
-    which need not name the record. The next session publishes the same changes again with
-    every record checked (``KafkaSink(checked=True)``), which names the record and the
-    cause if it persists."""
-
-    retryable = True
 
 
 class KafkaRefused(SinkError):
@@ -88,7 +71,7 @@ _TOPIC_REFUSALS = frozenset(
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _REACH_S = 10.0
-# Records taken from the publisher's iterator at a time, for _rdsend.
+# Records taken from the publisher's iterator at a time, for BatchSender.
 _CHUNK = 1024
 _SECURITY_HINT = (
     "kafka_bootstrap and the security settings in kafka_config (security.protocol, sasl.*, ssl.*)"
@@ -177,26 +160,55 @@ class FirstWrites:
             self.forget()
 
 
-def _direct_sender(producer: Producer) -> Sender | None:
-    """The compiled path past ``Producer.produce`` for this producer, if it can be had."""
-    if _bind is None:
-        return None
-    try:
-        return _bind(cimpl.__file__, producer)
-    except (OSError, TypeError, ValueError) as exc:
-        log_event(
-            log,
-            logging.WARNING,
-            "records go through confluent-kafka's produce(), at twice the cost",
-            reason=str(exc),
-        )
-        return None
+Record = tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
+
+
+class BatchSender:
+    """Runs of plain records handed to librdkafka through confluent-kafka's public
+    ``Producer.produce_batch``: one call per run of records of one topic, at a fraction of a
+    ``produce()`` call each (bench/produce_floor.py). Every record keeps its delivery
+    report (the producer's ``on_delivery``), so a refused one is named like any other.
+
+    It takes no headers (the Debezium format's records have them: ``produce()``), and its
+    caller gives it only topics whose every partition is proven (``FirstWrites``): the
+    records are partitioned by librdkafka, many requests in flight to each partition.
+    """
+
+    def __init__(self, producer: Producer) -> None:
+        self._produce_batch = producer.produce_batch
+
+    def send(self, chunk: list[Record], at: int, settled: Container[str]) -> tuple[int, int]:
+        """Hand ``chunk[at:]`` over run by run; returns where it stopped (a record that is
+        not for this path, or the end) and the error code of the record that stopped it
+        (``_QUEUE_FULL`` when librdkafka's queue is full; 0 for none)."""
+        end = len(chunk)
+        while at < end:
+            topic = chunk[at][0]
+            if topic not in settled:
+                return at, 0
+            stop = at
+            while stop < end and chunk[stop][0] == topic and chunk[stop][3] is None:
+                stop += 1
+            if stop == at:  # a record with headers
+                return at, 0
+            messages = [{"key": key, "value": value} for _, key, value, _ in chunk[at:stop]]
+            queued = self._produce_batch(topic, messages)
+            if queued < len(messages):
+                # The refused ones must be the run's last: a record queued behind a refused
+                # one (a smaller record fits where a larger did not) would overtake it.
+                if any("_error" in message for message in messages[:queued]):
+                    raise SinkError(
+                        "librdkafka queued a record behind one it refused, out of order; the "
+                        "transaction is aborted and published again"
+                    )
+                error = messages[queued]["_error"]
+                return at + queued, int(error.code()) if isinstance(error, KafkaError) else -1
+            at = stop
+        return at, 0
 
 
 class KafkaSink:
-    def __init__(self, settings: BridgeSettings, checked: bool = False) -> None:
-        """``checked``: every record through ``Producer.produce``, with a delivery report
-        of its own (see ``UnnamedDeliveryFailure``)."""
+    def __init__(self, settings: BridgeSettings) -> None:
         self._settings = settings
         base = kafka_client_config(settings)
         # Before any client exists: each would log its own failure to connect.
@@ -212,7 +224,7 @@ class KafkaSink:
                 "delivery.report.only.error": True,
             }
         )
-        self._direct = None if checked else _direct_sender(self._producer)
+        self._batches = BatchSender(self._producer)
         # Topics written this session: created, or their record limit checked.
         self._ready: set[str] = set()
         self._partitions: dict[str, int] = {}  # partition count per existing topic
@@ -436,27 +448,21 @@ class KafkaSink:
             # while a fatal producer error is pending.
             raise self._classify(exc, record=(topic, len(value or b""))) from None
 
-    def produce_all(
-        self,
-        records: Iterable[
-            tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
-        ],
-        compacted: Container[str],
-    ) -> int:
+    def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
         """``produce`` each record, creating topics it does not know yet (``compacted``:
         those to create compacted); returns how many. The publisher's path: records with no
         headers, for topics whose every partition is proven, go to librdkafka in runs
-        (``_rdsend``), at under half the cost of a ``produce`` call each."""
+        (``BatchSender``)."""
         settled = self._first.settled
-        direct = self._direct
+        batches = self._batches
         count = 0
         pending = iter(records)
         while chunk := list(islice(pending, _CHUNK)):
             count += len(chunk)
             at = 0
             while at < len(chunk):
-                if direct is not None and self._failure is None:
-                    at, err = direct.send(chunk, at, settled)
+                if self._failure is None:
+                    at, err = batches.send(chunk, at, settled)
                     if at == len(chunk):
                         break
                     if err and err != KafkaError._QUEUE_FULL:
@@ -562,18 +568,12 @@ class KafkaSink:
     def _transaction_failed(self, err: KafkaError) -> SinkError | None:
         """Why the open transaction failed, where ``err`` says only that it did: once one of
         its records fails, librdkafka purges those queued behind it, takes no more
-        (``_STATE``) and fails the commit. The failed record's own delivery report says why;
-        a record sent through ``_rdsend`` has none (``UnnamedDeliveryFailure``). None when
-        nothing says more than ``err``."""
+        (``_STATE``) and fails the commit. The failed record's own delivery report says why.
+        None when nothing says more than ``err``."""
         self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)  # the reports
         failure = self._failure
         if failure is not None and failure.code() not in _PURGED:
             return self._classify(failure, "Kafka delivery failed: ")
-        if self._direct is not None:
-            return UnnamedDeliveryFailure(
-                f"Kafka: {explain(err)}; the next session publishes these changes again with "
-                "every record checked, to name the record and the cause"
-            )
         return None
 
     def _classify(
@@ -606,6 +606,14 @@ class KafkaSink:
                 return known
         if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
             topic, size = record or self._failed_record or ("?", 0)
+            if topic in self._ready:
+                # This session made the topic's limit fit (ensure_topics): it was lowered
+                # since, and a new session makes it fit again.
+                return SinkError(
+                    f"{what}{err.name()}: Kafka refused a record of {size} bytes for topic "
+                    f"{topic}, whose max.message.bytes this session had set to take it: it was "
+                    "lowered meanwhile; a new session raises it again"
+                )
             return KafkaRefused(
                 f"{what}{err.name()}: Kafka refused a record of {size} bytes for topic {topic} "
                 f"as too large: its max.message.bytes (the brokers' message.max.bytes if it "

@@ -156,13 +156,12 @@ def test_raising_max_row_bytes_raises_the_topics_limit(
         pipe.cleanup()
 
 
-def test_record_refused_unreported_is_published_by_a_checked_session(
+def test_record_refused_after_its_topic_limit_was_lowered_is_published_by_a_new_session(
     stack: Stack, blobs: str, tmp_path: Path
 ) -> None:
-    """A record the bridge sends past produce() (sink._rdsend) has no delivery report of
-    its own. Here the broker refuses one (someone lowered the topic's limit while the
-    bridge streamed): the commit fails, and the next session sends every record checked,
-    aligns the topic's limit as a new session does, and publishes the row, once."""
+    """Someone lowers a topic's limit while the bridge streams, and the broker refuses a
+    record the session had made the topic take: the commit fails naming it, and the next
+    session aligns the topic's limit as a new session does and publishes the row, once."""
     pipe = Pipeline(stack, [blobs], tmp_path)
     pipe.start()
     try:
@@ -184,7 +183,7 @@ def test_record_refused_unreported_is_published_by_a_checked_session(
         pipe.wait_caught_up(90)
         assert pipe.stop() == 0
         output = pipe.output()
-        assert "MSG_SIZE_TOO_LARGE" in output and "every record checked" in output
+        assert "MSG_SIZE_TOO_LARGE" in output and "a new session raises it again" in output
         assert "raised the topic's max.message.bytes" in output
         assert [r.value["after"]["id"] for r in pipe.changes(blobs)] == [1, 2]
         pipe.audit()
