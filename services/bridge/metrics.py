@@ -103,6 +103,21 @@ class BridgeMetrics:
         )
         spooled.labels(slot, "memory").set_function(lambda: spool.memory_bytes)
         spooled.labels(slot, "disk").set_function(lambda: spool.disk_bytes)
+        self.wal_status = Gauge(
+            "slotbridge_slot_wal_status",
+            "1 for the slot's pg_replication_slots.wal_status (reserved, extended: safe; "
+            "unreserved: WAL it needs is past max_slot_wal_keep_size and goes at the next "
+            "checkpoint; lost: invalidated), 0 for the others",
+            ["slot", "status"],
+            registry=r,
+        )
+        self.safe_wal_bytes = Gauge(
+            "slotbridge_slot_safe_wal_bytes",
+            "pg_replication_slots.safe_wal_size: WAL that can still be written before the slot "
+            "is invalidated (+Inf without max_slot_wal_keep_size)",
+            ["slot"],
+            registry=r,
+        ).labels(slot)
         self.slot_stats = Gauge(
             "slotbridge_slot_stat",
             "pg_stat_replication_slots counters of the bridge's slot",

@@ -13,6 +13,7 @@ stream from the moment the publisher starts watching the table, see ``chunks.py`
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 POLL_EVERY_S = 10.0
 # The poll connection's options: wait at most a second for a lock.
 POLL_OPTIONS = "-c lock_timeout=1000"
+_WAL_STATUSES = ("reserved", "extended", "unreserved", "lost")
 _SLOT_STATS = (
     "spill_txns",
     "spill_count",
@@ -104,12 +106,24 @@ class CatalogPoller:
 
     def _slot_stats(self) -> None:
         with self.conn.cursor() as cur:
+            # How close the slot is to invalidation (max_slot_wal_keep_size): alerts fire on
+            # these before the WAL it needs is removed.
+            cur.execute(
+                "SELECT wal_status, safe_wal_size FROM pg_replication_slots WHERE slot_name = %s",
+                (self.slot,),
+            )
+            reserve = cur.fetchone()
             cur.execute(
                 f"SELECT {', '.join(_SLOT_STATS)} FROM pg_stat_replication_slots "
                 "WHERE slot_name = %s",
                 (self.slot,),
             )
             row = cur.fetchone()
+        if reserve is not None:
+            status, safe = reserve
+            for known in _WAL_STATUSES:
+                self.metrics.wal_status.labels(self.slot, known).set(int(status == known))
+            self.metrics.safe_wal_bytes.set(math.inf if safe is None else float(str(safe)))
         if row is not None:
             for name, value in zip(_SLOT_STATS, row, strict=True):
                 self.metrics.slot_stats.labels(self.slot, name).set(float(str(value or 0)))

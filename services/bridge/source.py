@@ -287,8 +287,11 @@ def check_slot(state: SlotState, settings: BridgeSettings, ours: bool) -> None:
         )
     if state.invalidation_reason:
         raise SourceRefused(
-            f"slot {slot} is invalidated ({state.invalidation_reason}); changes "
-            "were lost: drop and recreate it and re-snapshot the tables"
+            f"slot {slot} is invalidated ({state.invalidation_reason}): the source no longer "
+            f"has the changes after {state.confirmed_flush or 'its last confirmed position'}, "
+            "so Kafka misses every change since; to start over with a full snapshot of every "
+            f"published table, drop the slot (SELECT pg_drop_replication_slot('{slot}')) and "
+            "restart the bridge with a new slot_name"
         )
 
 
