@@ -198,7 +198,9 @@ def _print_table(report: dict[str, Any]) -> None:
         estimate = entry["rows_estimated"]
         eta = f", ETA {entry['eta_s']}s" if entry.get("eta_s") is not None else ""
         click.echo(
-            f"{'snapshot':<{width}}  {table}: {entry['state']}, {entry['rows_done']:,} of "
-            f"{f'~{estimate:,}' if estimate is not None else 'unknown'} rows in "
+            f"{'snapshot':<{width}}  {table}: {entry['state']}, {entry['rows_done']:,} "
+            # PostgreSQL estimates a table's rows only once it was analysed (reltuples -1).
+            f"{f'of ~{estimate:,} ' if estimate is not None else ''}rows in "
             f"{entry['chunks_done']} chunks, {entry['rows_per_s']:,} rows/s{eta}"
+            f"{'' if estimate is not None else ' (no estimate: table not analysed)'}"
         )
