@@ -36,7 +36,7 @@ from services.bridge.stream import ReplicationConnection
 from services.common.errors import SlotbridgeError
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
-from services.common.pg import connect
+from services.common.pg import connect, with_password
 from services.contract.records import ProgressRecord
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ def adopt_upgraded_source(settings: BridgeSettings, from_system: str) -> Adopted
     """Take the source server as the ``pg_upgrade`` of system ``from_system`` (see the
     module's docstring); ``AdoptRefused`` when a check fails, with nothing written."""
     slot = settings.slot_name
+    secret = settings.source_password
+    dsn = with_password(settings.source_dsn, secret.get_secret_value() if secret else None)
     sink = KafkaSink(settings)
     try:
         sink.start()  # registers the transactional id: a bridge on the slot is fenced
@@ -77,10 +79,10 @@ def adopt_upgraded_source(settings: BridgeSettings, from_system: str) -> Adopted
                 f"slot {slot} has no published progress in {settings.progress_topic}: "
                 "nothing to adopt; start the bridge (it takes any server then)"
             )
-        server = _identity(settings.source_dsn)
+        server = _identity(dsn)
         changed = published.system_identifier != server.system_identifier
         if changed:
-            _adopt(settings, sink, published, server, from_system)
+            _adopt(settings, dsn, sink, published, server, from_system)
     finally:
         sink.close()
     return Adopted(
@@ -95,6 +97,7 @@ def adopt_upgraded_source(settings: BridgeSettings, from_system: str) -> Adopted
 
 def _adopt(
     settings: BridgeSettings,
+    dsn: str,
     sink: KafkaSink,
     published: ProgressRecord,
     server: ServerIdentity,
@@ -108,7 +111,7 @@ def _adopt(
             f"{published.system_identifier}, not {from_system}: check --from-system "
             "(`slotbridge status` shows the published system)"
         )
-    with connect(settings.source_dsn) as sql:
+    with connect(dsn) as sql:
         _check_slot_carried(sql, slot, published.end_lsn)
         origin = OriginStore(sql, settings.origin_name)
         origin.ensure()
