@@ -614,7 +614,7 @@ class Bridge:
                 log_event(
                     log,
                     logging.WARNING,
-                    "stream ended and Kafka cannot say whether another bridge took over; "
+                    "session ended and Kafka cannot say yet whether another bridge took over; "
                     "asking again before any new session",
                     error=one_line(exc),
                     retry_in_s=round(wait_s, 1),
