@@ -106,6 +106,13 @@ def _copy_data_dir(src: Path, dst: Path) -> None:
                 continue
 
 
+def _wait_for_standby_slot(conn: psycopg.Connection[Any]) -> None:
+    """The primary sends logical changes only once the standby has them
+    (``synchronized_standby_slots``), so a promotion never leaves a failover slot behind."""
+    conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
+    conn.execute("SELECT pg_reload_conf()")
+
+
 class Stack:
     """The embedded stack rooted at ``state_dir``; ``pg_major`` only matters to ``up``."""
 
@@ -328,11 +335,7 @@ class Stack:
         self._save_state()
         self._nodes = {}  # their binaries were the old major's
         self._primary_up()
-        self.node("standby").wipe()
-        self._standby_up()
-        with self.node("primary").connect() as conn:
-            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
-            conn.execute("SELECT pg_reload_conf()")
+        self.rejoin_as_standby("standby", "primary")
 
     def _kafka_up(self) -> None:
         self.kafka.start()
@@ -360,8 +363,7 @@ class Stack:
             if fresh:
                 # ALTER SYSTEM, as an operator would; the standby inherits it through the
                 # file copy, which is the trap the failover runbook has to clean up.
-                conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
-                conn.execute("SELECT pg_reload_conf()")
+                _wait_for_standby_slot(conn)
 
     def _standby_up(self) -> None:
         standby = self.node("standby")
@@ -399,8 +401,7 @@ class Stack:
         node.start()
         self._wait_streaming(name)
         with self.node(primary_name).connect() as conn:
-            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
-            conn.execute("SELECT pg_reload_conf()")
+            _wait_for_standby_slot(conn)
 
     def _clone_standby(self, primary_name: str = "primary", standby_name: str = "standby") -> None:
         primary, standby = self.node(primary_name), self.node(standby_name)
