@@ -1,13 +1,18 @@
-"""End-to-end bridge throughput next to the decode ceiling, on the local stack.
+"""End-to-end bridge throughput per change kind, next to the decode ceiling, on the local stack.
 
-    python bench/bridge_bench.py [--rows 1000000] [--txn-size 1000] [--shapes both]
-                                 [--repeat 1] [--stack-dir .stack/bench] [--json]
+    python bench/bridge_bench.py [--workload insert|update|update-full|delete|wide|oltp|all]
+                                 [--format slotbridge|debezium|both] [--rows 1000000]
+                                 [--txn-size 1000] [--shapes both] [--repeat 1]
+                                 [--stack-dir .stack/bench] [--keep-stack] [--json]
 
-For each workload shape (``--txn-size`` rows per transaction, and one ``--rows``-row
-transaction) and each repeat, on a fresh table, publication and two fresh failover slots:
+For each workload (``bench/workloads.py``: the change kinds, a wide row with jsonb and
+TOAST, pgbench's OLTP mix), shape (``--txn-size``-row transactions, and one transaction of
+every change) and repeat, on a fresh schema, publication and fresh failover slots (one for
+the ceiling, one per record format):
 
-1. load: the rows are inserted while both slots already exist, so the WAL is there before
-   anything reads it (the load time is printed, never part of a rate);
+1. load: the workload's rows are written before the slots exist (the rows updates and
+   deletes need), its changes while they exist, so the WAL is there before anything reads
+   it (the load time is printed, never part of a rate);
 2. ceiling: a bare ``ReplicationConnection`` reads the first slot with the bridge's own
    START_REPLICATION options (pgoutput 4, streaming parallel, two_phase, messages) and only
    counts XLogData messages - it looks at the type byte of a message only to spot the
@@ -25,19 +30,29 @@ transaction) and each repeat, on a fresh table, publication and two fresh failov
    nor pg_recvlogical did better on that shape; read its ratio as "faster than a bare
    reader";
 3. end to end: the real daemon (``slotbridge run`` subprocess, own slot, topic prefix and
-   progress topic) catches up on the second slot; the clock runs from its "streaming" log
-   line to the moment a read_committed consumer of the progress topic sees a progress
-   record whose ``end_lsn`` reaches the last commit's end. The figure from process start
+   progress topic) catches up on the second slot. Its topics exist before it starts, as a
+   bridge that has been running has long made them (creating four topics and waiting for
+   their leaders took a second or more of a 100k-change run); the clock runs from its
+   "streaming" log line to the moment a read_committed consumer of the progress topic sees
+   a progress record whose ``end_lsn`` reaches the last commit's end. The figure from process start
    (connections, Kafka init_transactions) is printed too. Peak RSS is the daemon's VmHWM
    just before it is stopped; its CPU seconds over the same span (utime + stime) are in the
-   ``--json`` output. With ``--verify`` (default) the change topic is read back
-   with read_committed and must hold exactly ``--rows`` records.
+   ``--json`` output. With ``--verify`` (default) the change topics are read back
+   with read_committed and must hold exactly the records the workload's changes make in
+   that format (a delete: a record and a tombstone); the transaction topic is counted too.
+   With ``--format both`` the Debezium-format daemon then catches up on its own slot of the
+   same WAL.
 
-4. CPU budget: the CPU seconds per row of the daemon, of the walsender decoding for it and
-   of the stack's broker over the same span; the rate at which the three would fill every
-   core of this machine, and what is left per row for the daemon at 0.8 of the ceiling
-   (the goal of issue #14) beside the other two. The daemon's Python threads share one
-   core, so its own figure also bounds it alone: 1e6 / bridge us per row.
+4. CPU budget: the CPU microseconds per change of the daemon, of the walsender decoding
+   for it and of the stack's broker over the same span; the rate at which the three would
+   fill every core of this machine, and what is left per change for the daemon at 0.8 of
+   the ceiling beside the other two. Per source transaction: the daemon's CPU and the
+   records it wrote (change records plus the transaction topic's), the source transactions
+   one Kafka transaction carried (``txn/ktx``) and the share of the span the publisher spent
+   in Kafka commits (``commit``), read from the daemon's /metrics. The daemon's Python
+   threads share one core, so its own figure also bounds it alone: 1e6 / bridge us.
+
+The stack is stopped at the end if this bench started it, unless ``--keep-stack``.
 
 The server's ``logical_decoding_work_mem`` is left as configured (64MB by default), so the
 big transaction is streamed in chunks the way production would see it.
@@ -59,6 +74,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,7 +86,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartiti
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
+from bench.workloads import OLTP_CHANGES_PER_TXN, OLTP_CLIENTS, WORKLOADS, Plan, Workload
+from services.bridge.settings import BridgeSettings
+from services.bridge.sink import RECORD_SLACK
 from services.bridge.stream import ReplicationConnection
+from services.contract.topics import schema_topic, transaction_topic
 from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,13 +203,13 @@ def catch_up(
     mark: LogMark,
     reached: Callable[[], bool],
     alive: Callable[[], None],
-    rows: int,
+    changes: int,
     what: str,
     timeout: float = 1800,
 ) -> dict[str, Any]:
     """Times a CDC process (``pid``, spawned at monotonic ``spawned``) through a backlog of
-    ``rows`` rows: from ``mark`` (from the spawn if it never showed) until ``reached()`` - a
-    probe that may block briefly, the loop's pace - says the last row is readable by a
+    ``changes`` row changes: from ``mark`` (from the spawn if it never showed) until
+    ``reached()`` - a probe that may block briefly, the loop's pace - says the last is readable by a
     read_committed consumer. ``alive()`` raises if the process failed; it runs once a second,
     as it may cost the process something. CPU seconds are the process's over the same span;
     peak RSS is its VmHWM, so it includes its start."""
@@ -213,13 +233,35 @@ def catch_up(
     return {
         "seconds": done - began,
         "seconds_from_spawn": done - spawned,
-        "rows_per_s": rows / (done - began),
-        "rows_per_s_from_spawn": rows / (done - spawned),
+        "changes_per_s": changes / (done - began),
+        "changes_per_s_from_spawn": changes / (done - spawned),
         "peak_rss_mb": peak_kb / 1024,
         "cpu_s": cpu - cpu_began,
         "cpu_s_from_spawn": cpu,
-        "cpu_s_per_1m_rows": (cpu - cpu_began) / rows * 1e6,
+        "cpu_s_per_1m_changes": (cpu - cpu_began) / changes * 1e6,
     }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def kafka_transactions(http_port: int) -> dict[str, float]:
+    """The Kafka transactions a daemon committed and the seconds their commits took, from
+    its ``slotbridge_kafka_transaction_seconds`` histogram."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = {}
+    for line in text.splitlines():
+        name, _, number = line.partition(" ")
+        if name.startswith("slotbridge_kafka_transaction_seconds_count"):
+            found["kafka_txns"] = float(number)
+        elif name.startswith("slotbridge_kafka_transaction_seconds_sum"):
+            found["kafka_commit_s"] = float(number)
+    return found
 
 
 def stop_process(proc: subprocess.Popen[Any], pid: int | None = None) -> None:
@@ -235,19 +277,27 @@ def stop_process(proc: subprocess.Popen[Any], pid: int | None = None) -> None:
 
 
 def daemon_env(
-    dsn: str, bootstrap: str, slot: str, publication: str, table: str, prefix: str, spool_dir: Path
+    dsn: str,
+    bootstrap: str,
+    slot: str,
+    publication: str,
+    tables: Sequence[str],
+    prefix: str,
+    spool_dir: Path,
+    value_format: str = "slotbridge",
 ) -> dict[str, str]:
-    """The environment of a daemon streaming ``public.<table>`` from its own slot, with
-    its own topic prefix and progress topic (``<prefix>.progress``), and no snapshot."""
+    """The environment of a daemon streaming ``tables`` (qualified names) from its own slot,
+    with its own topic prefix and progress topic (``<prefix>.progress``), and no snapshot."""
     return {
         **os.environ,
         "SLOTBRIDGE_SOURCE_DSN": dsn,
         "SLOTBRIDGE_KAFKA_BOOTSTRAP": bootstrap,
         "SLOTBRIDGE_SLOT_NAME": slot,
         "SLOTBRIDGE_PUBLICATION_NAME": publication,
-        "SLOTBRIDGE_TABLES": json.dumps([f"public.{table}"]),
+        "SLOTBRIDGE_TABLES": json.dumps(list(tables)),
         "SLOTBRIDGE_TOPIC_PREFIX": prefix,
         "SLOTBRIDGE_PROGRESS_TOPIC": f"{prefix}.progress",
+        "SLOTBRIDGE_VALUE_FORMAT": value_format,
         "SLOTBRIDGE_SNAPSHOT_MODE": "never",
         "SLOTBRIDGE_SPOOL_DIR": str(spool_dir),
         "SLOTBRIDGE_HTTP_PORT": "0",
@@ -258,14 +308,15 @@ def daemon_env(
 def drop_pipeline(
     dsn: str,
     bootstrap: str,
-    slots: list[str],
-    daemon_slot: str,
+    slots: Sequence[str],
+    daemon_slots: Sequence[str],
     publication: str,
-    table: str,
+    drop: str,
     prefix: str,
 ) -> None:
-    """Drop the slots (once their readers let go), the daemon's origin, the publication,
-    the table and every topic under ``prefix``."""
+    """Drop the slots (once their readers let go), the daemons' origins, the publication,
+    what ``drop`` names (``TABLE x``, ``SCHEMA s CASCADE``) and every topic under
+    ``prefix``."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         for slot in slots:
             for _ in range(50):
@@ -280,11 +331,11 @@ def drop_pipeline(
                     time.sleep(0.2)
         conn.execute(
             "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
-            " WHERE roname = %s",
-            (f"slotbridge_{daemon_slot}",),
+            " WHERE roname = ANY(%s)",
+            ([f"slotbridge_{slot}" for slot in daemon_slots],),
         )
         conn.execute(f"DROP PUBLICATION IF EXISTS {publication}")
-        conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.execute(f"DROP {drop}")
     delete_topics(bootstrap, prefix)
 
 
@@ -301,67 +352,83 @@ def delete_topics(bootstrap: str, prefix: str) -> None:
                 say(f"could not delete a topic: {exc}")
 
 
-def new_tag(rows: int, txn_size: int, index: int) -> str:
-    return f"{'big' if txn_size >= rows else 'txn'}{int(time.time()) % 1_000_000}_{index}"
+def new_tag(workload: str, big: bool, index: int) -> str:
+    kind = workload.replace("-", "")
+    return f"{kind}_{'big' if big else 'txn'}{int(time.time()) % 1_000_000}_{index}"
 
 
 class Run:
-    """One shape, one repeat: its own table, publication, slots and topics. ``other_slots``
-    are created with the others, before the load, for other readers of the same WAL (plain
-    pgoutput slots: failover, no two_phase)."""
+    """One workload, one shape, one repeat: its own schema, publication, slots and topics,
+    and a daemon slot per record format in ``formats``, all over the same WAL.
+    ``other_slots`` are created with the others, before the load, for other readers of the
+    same WAL (plain pgoutput slots: failover, no two_phase)."""
 
     def __init__(
         self,
         dsn: str,
         bootstrap: str,
+        workload: Workload,
         rows: int,
         txn_size: int,
         tag: str,
         spool_dir: Path,
         verify: bool,
+        formats: Sequence[str] = ("slotbridge",),
         py_spy: Path | None = None,
         other_slots: Sequence[str] = (),
     ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
+        self.workload = workload
         self.rows, self.txn_size = rows, txn_size
         self.tag = tag
-        self.table = f"bench_{tag}"
+        self.schema = f"bench_{tag}"
+        self.tables = [f"{self.schema}.{t}" for t in workload.tables]
         self.publication = f"pub_{tag}"
         self.ceiling_slot = f"ceil_{tag}"
-        self.bridge_slot = f"bridge_{tag}"
+        self.bridge_slots = {f: f"{f[:3]}_{tag}" for f in formats}
         self.prefix = f"bench.{tag}"
-        self.progress_topic = f"{self.prefix}.progress"
         self.spool_dir = spool_dir
         self.verify = verify
         self.py_spy = py_spy
         self.other_slots = list(other_slots)
         # The stack's broker, when its CPU seconds are to be measured too.
         self.broker_pid: int | None = None
-        self.txns = -(-rows // txn_size)
+        # What the load put in the WAL (``load`` sets it).
+        self.plan = Plan(0, 0)
 
     @property
     def shape(self) -> str:
-        return f"{self.txn_size}-row txns" if self.txns > 1 else f"one {self.rows}-row txn"
+        if self.workload.name == "oltp":
+            return f"pgbench, {OLTP_CLIENTS} clients"
+        return f"{self.txn_size}-row txns" if self.txn_size < self.rows else "one big txn"
 
     def facts(self, load_s: float, ceiling: dict[str, Any]) -> dict[str, Any]:
-        """What this run was, for a result: shape, sizes, load time and ceiling."""
+        """What this run was, for a result: workload, shape, sizes, load time and ceiling."""
         return {
+            "workload": self.workload.name,
             "shape": self.shape,
             "txn_size": self.txn_size,
-            "rows": self.rows,
+            "changes": self.plan.changes,
+            "transactions": self.plan.transactions,
             "load_s": load_s,
             "ceiling": ceiling,
         }
+
+    def format_prefix(self, value_format: str) -> str:
+        return f"{self.prefix}.{value_format[:3]}"
 
     @contextlib.contextmanager
     def prepared(self, keep: bool) -> Iterator[tuple[float, dict[str, Any]]]:
         """Set up, load and read the ceiling; yields the load's seconds and the ceiling, for
         the catch-ups to measure; drops everything afterwards unless ``keep``."""
-        say(f"{self.tag}: {self.rows:,} rows in {self.txns:,} transaction(s) of {self.txn_size:,}")
+        say(f"{self.tag}: {self.workload.name}, {self.rows:,} rows, {self.shape}")
         try:
             self.setup()
             load_s = self.load()
-            say(f"{self.tag}: loaded in {load_s:.1f}s; reading the ceiling slot")
+            say(
+                f"{self.tag}: {self.plan.changes:,} changes in {self.plan.transactions:,}"
+                f" transaction(s) loaded in {load_s:.1f}s; reading the ceiling slot"
+            )
             yield load_s, self.ceiling()
         finally:
             if not keep:
@@ -371,17 +438,18 @@ class Run:
 
     def setup(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {self.schema}")
+            self.workload.create(conn, self.schema)
+        self.workload.prefill(self.dsn, self.schema, self.rows)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute(
-                f"CREATE TABLE {self.table} (id bigint PRIMARY KEY, a int, b text,"
-                " c numeric, d timestamptz)"
+                f"CREATE PUBLICATION {self.publication} FOR TABLE {', '.join(self.tables)}"
             )
-            conn.execute(f"CREATE PUBLICATION {self.publication} FOR TABLE {self.table}")
-            # The mark the daemon leaves before creating a slot: without it, it refuses a
-            # slot it did not create.
-            conn.execute(
-                "SELECT pg_replication_origin_create(%s)", (f"slotbridge_{self.bridge_slot}",)
-            )
-            for slot in (self.ceiling_slot, self.bridge_slot):
+            for slot in self.bridge_slots.values():
+                # The mark the daemon leaves before creating a slot: without it, it refuses
+                # a slot it did not create.
+                conn.execute("SELECT pg_replication_origin_create(%s)", (f"slotbridge_{slot}",))
+            for slot in (self.ceiling_slot, *self.bridge_slots.values()):
                 # failover + two_phase, as the daemon creates its own.
                 conn.execute(
                     "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, true, true)",
@@ -392,43 +460,34 @@ class Run:
                     "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)",
                     (slot,),
                 )
+        # Every topic a daemon writes, made now as a running bridge has long made them: the
+        # timed catch-up measures publishing, not creating topics.
+        limit = {
+            "max.message.bytes": str(
+                BridgeSettings.model_fields["max_row_bytes"].default + RECORD_SLACK
+            )
+        }
+        compact = {**limit, "cleanup.policy": "compact"}
+        topics = []
+        for value_format in self.bridge_slots:
+            prefix = self.format_prefix(value_format)
+            topics += [
+                NewTopic(f"{prefix}.progress", 1, replication_factor=-1, config=compact),
+                NewTopic(schema_topic(prefix), 1, replication_factor=-1, config=compact),
+                NewTopic(transaction_topic(prefix), 1, replication_factor=-1, config=limit),
+            ]
+            topics += [
+                NewTopic(f"{prefix}.{table}", 1, replication_factor=-1, config=limit)
+                for table in self.tables
+            ]
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        for future in admin.create_topics(
-            [
-                NewTopic(
-                    self.progress_topic,
-                    num_partitions=1,
-                    replication_factor=-1,
-                    config={"cleanup.policy": "compact"},
-                )
-            ],
-            operation_timeout=30,
-        ).values():
+        for future in admin.create_topics(topics, operation_timeout=30).values():
             future.result()
 
     def load(self) -> float:
-        """Insert the rows; returns the seconds it took (not part of any rate)."""
+        """The workload's load step; returns the seconds it took (not part of any rate)."""
         started = time.monotonic()
-        select = (
-            "SELECT g, (g % 100000)::int, 'customer ' || g || ' note', "
-            "(g * 1.25)::numeric(14,2), "
-            "timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second' "
-            "FROM generate_series({lo}, {hi}) g"
-        )
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute("SET synchronous_commit = off")
-            if self.txns == 1:
-                conn.execute(f"INSERT INTO {self.table} " + select.format(lo=1, hi=self.rows))
-            else:
-                conn.execute(
-                    f"DO $$ BEGIN FOR i IN 0..{self.txns - 1} LOOP "
-                    f"INSERT INTO {self.table} "
-                    + select.format(
-                        lo=f"i * {self.txn_size} + 1",
-                        hi=f"least((i + 1) * {self.txn_size}, {self.rows})",
-                    )
-                    + "; COMMIT; END LOOP; END $$"
-                )
+        self.plan = self.workload.load(self.dsn, self.schema, self.rows, self.txn_size)
         return time.monotonic() - started
 
     # -- the ceiling -------------------------------------------------------------------
@@ -446,7 +505,7 @@ class Run:
             count = commits = nbytes = received = 0
             end_lsn = 0
             deadline = started + 600
-            while commits < self.txns:
+            while commits < self.plan.transactions:
                 nread, data = conn.get_copy_data(1)
                 if nread == 0:
                     if time.monotonic() > deadline:
@@ -480,7 +539,7 @@ class Run:
             "walsender_cpu_s": sender_cpu_s,
             "messages": count,
             "payload_bytes": nbytes,
-            "rows_per_s": self.rows / seconds,
+            "changes_per_s": self.plan.changes / seconds,
             "msgs_per_s": count / seconds,
             "mb_per_s": nbytes / seconds / 1e6,
             "end_lsn": end_lsn,
@@ -488,16 +547,23 @@ class Run:
 
     # -- end to end --------------------------------------------------------------------
 
-    def e2e(self, end_lsn: int, log_path: Path) -> dict[str, Any]:
+    def e2e(self, value_format: str, end_lsn: int, log_path: Path) -> dict[str, Any]:
+        """The daemon in ``value_format`` through the backlog on its own slot."""
+        slot, prefix = self.bridge_slots[value_format], self.format_prefix(value_format)
         env = daemon_env(
             self.dsn,
             self.bootstrap,
-            self.bridge_slot,
+            slot,
             self.publication,
-            self.table,
-            self.prefix,
+            self.tables,
+            prefix,
             self.spool_dir,
+            value_format,
         )
+        # Its /metrics, read when it has caught up: how many Kafka transactions the backlog
+        # took, and how long their commits held the publisher.
+        http_port = free_port()
+        env["SLOTBRIDGE_HTTP_PORT"] = str(http_port)
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
@@ -507,7 +573,7 @@ class Run:
                 "fetch.wait.max.ms": 10,
             }
         )
-        consumer.assign([TopicPartition(self.progress_topic, 0, OFFSET_BEGINNING)])
+        consumer.assign([TopicPartition(f"{prefix}.progress", 0, OFFSET_BEGINNING)])
         spawned = time.monotonic()
         # This checkout's code: the venv's console script may belong to another worktree.
         command = [sys.executable, "-m", "services.cli", "run"]
@@ -519,11 +585,11 @@ class Run:
                 "--nonblocking",
                 "--threads",
                 "--rate",
-                "100",
+                "250",
                 "--format",
                 "raw",
                 "-o",
-                str(self.py_spy / f"{self.tag}.txt"),
+                str(self.py_spy / f"{self.tag}-{value_format}.txt"),
                 "--",
                 *command,
             ]
@@ -553,13 +619,13 @@ class Run:
             if proc.poll() is not None:
                 raise RuntimeError(f"bridge exited with {proc.returncode}; see {log_path}")
 
+        what = f"{self.tag}: bridge ({value_format})"
         try:
-            result = catch_up(
-                bridge_pid, spawned, mark, reached, alive, self.rows, f"{self.tag}: bridge"
-            )
+            result = catch_up(bridge_pid, spawned, mark, reached, alive, self.plan.changes, what)
+            result.update(kafka_transactions(http_port))
             # The other processes on this machine's cores, over the same span (the
             # walsender's from its start: all of it is this backlog's decoding).
-            sender = walsender_pid(self.dsn, self.bridge_slot)
+            sender = walsender_pid(self.dsn, slot)
             if sender is not None:
                 result["walsender_cpu_s"] = cpu_seconds(sender)
             if broker:
@@ -569,15 +635,27 @@ class Run:
             stop_process(proc, bridge_pid)
             mark.join(1)
         if self.verify:
-            result["records"] = self.count(f"{self.prefix}.public.{self.table}")
-            if result["records"] != self.rows:
-                raise RuntimeError(
-                    f"change topic holds {result['records']} records, expected {self.rows}"
-                )
+            self.check_records(value_format, result)
         return result
 
+    def check_records(self, value_format: str, result: dict[str, Any]) -> None:
+        """Read the change and transaction topics back: the change records must be exactly
+        what the workload's changes make; ``result`` gets the counts."""
+        prefix = self.format_prefix(value_format)
+        changes = sum(self.count(f"{prefix}.{table}") for table in self.tables)
+        result["change_records"] = changes
+        result["transaction_records"] = self.count(f"{prefix}.transaction")
+        expected = self.workload.expected_records(value_format, self.plan)
+        if changes != expected:
+            raise RuntimeError(
+                f"{self.tag} ({value_format}): the change topics hold {changes} records,"
+                f" expected {expected}"
+            )
+
     def count(self, topic: str) -> int:
-        """The records of ``topic`` (one partition) a read_committed consumer reads."""
+        """The records of ``topic`` (one partition) a read_committed consumer reads, up to
+        its end offset (the consumer's position passes the transaction markers, which a
+        count of records never reaches)."""
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
@@ -590,22 +668,17 @@ class Run:
             tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
             _low, high = consumer.get_watermark_offsets(tp, timeout=30)
             consumer.assign([tp])
-            count = 0
-            position = 0
-            idle = 0
-            while position < high - 1 and idle < 50:
+            count = idle = 0
+            while idle < 50:
                 batch = consumer.consume(10_000, 0.2)
-                if not batch:
-                    idle += 1
-                    continue
-                idle = 0
+                idle = 0 if batch else idle + 1
                 for msg in batch:
                     err = msg.error()
                     if err is not None and err.code() != KafkaError._PARTITION_EOF:
                         raise RuntimeError(f"reading {topic}: {err}")
-                    if err is None:
-                        count += 1
-                        position = msg.offset() or 0  # None only on error events
+                    count += err is None
+                if (consumer.position([tp])[0].offset or 0) >= high:
+                    break
             return count
         finally:
             consumer.close()
@@ -616,86 +689,147 @@ class Run:
         drop_pipeline(
             self.dsn,
             self.bootstrap,
-            [self.ceiling_slot, self.bridge_slot, *self.other_slots],
-            self.bridge_slot,
+            [self.ceiling_slot, *self.bridge_slots.values(), *self.other_slots],
+            list(self.bridge_slots.values()),
             self.publication,
-            self.table,
+            f"SCHEMA IF EXISTS {self.schema} CASCADE",
             self.prefix,
         )
 
 
 def _one(
-    args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int, index: int, work: Path
-) -> dict[str, Any]:
-    tag = new_tag(args.rows, txn_size, index)
-    run = Run(dsn, bootstrap, args.rows, txn_size, tag, work / "spool", args.verify, args.py_spy)
+    args: argparse.Namespace,
+    dsn: str,
+    bootstrap: str,
+    workload: Workload,
+    txn_size: int,
+    index: int,
+    work: Path,
+) -> list[dict[str, Any]]:
+    """One run of ``workload``: the ceiling, then the daemon in each format of --format."""
+    tag = new_tag(workload.name, txn_size >= args.rows, index)
+    run = Run(
+        dsn,
+        bootstrap,
+        workload,
+        args.rows,
+        txn_size,
+        tag,
+        work / "spool",
+        args.verify,
+        FORMATS[args.format],
+        args.py_spy,
+    )
     run.broker_pid = broker_pid(args.stack_dir)
+    results = []
     with run.prepared(args.keep) as (load_s, ceiling):
-        say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting the bridge")
-        e2e = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
-        say(
-            f"{tag}: end to end {e2e['rows_per_s']:,.0f} rows/s, "
-            f"peak RSS {e2e['peak_rss_mb']:.0f} MB"
-        )
-    return {
-        **run.facts(load_s, ceiling),
-        "e2e": e2e,
-        "ratio": e2e["rows_per_s"] / ceiling["rows_per_s"],
-        "cpu_budget": cpu_budget(args.rows, ceiling, e2e),
-    }
+        say(f"{tag}: ceiling {ceiling['changes_per_s']:,.0f} changes/s")
+        for value_format in FORMATS[args.format]:
+            e2e = run.e2e(value_format, ceiling["end_lsn"], work / f"{tag}-{value_format}.log")
+            say(
+                f"{tag}: {value_format} end to end {e2e['changes_per_s']:,.0f} changes/s, "
+                f"peak RSS {e2e['peak_rss_mb']:.0f} MB"
+            )
+            results.append(
+                {
+                    **run.facts(load_s, ceiling),
+                    "format": value_format,
+                    "e2e": e2e,
+                    "ratio": e2e["changes_per_s"] / ceiling["changes_per_s"],
+                    "cpu_budget": cpu_budget(run.plan, ceiling, e2e),
+                }
+            )
+    return results
 
 
-GOAL_RATIO = 0.8  # issue #14's end-to-end goal, as a share of the ceiling
+GOAL_RATIO = 0.8  # the end-to-end goal of issues #14 and #33, as a share of the ceiling
+FORMATS = {
+    "slotbridge": ("slotbridge",),
+    "debezium": ("debezium",),
+    "both": ("slotbridge", "debezium"),
+}
 
 
-def cpu_budget(rows: int, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any] | None:
-    """Where the machine's cores go per row, end to end: the bridge, the walsender decoding
-    for it and the broker taking its records. ``bound_rows_per_s``: the rate at which the
-    three would fill every core; ``bridge_us_at_goal``: the bridge's CPU per row that would
-    leave room for ``GOAL_RATIO`` of the ceiling beside the other two (negative: none)."""
+def cpu_budget(plan: Plan, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the machine's cores go per change, end to end: the bridge, the walsender
+    decoding for it and the broker taking its records. ``bound_changes_per_s``: the rate at
+    which the three would fill every core; ``bridge_us_at_goal``: the bridge's CPU per
+    change that would leave room for ``GOAL_RATIO`` of the ceiling beside the other two
+    (negative: none). Per source transaction: the bridge's CPU and the records it wrote
+    (change records and the transaction topic's BEGIN/END), when they were counted."""
     if "walsender_cpu_s" not in e2e or "broker_cpu_s" not in e2e:
         return None
-    per_row = {
-        "bridge_us": e2e["cpu_s"] / rows * 1e6,
-        "walsender_us": e2e["walsender_cpu_s"] / rows * 1e6,
-        "broker_us": e2e["broker_cpu_s"] / rows * 1e6,
+    per_change = {
+        "bridge_us": e2e["cpu_s"] / plan.changes * 1e6,
+        "walsender_us": e2e["walsender_cpu_s"] / plan.changes * 1e6,
+        "broker_us": e2e["broker_cpu_s"] / plan.changes * 1e6,
     }
     cores = os.cpu_count() or 1
-    goal = GOAL_RATIO * ceiling["rows_per_s"]
-    others_us = per_row["walsender_us"] + per_row["broker_us"]
-    return {
-        **per_row,
+    goal = GOAL_RATIO * ceiling["changes_per_s"]
+    others_us = per_change["walsender_us"] + per_change["broker_us"]
+    budget = {
+        **per_change,
         "cores": cores,
-        "bound_rows_per_s": cores / (sum(per_row.values()) / 1e6),
-        "goal_rows_per_s": goal,
+        "bound_changes_per_s": cores / (sum(per_change.values()) / 1e6),
+        "goal_changes_per_s": goal,
         "others_cores_at_goal": goal * others_us / 1e6,
         "bridge_us_at_goal": cores / goal * 1e6 - others_us,
+        "bridge_us_per_txn": e2e["cpu_s"] / plan.transactions * 1e6,
     }
+    if "kafka_txns" in e2e:
+        # How many source transactions one Kafka transaction carried, and the share of the
+        # run the publisher spent waiting on Kafka commits.
+        budget["txns_per_kafka_txn"] = plan.transactions / max(1.0, e2e["kafka_txns"])
+        budget["commit_share"] = e2e["kafka_commit_s"] / e2e["seconds"]
+    if "change_records" in e2e:
+        records = e2e["change_records"] + e2e["transaction_records"]
+        budget["records_per_txn"] = records / plan.transactions
+    return budget
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, rows: int) -> None:
     """The workload, repeat, stack and clean-up options (``rows`` is --rows' default)."""
-    parser.add_argument("--rows", type=int, default=rows)
+    parser.add_argument(
+        "--workload",
+        default="insert",
+        help=f"comma-separated, of {', '.join(WORKLOADS)}, or all (default: insert)",
+    )
+    parser.add_argument("--rows", type=int, default=rows, help="rows the load changes")
     parser.add_argument("--txn-size", type=int, default=1000)
     parser.add_argument(
         "--shapes",
         choices=("both", "small", "big"),
         default="both",
-        help="small: --txn-size transactions; big: one --rows transaction",
+        help="small: --txn-size transactions; big: one --rows transaction (oltp: small only)",
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument(
+        "--keep-stack",
+        action="store_true",
+        help="leave a stack this bench started running when it ends",
+    )
     parser.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
         help="skip reading the change topics back to count the records",
     )
-    parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
+    parser.add_argument("--keep", action="store_true", help="keep schemas, slots and topics")
 
 
-def txn_sizes(args: argparse.Namespace) -> list[int]:
-    """The transaction size of each shape --shapes asks for."""
+def workloads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Workload]:
+    """The workloads --workload names (exits with a usage line on an unknown one)."""
+    names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    if unknown := [n for n in names if n not in WORKLOADS]:
+        parser.error(f"unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    return [WORKLOADS[n] for n in names]
+
+
+def txn_sizes(args: argparse.Namespace, workload: Workload) -> list[int]:
+    """The transaction size of each shape --shapes asks for (pgbench makes its own)."""
+    if workload.name == "oltp":
+        return [OLTP_CHANGES_PER_TXN]
     sizes: list[int] = {
         "small": [args.txn_size],
         "big": [args.rows],
@@ -704,9 +838,96 @@ def txn_sizes(args: argparse.Namespace) -> list[int]:
     return sizes
 
 
+@contextlib.contextmanager
+def bench_stack(args: argparse.Namespace) -> Iterator[Stack]:
+    """The local stack under --stack-dir, up; stopped at the end if this bench started it
+    (and not --keep-stack)."""
+    stack = Stack(args.stack_dir)
+    was_running = stack.running()
+    with contextlib.redirect_stdout(sys.stderr):  # keep --json output clean
+        stack.up()
+    try:
+        yield stack
+    finally:
+        if was_running or args.keep_stack:
+            say(f"the stack in {args.stack_dir} stays up (slotbridge stack down --dir ...)")
+        else:
+            stack.down()
+            say(f"stopped the stack this bench started in {args.stack_dir}")
+
+
+def median_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload, shape and format: the medians over the repeats."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["workload"], r["shape"], r["format"]), []).append(r)
+    summary = []
+    for (workload, shape, value_format), runs in groups.items():
+        budgets = [r["cpu_budget"] for r in runs if r["cpu_budget"]]
+
+        def per(key: str, budgets: list[dict[str, Any]] = budgets) -> float | None:
+            values = [b[key] for b in budgets if key in b]
+            return statistics.median(values) if values else None
+
+        summary.append(
+            {
+                "workload": workload,
+                "shape": shape,
+                "format": value_format,
+                "runs": len(runs),
+                "ceiling_changes_per_s": statistics.median(
+                    r["ceiling"]["changes_per_s"] for r in runs
+                ),
+                "e2e_changes_per_s": statistics.median(r["e2e"]["changes_per_s"] for r in runs),
+                "ratio": statistics.median(r["ratio"] for r in runs),
+                "peak_rss_mb": statistics.median(r["e2e"]["peak_rss_mb"] for r in runs),
+                **{
+                    key: per(key)
+                    for key in (
+                        "bridge_us",
+                        "walsender_us",
+                        "broker_us",
+                        "bridge_us_per_txn",
+                        "records_per_txn",
+                        "txns_per_kafka_txn",
+                        "commit_share",
+                    )
+                },
+            }
+        )
+    return summary
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(summary: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'workload':12} {'shape':20} {'format':10} {'ceiling/s':>10} {'e2e/s':>9}"
+        f" {'e2e/ceil':>8} {'bridge us':>9} {'walsnd us':>9} {'broker us':>9}"
+        f" {'us/txn':>8} {'rec/txn':>7} {'txn/ktx':>7} {'commit':>6} {'RSS MB':>6}"
+    )
+    for s in summary:
+        print(
+            f"{s['workload']:12} {s['shape']:20} {s['format']:10}"
+            f" {s['ceiling_changes_per_s']:10,.0f} {s['e2e_changes_per_s']:9,.0f}"
+            f" {s['ratio']:8.2f} {_fmt(s['bridge_us'], '9.2f')} {_fmt(s['walsender_us'], '9.2f')}"
+            f" {_fmt(s['broker_us'], '9.2f')} {_fmt(s['bridge_us_per_txn'], '8.1f')}"
+            f" {_fmt(s['records_per_txn'], '7.2f')} {_fmt(s['txns_per_kafka_txn'], '7.0f')}"
+            f" {_fmt(s['commit_share'], '6.0%')} {s['peak_rss_mb']:6.0f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, 1_000_000)
+    parser.add_argument(
+        "--format",
+        choices=tuple(FORMATS),
+        default="slotbridge",
+        help="the daemon's record format(s); both: one daemon of each over the same WAL",
+    )
     parser.add_argument(
         "--py-spy",
         type=Path,
@@ -716,68 +937,27 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    chosen = workloads(parser, args)
 
-    stack = Stack(args.stack_dir)
-    with contextlib.redirect_stdout(sys.stderr):  # keep --json output clean
-        stack.up()
-    work = args.stack_dir / "bridge-bench"
-    work.mkdir(parents=True, exist_ok=True)
-    sizes = txn_sizes(args)
-    results = [
-        _one(args, stack.primary_dsn, stack.kafka_bootstrap, size, i, work)
-        for i in range(args.repeat)
-        for size in sizes
-    ]
-    summary = []
-    for size in sizes:
-        runs = [r for r in results if r["txn_size"] == size]
-        summary.append(
-            {
-                "shape": runs[0]["shape"],
-                "runs": len(runs),
-                "ceiling_rows_per_s": statistics.median(r["ceiling"]["rows_per_s"] for r in runs),
-                "e2e_rows_per_s": statistics.median(r["e2e"]["rows_per_s"] for r in runs),
-                "e2e_rows_per_s_from_spawn": statistics.median(
-                    r["e2e"]["rows_per_s_from_spawn"] for r in runs
-                ),
-                "ratio": statistics.median(r["ratio"] for r in runs),
-                "peak_rss_mb": statistics.median(r["e2e"]["peak_rss_mb"] for r in runs),
-            }
-        )
+    with bench_stack(args) as stack:
+        work = args.stack_dir / "bridge-bench"
+        work.mkdir(parents=True, exist_ok=True)
+        results = [
+            result
+            for i in range(args.repeat)
+            for workload in chosen
+            for size in txn_sizes(args, workload)
+            for result in _one(
+                args, stack.primary_dsn, stack.kafka_bootstrap, workload, size, i, work
+            )
+        ]
+    summary = median_rows(results)
     if args.json:
         print(json.dumps({"runs": results, "median": summary}, indent=2))
         return
-    print(
-        f"\n{'shape':24} {'ceiling rows/s':>15} {'e2e rows/s':>12} {'e2e/ceiling':>12}"
-        f" {'e2e from spawn':>15} {'peak RSS MB':>12} {'load s':>7}"
-    )
-    for r in results:
-        print(
-            f"{r['shape']:24} {r['ceiling']['rows_per_s']:15,.0f} {r['e2e']['rows_per_s']:12,.0f}"
-            f" {r['ratio']:12.3f} {r['e2e']['rows_per_s_from_spawn']:15,.0f}"
-            f" {r['e2e']['peak_rss_mb']:12.0f} {r['load_s']:7.1f}"
-        )
-    budgets = [(r["shape"], r["cpu_budget"]) for r in results if r["cpu_budget"]]
-    if budgets:
-        print(
-            f"\nCPU per row (us) {'bridge':>7} {'walsender':>9} {'broker':>7}"
-            f" {'bound rows/s':>13} {'goal rows/s':>12} {'others cores':>13}"
-            f" {'bridge us left':>15}"
-        )
-        for shape, b in budgets:
-            print(
-                f"{shape:16} {b['bridge_us']:7.2f} {b['walsender_us']:9.2f} {b['broker_us']:7.2f}"
-                f" {b['bound_rows_per_s']:13,.0f} {b['goal_rows_per_s']:12,.0f}"
-                f" {b['others_cores_at_goal']:13.2f} {b['bridge_us_at_goal']:15.2f}"
-            )
+    print_table(summary)
     if args.repeat > 1:
-        print("median")
-        for s in summary:
-            print(
-                f"{s['shape']:24} {s['ceiling_rows_per_s']:15,.0f} {s['e2e_rows_per_s']:12,.0f}"
-                f" {s['ratio']:12.3f} {s['e2e_rows_per_s_from_spawn']:15,.0f}"
-                f" {s['peak_rss_mb']:12.0f}"
-            )
+        print(f"(medians of {args.repeat} runs)")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,10 @@ def run_mode(
     table, prefix = f"bench_{tag}", f"bench.{tag}"
     create_table(dsn, table, tag)
     log_path = work / f"{tag}.log"
-    env = {**daemon_env(dsn, bootstrap, tag, tag, table, prefix, work / "spool"), **MODES[mode]}
+    env = {
+        **daemon_env(dsn, bootstrap, tag, tag, [f"public.{table}"], prefix, work / "spool"),
+        **MODES[mode],
+    }
     try:
         with log_path.open("w") as log:
             proc = subprocess.Popen(
@@ -237,7 +240,7 @@ def run_mode(
             stop_process(proc)
     finally:
         if not args.keep:
-            drop_pipeline(dsn, bootstrap, [tag], tag, tag, table, prefix)
+            drop_pipeline(dsn, bootstrap, [tag], [tag], tag, f"TABLE IF EXISTS {table}", prefix)
     return {"mode": mode, **result}
 
 

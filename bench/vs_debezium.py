@@ -68,12 +68,14 @@ from bench.bridge_bench import (
     LogMark,
     Run,
     add_run_arguments,
+    bench_stack,
     catch_up,
     drop_pipeline,
     new_tag,
     say,
     stop_process,
     txn_sizes,
+    workloads,
 )
 from bench.latency_bench import (
     add_rate_arguments,
@@ -82,6 +84,7 @@ from bench.latency_bench import (
     run_mode,
     wait_streaming,
 )
+from bench.workloads import Workload
 from services.bridge.settings import BridgeSettings
 from slotbridge_dev.bootstrap import (
     DEBEZIUM_SET,
@@ -152,10 +155,10 @@ def _debezium_worker(
     prefix: str,
     slot: str,
     publication: str,
-    table: str,
+    tables: list[str],
 ) -> ConnectWorker:
     folder.mkdir(parents=True, exist_ok=True)
-    connector = debezium_postgres(name, dsn, prefix, slot, publication, [f"public.{table}"])
+    connector = debezium_postgres(name, dsn, prefix, slot, publication, tables)
     return ConnectWorker(
         folder,
         args.jars,
@@ -168,9 +171,12 @@ def _debezium_worker(
 def debezium_catch_up(
     args: argparse.Namespace, run: Run, slot: str, folder: Path
 ) -> dict[str, Any]:
-    """Debezium through ``run``'s backlog on ``slot``, timed as ``catch_up`` does."""
+    """Debezium through ``run``'s backlog on ``slot``, timed as ``catch_up`` does: done when
+    its change topics hold every record the workload's changes make in Debezium's format
+    (its producer is not transactional, so their end offsets count records)."""
     prefix = f"{run.prefix}.dbz"
-    topic = f"{prefix}.public.{run.table}"
+    topics = [f"{prefix}.{table}" for table in run.tables]
+    expected = run.workload.expected_records("debezium", run.plan)
     worker = _debezium_worker(
         args,
         folder,
@@ -180,7 +186,7 @@ def debezium_catch_up(
         prefix,
         slot,
         run.publication,
-        run.table,
+        run.tables,
     )
     probe = Consumer(
         {
@@ -190,14 +196,16 @@ def debezium_catch_up(
             "isolation.level": "read_committed",
         }
     )
-    partition = TopicPartition(topic, 0)
+
+    def end_offset(topic: str) -> int:
+        try:
+            _low, high = probe.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
+        except KafkaException:  # the topic comes with Debezium's first record
+            return 0
+        return int(high)
 
     def reached() -> bool:
-        try:
-            _low, high = probe.get_watermark_offsets(partition, timeout=5)
-        except KafkaException:  # the topic comes with Debezium's first record
-            high = 0
-        if high >= run.rows:
+        if sum(end_offset(topic) for topic in topics) >= expected:
             return True
         time.sleep(0.02)
         return False
@@ -215,7 +223,7 @@ def debezium_catch_up(
             mark,
             reached,
             _connect_alive(worker),
-            run.rows,
+            run.plan.changes,
             f"{run.tag}: Debezium",
         )
     finally:
@@ -223,40 +231,52 @@ def debezium_catch_up(
         stop_process(proc)
         mark.join(1)
     if run.verify:
-        result["records"] = run.count(topic)
-        if result["records"] != run.rows:
-            raise RuntimeError(f"{topic} holds {result['records']} records, expected {run.rows}")
+        result["change_records"] = sum(run.count(topic) for topic in topics)
+        if result["change_records"] != expected:
+            raise RuntimeError(
+                f"Debezium's topics hold {result['change_records']} records, expected {expected}"
+            )
     return result
 
 
 def throughput(
-    args: argparse.Namespace, dsn: str, bootstrap: str, txn_size: int, index: int, work: Path
+    args: argparse.Namespace,
+    dsn: str,
+    bootstrap: str,
+    workload: Workload,
+    txn_size: int,
+    index: int,
+    work: Path,
 ) -> dict[str, Any]:
-    tag = new_tag(args.rows, txn_size, index)
+    """One run of ``workload``: Debezium, then the daemon in the same record format
+    (``--format``), on their own slots of the same WAL."""
+    tag = new_tag(workload.name, txn_size >= args.rows, index)
     slot = f"dbz_{tag}"
     run = Run(
         dsn,
         bootstrap,
+        workload,
         args.rows,
         txn_size,
         tag,
         work / "spool",
         args.verify,
+        formats=(args.format,),
         other_slots=[slot],
     )
     with run.prepared(args.keep) as (load_s, ceiling):
-        say(f"{tag}: ceiling {ceiling['rows_per_s']:,.0f} rows/s; starting Debezium")
+        say(f"{tag}: ceiling {ceiling['changes_per_s']:,.0f} changes/s; starting Debezium")
         debezium = debezium_catch_up(args, run, slot, work / f"{tag}-connect")
         say(f"{tag}: Debezium {_brief(debezium)}; starting slotbridge")
-        ours = run.e2e(ceiling["end_lsn"], work / f"{tag}.log")
+        ours = run.e2e(args.format, ceiling["end_lsn"], work / f"{tag}.log")
         say(f"{tag}: slotbridge {_brief(ours)}")
     return {**run.facts(load_s, ceiling), "Debezium": debezium, "slotbridge": ours}
 
 
 def _brief(result: dict[str, Any]) -> str:
     return (
-        f"{result['rows_per_s']:,.0f} rows/s, {result['cpu_s_per_1m_rows']:.1f} CPU s per 1M "
-        f"rows, peak RSS {result['peak_rss_mb']:.0f} MB"
+        f"{result['changes_per_s']:,.0f} changes/s, {result['cpu_s_per_1m_changes']:.1f} CPU s"
+        f" per 1M changes, peak RSS {result['peak_rss_mb']:.0f} MB"
     )
 
 
@@ -272,7 +292,9 @@ def debezium_latency(
             "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)",
             (tag,),
         )
-    worker = _debezium_worker(args, work / tag, dsn, bootstrap, tag, prefix, tag, tag, table)
+    worker = _debezium_worker(
+        args, work / tag, dsn, bootstrap, tag, prefix, tag, tag, [f"public.{table}"]
+    )
     alive = _connect_alive(worker)
     try:
         worker.start()
@@ -293,7 +315,7 @@ def debezium_latency(
             stop_process(worker.proc)
     finally:
         if not args.keep:
-            drop_pipeline(dsn, bootstrap, [tag], tag, tag, table, prefix)
+            drop_pipeline(dsn, bootstrap, [tag], [], tag, f"TABLE IF EXISTS {table}", prefix)
     return result
 
 
@@ -306,9 +328,9 @@ def latency(args: argparse.Namespace, dsn: str, bootstrap: str, work: Path) -> d
 
 # (label, key, format) per table row; throughput keys are catch_up's, latency keys measure's.
 THROUGHPUT_ROWS = [
-    ("rows/s", "rows_per_s", "{:,.0f}"),
-    ("rows/s from process start", "rows_per_s_from_spawn", "{:,.0f}"),
-    ("CPU s per 1M rows", "cpu_s_per_1m_rows", "{:,.1f}"),
+    ("changes/s", "changes_per_s", "{:,.0f}"),
+    ("changes/s from start", "changes_per_s_from_spawn", "{:,.0f}"),
+    ("CPU s per 1M changes", "cpu_s_per_1m_changes", "{:,.1f}"),
     ("peak RSS MB", "peak_rss_mb", "{:,.0f}"),
 ]
 LATENCY_ROWS = [("p50 ms", "p50_ms", "{:,.1f}"), ("p99 ms", "p99_ms", "{:,.1f}")]
@@ -343,66 +365,92 @@ def main() -> None:
         default=10,
         help="Debezium's poll.interval.ms (its default: 500)",
     )
+    parser.add_argument(
+        "--format",
+        choices=("slotbridge", "debezium"),
+        default="slotbridge",
+        help="the daemon's record format (debezium: the same records as Debezium's)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    chosen = workloads(parser, args)
 
     started = time.monotonic()
-    stack = Stack(args.stack_dir)
     with _stdout_to_stderr():
         ensure_jars(cache_dir(), {DEBEZIUM_SET: MAVEN_SETS[DEBEZIUM_SET]})
-        stack.up()
+    with _stdout_to_stderr(), bench_stack(args) as stack:
+        report = compare(args, stack, chosen)
+    report["seconds"] = time.monotonic() - started
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(args, report)
+
+
+def compare(args: argparse.Namespace, stack: Stack, chosen: list[Workload]) -> dict[str, Any]:
+    """Every run of both systems, then their medians per workload and shape."""
     args.jars = jars_dir(cache_dir(), DEBEZIUM_SET)
     work = args.stack_dir / "vs-debezium"
     work.mkdir(parents=True, exist_ok=True)
     dsn, bootstrap = stack.primary_dsn, stack.kafka_bootstrap
-    sizes = txn_sizes(args)
     runs: list[dict[str, Any]] = []
     latencies: list[dict[str, Any]] = []
     for i in range(args.repeat):
-        runs.extend(throughput(args, dsn, bootstrap, size, i, work) for size in sizes)
+        for workload in chosen:
+            runs.extend(
+                throughput(args, dsn, bootstrap, workload, size, i, work)
+                for size in txn_sizes(args, workload)
+            )
         latencies.append(latency(args, dsn, bootstrap, work))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["workload"], r["shape"]), []).append(r)
     shapes = [
         {
-            "shape": group[0]["shape"],
-            "ceiling_rows_per_s": statistics.median(r["ceiling"]["rows_per_s"] for r in group),
+            "workload": workload,
+            "shape": shape,
+            "ceiling_changes_per_s": statistics.median(
+                r["ceiling"]["changes_per_s"] for r in group
+            ),
             **_median(group, THROUGHPUT_ROWS),
         }
-        for group in ([r for r in runs if r["txn_size"] == size] for size in sizes)
+        for (workload, shape), group in groups.items()
     ]
-    lat = _median(latencies, LATENCY_ROWS)
-    elapsed = time.monotonic() - started
-    if args.json:
-        settings = {k: v for k, v in vars(args).items() if k not in ("jars", "stack_dir", "json")}
-        report = {
-            "settings": settings,
-            "versions": {"debezium": DEBEZIUM_VERSION, "connect": KAFKA_TOOLS_VERSION},
-            "debezium_tuning": debezium_tuning(args.dbz_poll_ms),
-            "throughput": runs,
-            "latency": latencies,
-            "median": {"throughput": shapes, "latency": lat},
-            "seconds": elapsed,
-        }
-        print(json.dumps(report, indent=2))
-        return
+    settings = {k: v for k, v in vars(args).items() if k not in ("jars", "stack_dir", "json")}
+    return {
+        "settings": settings,
+        "versions": {"debezium": DEBEZIUM_VERSION, "connect": KAFKA_TOOLS_VERSION},
+        "debezium_tuning": debezium_tuning(args.dbz_poll_ms),
+        "throughput": runs,
+        "latency": latencies,
+        "median": {"throughput": shapes, "latency": _median(latencies, LATENCY_ROWS)},
+    }
+
+
+def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     print(
         f"\nslotbridge vs Debezium {DEBEZIUM_VERSION} (Kafka Connect {KAFKA_TOOLS_VERSION}"
         f" standalone), {args.repeat} run(s) each{', medians' if args.repeat > 1 else ''};"
         " ratio = slotbridge / Debezium"
     )
-    print(f"\nthroughput: {args.rows:,} rows caught up from a loaded slot")
-    print(f"{'shape':22} {'':26} {'Debezium':>12} {'slotbridge':>12} {'ratio':>8}")
-    for shape in shapes:
-        _print_rows(shape["shape"], shape, THROUGHPUT_ROWS)
+    print(
+        f"\nthroughput: changes caught up from a loaded slot (--rows {args.rows:,});"
+        f" slotbridge in its {args.format} format"
+    )
+    print(f"{'workload, shape':22} {'':26} {'Debezium':>12} {'slotbridge':>12} {'ratio':>8}")
+    for shape in report["median"]["throughput"]:
+        _print_rows(f"{shape['workload']}, {shape['shape']}", shape, THROUGHPUT_ROWS)
         print(
-            f"{'':22} (bare receive ceiling of the slot: {shape['ceiling_rows_per_s']:,.0f} rows/s)"
+            f"{'':22} (bare receive ceiling of the slot:"
+            f" {shape['ceiling_changes_per_s']:,.0f} changes/s)"
         )
     print(
         f"\nlatency: insert -> read_committed consumer, {args.rate:,} rows/s in "
         f"{args.txn_rows}-row transactions, {args.seconds:.0f}s after {args.warm_up:.0f}s"
         " of warm-up"
     )
-    _print_rows("", lat, LATENCY_ROWS)
-    print(f"\n{elapsed / 60:.1f} min in all")
+    _print_rows("", report["median"]["latency"], LATENCY_ROWS)
+    print(f"\n{report['seconds'] / 60:.1f} min in all")
 
 
 if __name__ == "__main__":

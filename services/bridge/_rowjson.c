@@ -130,6 +130,8 @@ typedef struct {
     Py_ssize_t *name_lens;
     Py_ssize_t *key_idx;
     PyObject *holder;     /* the tuple that owns the names' bytes and the kinds */
+    PyObject *key_head, *key_tail; /* bytes written around the key object */
+    int whole_old_key; /* an old key tuple's row is every column (the others null) */
     PyObject *converters; /* tuple of callables */
     PyObject *dumps;
 } RowPlan;
@@ -140,17 +142,25 @@ static void plan_dealloc(RowPlan *self) {
     PyMem_Free(self->name_lens);
     PyMem_Free(self->key_idx);
     Py_XDECREF(self->holder);
+    Py_XDECREF(self->key_head);
+    Py_XDECREF(self->key_tail);
     Py_XDECREF(self->converters);
     Py_XDECREF(self->dumps);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* RowPlan(names: tuple[bytes], kinds: bytes, key_idx: tuple[int], converters, dumps):
-   names are the columns' '"name":' pieces. */
+/* RowPlan(names: tuple[bytes], kinds: bytes, key_idx: tuple[int], converters, dumps,
+   key_head=b"", key_tail=b"", whole_old_key=False): names are the columns' '"name":'
+   pieces; the key object is written between key_head and key_tail; with whole_old_key, a
+   delete's old key tuple is written with every column (pgoutput sends the others as
+   nulls), else with its key columns alone. */
 static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     PyObject *names, *kinds, *key_idx, *converters, *dumps;
-    if (!PyArg_ParseTuple(args, "O!SO!O!O:RowPlan", &PyTuple_Type, &names, &kinds, &PyTuple_Type,
-                          &key_idx, &PyTuple_Type, &converters, &dumps))
+    PyObject *key_head = NULL, *key_tail = NULL;
+    int whole_old_key = 0;
+    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSp:RowPlan", &PyTuple_Type, &names, &kinds,
+                          &PyTuple_Type, &key_idx, &PyTuple_Type, &converters, &dumps, &key_head,
+                          &key_tail, &whole_old_key))
         return -1;
     Py_ssize_t n = PyTuple_GET_SIZE(names);
     if (PyBytes_GET_SIZE(kinds) != n || PyTuple_GET_SIZE(converters) != n) {
@@ -198,6 +208,11 @@ static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     self->holder = PyTuple_Pack(2, names, kinds);
     if (self->holder == NULL)
         return -1;
+    self->key_head = key_head != NULL ? Py_NewRef(key_head) : PyBytes_FromStringAndSize("", 0);
+    self->key_tail = key_tail != NULL ? Py_NewRef(key_tail) : PyBytes_FromStringAndSize("", 0);
+    if (self->key_head == NULL || self->key_tail == NULL)
+        return -1;
+    self->whole_old_key = whole_old_key;
     Py_INCREF(converters);
     self->converters = converters;
     Py_INCREF(dumps);
@@ -274,9 +289,10 @@ static int put_uint(Buf *b, unsigned long long v) {
 
 /* *value: the row's JSON between pieces[0] and pieces[1], then numbers[i] followed by
    pieces[i + 2]; *key: the key object, or None when the table has no key. cols holds ncols
-   columns. 0, or -1 with an exception set. */
+   columns; with key_only the row is the key columns alone (a delete's old key, which is
+   how the Python path writes it). 0, or -1 with an exception set. */
 static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned long long *numbers,
-                Py_ssize_t nnumbers, PyObject **value, PyObject **key) {
+                Py_ssize_t nnumbers, int key_only, PyObject **value, PyObject **key) {
     Buf b = {.len = 0, .cap = sizeof(b.small)};
     b.data = b.small;
     /* Where each column's value starts and ends in b, for the key. */
@@ -295,8 +311,10 @@ static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned
             PyBytes_GET_SIZE(PyTuple_GET_ITEM(pieces, j)))
     if (PIECE(0) < 0 || buf_byte(&b, '{') < 0)
         goto done;
-    for (Py_ssize_t i = 0; i < self->ncols; i++) {
-        if ((i > 0 && buf_byte(&b, ',') < 0) || buf_put(&b, self->names[i], self->name_lens[i]) < 0)
+    Py_ssize_t nwritten = key_only ? self->nkeys : self->ncols;
+    for (Py_ssize_t j = 0; j < nwritten; j++) {
+        Py_ssize_t i = key_only ? self->key_idx[j] : j;
+        if ((j > 0 && buf_byte(&b, ',') < 0) || buf_put(&b, self->names[i], self->name_lens[i]) < 0)
             goto done;
         spans[i][0] = b.len;
         if (put_value(self, &b, i, &cols[i]) < 0)
@@ -312,7 +330,8 @@ static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned
     Py_ssize_t value_len = b.len;
     if (self->nkeys > 0) {
         /* The key object goes after the value in the same buffer. */
-        if (buf_byte(&b, '{') < 0)
+        if (buf_put(&b, PyBytes_AS_STRING(self->key_head), PyBytes_GET_SIZE(self->key_head)) < 0 ||
+            buf_byte(&b, '{') < 0)
             goto done;
         for (Py_ssize_t k = 0; k < self->nkeys; k++) {
             Py_ssize_t i = self->key_idx[k];
@@ -323,7 +342,8 @@ static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned
             memcpy(b.data + b.len, b.data + spans[i][0], spans[i][1] - spans[i][0]);
             b.len += spans[i][1] - spans[i][0];
         }
-        if (buf_byte(&b, '}') < 0)
+        if (buf_byte(&b, '}') < 0 ||
+            buf_put(&b, PyBytes_AS_STRING(self->key_tail), PyBytes_GET_SIZE(self->key_tail)) < 0)
             goto done;
         *key = PyBytes_FromStringAndSize(b.data + value_len, b.len - value_len);
         if (*key == NULL)
@@ -423,7 +443,7 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         cols[i].text = item;
     }
     PyObject *value, *key;
-    if (emit(self, cols, args[1], numbers, nnumbers, &value, &key) == 0) {
+    if (emit(self, cols, args[1], numbers, nnumbers, 0, &value, &key) == 0) {
         result = PyTuple_Pack(2, value, key);
         Py_DECREF(value);
         Py_DECREF(key);
@@ -441,7 +461,7 @@ done:
    message, which says what is wrong); -1 with an exception set. */
 static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, Py_ssize_t pos,
                        PyObject *pieces, const unsigned long long *numbers, Py_ssize_t nnumbers,
-                       PyObject **value, PyObject **key) {
+                       int key_only, PyObject **value, PyObject **key) {
     TupleData td = {.buf = buf, .len = len, .pos = pos};
     if (tupledata_count(&td) != self->ncols)
         return 0;
@@ -472,7 +492,7 @@ static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, 
             }
     }
     if (td.pos == td.len)
-        rc = emit(self, cols, pieces, numbers, nnumbers, value, key) < 0 ? -1 : 1;
+        rc = emit(self, cols, pieces, numbers, nnumbers, key_only, value, key) < 0 ? -1 : 1;
 done:
     for (Py_ssize_t i = 0; i < read; i++)
         Py_XDECREF(cols[i].text);
@@ -481,45 +501,87 @@ done:
     return rc;
 }
 
-/* The (lsn, payload) of an insert into relation relid with a new tuple ('N' at at + 4, the
-   TupleData from at + 5), as the spool holds it: its payload, or NULL. */
-static PyObject *insert_into(PyObject *item, Py_ssize_t at, const unsigned char relid[4],
-                             unsigned long long *lsn) {
-    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2)
-        return NULL;
-    PyObject *payload = PyTuple_GET_ITEM(item, 1);
+/* Which of a run's changes payload is, when its row is read in place: the pieces of its
+   record (from kinds: insert, update, delete), whether its row is the key alone, whether a
+   tombstone follows its record. NULL for anything else (another message, another relation,
+   an update with an old tuple, a delete without a key): the decoder's path takes it. */
+static PyObject *change_frame(RowPlan *self, PyObject *payload, Py_ssize_t at,
+                              const unsigned char relid[4], PyObject *kinds, int *key_only,
+                              int *tombstone) {
     if (!PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) < at + 5)
         return NULL;
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
-    if (p[0] != 'I' || memcmp(p + at, relid, 4) != 0 || p[at + 4] != 'N')
+    if (memcmp(p + at, relid, 4) != 0)
+        return NULL;
+    *key_only = *tombstone = 0;
+    switch (p[0]) {
+    case 'I':
+        return p[at + 4] == 'N' ? PyTuple_GET_ITEM(kinds, 0) : NULL;
+    case 'U':
+        /* With an old key or tuple, the record needs both rows (and may be a key change). */
+        return p[at + 4] == 'N' ? PyTuple_GET_ITEM(kinds, 1) : NULL;
+    case 'D':
+        if (self->nkeys == 0 || (p[at + 4] != 'K' && p[at + 4] != 'O'))
+            return NULL;
+        *key_only = p[at + 4] == 'K' && !self->whole_old_key;
+        *tombstone = 1;
+        return PyTuple_GET_ITEM(kinds, 2);
+    }
+    return NULL;
+}
+
+/* The (lsn, payload) pair the spool holds: its payload, or NULL. */
+static PyObject *spooled(PyObject *item, unsigned long long *lsn) {
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2)
         return NULL;
     *lsn = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 0));
     if (*lsn == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         return NULL;
     }
-    return payload;
+    return PyTuple_GET_ITEM(item, 1);
 }
 
-/* records(items, lsn, payload, at, pieces, total, order, topic, headers, max_bytes, limit)
-   -> (records, total, order, leftover): the change records of a run of inserts into one
-   relation, as the builder's loop would make them one by one (numbers lsn, lsn, total + 1,
-   order + 1), without a Python frame per row. The run starts with (lsn, payload), an insert
-   whose relation oid starts at payload[at], and goes on with the items the iterator gives
-   while they are inserts into the same relation, up to limit records. leftover is the item
-   taken from the iterator that the run stopped at, which the caller handles itself (another
-   message, a row only the decoder reads, a record over max_bytes), or None; with no records,
-   the caller's own (lsn, payload) is what it handles. */
+static int append_record(PyObject *records, PyObject *topic, PyObject *key, PyObject *value,
+                         PyObject *headers) {
+    PyObject *record = PyTuple_Pack(4, topic, key, value, headers);
+    int rc = record == NULL ? -1 : PyList_Append(records, record);
+    Py_XDECREF(record);
+    return rc;
+}
+
+/* records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, trailing)
+   -> (records, total, order, leftover): the change records of a run of row changes to one relation,
+   as the builder's loop would make them one by one (numbers lsn, lsn, total + 1, order + 1, then
+   trailing; a delete's record followed by its tombstone), without a Python frame per row. kinds
+   holds the pieces of an insert's, an update's and a delete's record (6 + len(trailing) each). The
+   run starts with (lsn, payload), a change whose relation oid starts at payload[at], and goes on
+   with the items the iterator gives while they are changes to the same relation this reads in place
+   (see change_frame), up to limit records. leftover is the item taken from the iterator that the
+   run stopped at, which the caller handles itself (another message, a row only the decoder reads, a
+   record over max_bytes), or None; with no records, the caller's own (lsn, payload) is what it
+   handles. */
 static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, pieces: "
-                                "tuple, total: int, order: int, topic: str, headers, "
-                                "max_bytes: int, limit: int)";
-    if (nargs != 11 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
-        !PyTuple_Check(args[4])) {
+    static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, kinds: "
+                                "tuple of three tuples of 6 + len(trailing) pieces, total: int, "
+                                "order: int, topic: str, headers, max_bytes: int, limit: int, "
+                                "trailing: tuple of ints)";
+    if (nargs != 12 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
+        !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 3 || !PyTuple_Check(args[11]) ||
+        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 4) {
         PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
-    PyObject *items = args[0], *payload = args[2], *pieces = args[4];
+    /* Every record's numbers: its lsn twice, total and per-table order, then the run's
+       trailing numbers (the Debezium format's processing times). */
+    unsigned long long numbers[MAX_NUMBERS];
+    Py_ssize_t nnumbers = 4 + PyTuple_GET_SIZE(args[11]);
+    for (Py_ssize_t j = 4; j < nnumbers; j++) {
+        numbers[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 4));
+        if (numbers[j] == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    PyObject *items = args[0], *payload = args[2], *kinds = args[4];
     PyObject *topic = args[7], *headers = args[8];
     unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
     Py_ssize_t at = PyLong_AsSsize_t(args[3]);
@@ -529,27 +591,40 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t limit = PyLong_AsSsize_t(args[10]);
     if (PyErr_Occurred())
         return NULL;
-    if (PyTuple_GET_SIZE(pieces) != 6 || at < 1 || PyBytes_GET_SIZE(payload) < at + 5) {
-        PyErr_SetString(PyExc_ValueError, "records: six pieces, and an insert at least at + 5 long");
+    if (at < 1) {
+        PyErr_SetString(PyExc_ValueError, "records: at must be 1 or more");
         return NULL;
     }
-    for (Py_ssize_t j = 0; j < 6; j++)
-        if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
-            PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
+    for (Py_ssize_t k = 0; k < 3; k++) {
+        PyObject *pieces = PyTuple_GET_ITEM(kinds, k);
+        if (!PyTuple_Check(pieces) || PyTuple_GET_SIZE(pieces) != nnumbers + 2) {
+            PyErr_SetString(PyExc_TypeError, usage);
             return NULL;
         }
-    unsigned char relid[4];
-    memcpy(relid, PyBytes_AS_STRING(payload) + at, 4);
+        for (Py_ssize_t j = 0; j < nnumbers + 2; j++)
+            if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
+                PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
+                return NULL;
+            }
+    }
+    /* A message too short to be a row change: no records (the caller decodes it). */
+    unsigned char relid[4] = {0};
+    if (PyBytes_GET_SIZE(payload) >= at + 5)
+        memcpy(relid, PyBytes_AS_STRING(payload) + at, 4);
     PyObject *records = PyList_New(0);
     if (records == NULL)
         return NULL;
     PyObject *item = NULL; /* the item payload came from, once it came from the iterator */
-    while (1) {
-        const unsigned long long numbers[4] = {lsn, lsn, total + 1, order + 1};
+    int key_only, tombstone;
+    PyObject *pieces = change_frame(self, payload, at, relid, kinds, &key_only, &tombstone);
+    while (pieces != NULL) {
+        numbers[0] = numbers[1] = lsn;
+        numbers[2] = total + 1;
+        numbers[3] = order + 1;
         PyObject *value, *key;
         int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
-                                PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, 4, &value,
-                                &key);
+                                PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
+                                key_only, &value, &key);
         if (built < 0)
             goto error;
         if (built == 0 || PyBytes_GET_SIZE(value) > max_bytes) {
@@ -559,14 +634,13 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
             }
             break;
         }
-        PyObject *record = PyTuple_Pack(4, topic, key, value, headers);
+        int rc = append_record(records, topic, key, value, headers);
+        if (rc == 0 && tombstone)
+            rc = append_record(records, topic, key, Py_None, headers);
         Py_DECREF(value);
         Py_DECREF(key);
-        if (record == NULL || PyList_Append(records, record) < 0) {
-            Py_XDECREF(record);
+        if (rc < 0)
             goto error;
-        }
-        Py_DECREF(record);
         total++;
         order++;
         Py_CLEAR(item);
@@ -578,9 +652,10 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
                 goto error;
             break;
         }
-        payload = insert_into(item, at, relid, &lsn);
-        if (payload == NULL)
-            break;
+        payload = spooled(item, &lsn);
+        pieces = payload == NULL
+                     ? NULL
+                     : change_frame(self, payload, at, relid, kinds, &key_only, &tombstone);
     }
     /* item, if any, is the leftover: taken from the iterator but not built. */
     return Py_BuildValue("(NKKN)", records, total, order, item != NULL ? item : Py_NewRef(Py_None));
@@ -595,8 +670,9 @@ static PyMethodDef plan_methods[] = {
      "record(values, pieces, numbers) -> (value, key JSON or None): pieces[0], the row, "
      "pieces[1], then each number followed by the next piece"},
     {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
-     "records(items, lsn, payload, at, pieces, total, order, topic, headers, max_bytes, limit) "
-     "-> (records, total, order, leftover): the records of a run of inserts into one relation"},
+     "records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, "
+     "trailing) "
+     "-> (records, total, order, leftover): the records of a run of changes to one relation"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,6 +9,9 @@ class RowPlan:
         key_idx: tuple[int, ...],
         converters: tuple[Callable[[str], Any], ...],
         dumps: Callable[[Any], bytes],
+        key_head: bytes = ...,
+        key_tail: bytes = ...,
+        whole_old_key: bool = ...,
         /,
     ) -> None: ...
     def record(
@@ -20,12 +23,13 @@ class RowPlan:
         lsn: int,
         payload: bytes,
         at: int,
-        pieces: tuple[bytes, ...],
+        kinds: tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]],
         total: int,
         order: int,
         topic: str,
         headers: Any,
         max_bytes: int,
         limit: int,
+        trailing: tuple[int, ...],
         /,
     ) -> tuple[list[Any], int, int, tuple[int, Any] | None]: ...

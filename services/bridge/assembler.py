@@ -16,30 +16,21 @@ a subtransaction needs to drop exactly that subtransaction's changes at replay.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.bridge import messages as m
+from services.bridge.decoder import (
+    is_catalog,
+    is_data,
+    is_relation,
+    is_untied_message,
+    message_name,
+    oversized_stand_in,
+    with_streamed_xid,
+)
 from services.bridge.spool import Spool
 from services.common.errors import SlotbridgeError
-
-_XID = struct.Struct("!I")
-_SIZE = struct.Struct("!Q")
-# Message types that belong to a transaction's content (everything else is control).
-DATA_TYPES = frozenset(b"RYIUDTM")
-_RELATION = 0x52  # 'R'
-# Spooled in place of a row change too large to publish (not a pgoutput type): "!", the
-# change's bytes up to its relation oid ([xid,] oid), the change's size. A row of
-# hundreds of MB is then neither written to the spool nor read back from it; whether it
-# is refused depends on its transaction committing, known only later.
-OVERSIZED = 0x21
-
-
-def oversized(payload: bytes, streamed: bool) -> tuple[int, int]:
-    """Relation oid and size of the change an ``OVERSIZED`` stand-in replaced."""
-    oid_at = 5 if streamed else 1
-    return _XID.unpack_from(payload, oid_at)[0], _SIZE.unpack_from(payload, oid_at + 4)[0]
 
 
 class AssemblyError(SlotbridgeError):
@@ -92,7 +83,7 @@ class Assembler:
     ) -> None:
         """``on_prepared``/``on_rolled_back`` tell the confirm tracker which PREPAREs must
         hold back the slot's confirmed position until they are published or dropped. A
-        row change over ``max_change_bytes`` is spooled as an ``OVERSIZED`` stand-in.
+        row change over ``max_change_bytes`` is spooled as a stand-in (``oversized_stand_in``).
         ``on_untied_message`` hears of each non-transactional logical message, which is
         not published (see ``_data``)."""
         self._decode = decode
@@ -114,8 +105,7 @@ class Assembler:
 
     def feed(self, lsn: int, payload: bytes) -> Transaction | None:
         """Take one message; return a transaction when this message sealed one."""
-        kind = payload[0]
-        if kind in DATA_TYPES:
+        if is_data(payload):
             self._data(lsn, payload)
             return None
         msg = self._decode(payload)
@@ -190,10 +180,10 @@ class Assembler:
     def _data(self, lsn: int, payload: bytes) -> None:
         target = self._in_stream or self._current
         if target is None:
-            if payload[0] in b"RY":
+            if is_catalog(payload):
                 self._orphans.append((lsn, payload))
                 return
-            if payload[0] == ord("M") and not payload[1] & 1:
+            if is_untied_message(payload):
                 # pg_logical_emit_message(false, ...): sent at once, in no transaction, so
                 # it has no commit position in the exactly-once order (a replay could not
                 # tell it was published) and is not published; other tools (heartbeats,
@@ -202,15 +192,10 @@ class Assembler:
                 assert isinstance(message, m.LogicalMessage)
                 self._on_untied_message(message)
                 return
-            raise AssemblyError(f"change message {chr(payload[0])!r} outside a transaction")
-        if (
-            self._max_change is not None
-            and len(payload) > self._max_change
-            and payload[0] in b"IUD"
-        ):
-            end = 9 if target.streamed else 5
-            payload = bytes((OVERSIZED,)) + payload[1:end] + _SIZE.pack(len(payload))
-        elif payload[0] == _RELATION:
+            raise AssemblyError(f"{message_name(payload)} message outside a transaction")
+        if self._max_change is not None and len(payload) > self._max_change:
+            payload = oversized_stand_in(payload, target.streamed, self._max_change)
+        if is_relation(payload):
             target.relations.append(payload)
         target.spool.append(lsn, payload)
 
@@ -231,8 +216,8 @@ class Assembler:
         for lsn, payload in self._orphans:
             # A streamed transaction's payloads carry an xid; give orphans the top xid.
             if txn.streamed:
-                payload = payload[:1] + _XID.pack(txn.xid) + payload[1:]
-            if payload[0] == _RELATION:
+                payload = with_streamed_xid(payload, txn.xid)
+            if is_relation(payload):
                 txn.relations.append(payload)
             txn.spool.append(lsn, payload)
         self._orphans.clear()

@@ -259,14 +259,6 @@ def _point(text: str) -> JsonValue:
     return {"x": x, "y": y, "wkb": wkb, "srid": None}
 
 
-def _int(text: str) -> JsonValue:
-    return int(text)
-
-
-def _text(text: str) -> JsonValue:
-    return text
-
-
 @dataclass(frozen=True, slots=True)
 class ColumnType:
     """What decides a column's Connect schema: its type, modifier and enum labels."""
@@ -309,15 +301,15 @@ _STRING: Schema = {"type": "string"}
 _FIXED: dict[int, tuple[Schema, Converter]] = {
     16: ({"type": "boolean"}, bool_from_text),
     17: ({"type": "bytes"}, bytea_base64),
-    18: (_STRING, _text),
-    19: (_STRING, _text),
-    20: ({"type": "int64"}, _int),
-    21: ({"type": "int16"}, _int),
-    23: ({"type": "int32"}, _int),
-    25: (_STRING, _text),
-    26: ({"type": "int64"}, _int),
-    114: (_logical("string", "io.debezium.data.Json"), _text),
-    142: (_logical("string", "io.debezium.data.Xml"), _text),
+    18: (_STRING, str),
+    19: (_STRING, str),
+    20: ({"type": "int64"}, int),
+    21: ({"type": "int16"}, int),
+    23: ({"type": "int32"}, int),
+    25: (_STRING, str),
+    26: ({"type": "int64"}, int),
+    114: (_logical("string", "io.debezium.data.Json"), str),
+    142: (_logical("string", "io.debezium.data.Xml"), str),
     600: (_POINT, _point),
     700: ({"type": "float"}, float_or_text),
     701: ({"type": "double"}, float_or_text),
@@ -325,13 +317,13 @@ _FIXED: dict[int, tuple[Schema, Converter]] = {
         _logical("bytes", "org.apache.kafka.connect.data.Decimal", parameters={"scale": "2"}),
         _money,
     ),
-    1042: (_STRING, _text),
-    1043: (_STRING, _text),
+    1042: (_STRING, str),
+    1043: (_STRING, str),
     1082: (_logical("int32", "io.debezium.time.Date"), _date),
     1186: (_logical("int64", "io.debezium.time.MicroDuration"), _micro_duration),
     1266: (_logical("string", "io.debezium.time.ZonedTime"), _zoned_time),
-    2950: (_logical("string", "io.debezium.data.Uuid"), _text),
-    3802: (_logical("string", "io.debezium.data.Json"), _text),
+    2950: (_logical("string", "io.debezium.data.Uuid"), str),
+    3802: (_logical("string", "io.debezium.data.Json"), str),
 }
 # Arrays the connector leaves out of its records (no mapping): published as their text.
 _UNMAPPED_ARRAYS = frozenset({791, 1003, 1187, 1563, 143, 1017})
@@ -372,8 +364,8 @@ def _scalar(column: ColumnType) -> tuple[Schema, Converter]:
     if column.enum_labels is not None:
         return _logical(
             "string", "io.debezium.data.Enum", parameters={"allowed": ",".join(column.enum_labels)}
-        ), _text
-    return _STRING, _text
+        ), str
+    return _STRING, str
 
 
 def column_encoding(column: ColumnType) -> tuple[Schema, Converter]:

@@ -41,11 +41,13 @@ from services.bridge.events import (
     Record,
     RelationCatalog,
     RelationInfo,
+    RowPieces,
     TableFacts,
     Txn,
     Undecoded,
     key_row,
-    transaction_value,
+    row_plan,
+    status_value,
     whole_row,
 )
 from services.bridge.values import JsonValue
@@ -228,10 +230,13 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
     key_schema, envelope = connect_schemas(info.topic, columns, info.key_names)
     info.converters = tuple(converters)
     info.placeholders = tuple(placeholders)
-    info.encoded = ConnectShape(
+    shape = info.encoded = ConnectShape(
         b'{"schema":%b,"payload":' % _dumps(key_schema),
         b'{"schema":%b,"payload":{"before":' % _dumps(envelope),
     )
+    # Connect writes a struct's every field: a delete's old key is a whole row of nulls but
+    # for its key columns (which pgoutput sends as such).
+    info.plan = row_plan(info, (shape.key_head, b"}"), whole_old_key=True)
 
 
 def run_id(now_ms: int, random: bytes) -> str:
@@ -259,11 +264,14 @@ def context_headers(topic_prefix: str, run: str) -> Headers:
     ]
 
 
+_TXN_KEY = b'{"schema":%b,"payload":{"id":"%%b"}}' % _TXN_KEY_SCHEMA
+# What follows a change record's lsn, up to its total_order, in the compiled plan's pieces
+# (see ``DebeziumEventBuilder._envelope``).
+_TXN_HEAD = b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":{"id":"%b","total_order":'
+
+
 class DebeziumEventBuilder(EventBuilder):
     """``EventBuilder`` writing Debezium's records; one per bridge run (the run id)."""
-
-    key_change_op = "c"
-    reads_undecoded = False  # its rows are built in Python, from decoded messages
 
     def __init__(
         self,
@@ -288,29 +296,18 @@ class DebeziumEventBuilder(EventBuilder):
         commit_lsn: int,
         commit_ts: int,
         changes: Iterator[tuple[int, m.Message | bytes]],
-        snapshot: str = "false",
         end_lsn: int | None = None,
         undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
-        yield from super().transaction(
-            xid, commit_lsn, commit_ts, changes, snapshot, end_lsn, undecoded
-        )
+        yield from super().transaction(xid, commit_lsn, commit_ts, changes, end_lsn, undecoded)
         self.last_end_lsn = end_lsn
 
-    def _transaction_record(
-        self,
-        status: str,
-        txid: str,
-        ts_ms: int,
-        total: int | None,
-        per_table: dict[str, int] | None,
-    ) -> Record:
+    def _transaction_record(self, status: str, txn: Txn) -> Record:
         # Debezium writes no context headers on its transaction topic.
-        value = transaction_value(status, txid, ts_ms, total, per_table)
         return (
             self.transaction_topic,
-            b'{"schema":%b,"payload":{"id":%b}}' % (_TXN_KEY_SCHEMA, _dumps(txid)),
-            b'{"schema":%b,"payload":%b}' % (_TXN_VALUE_SCHEMA, value),
+            _TXN_KEY % txn.txid,
+            b'{"schema":%b,"payload":%b}' % (_TXN_VALUE_SCHEMA, status_value(status, txn)),
             None,
         )
 
@@ -320,17 +317,33 @@ class DebeziumEventBuilder(EventBuilder):
         shape: ConnectShape = info.encoded
         return shape.key_head + _dumps({n: row[n] for n in info.key_names}) + b"}"
 
-    def _key_change_headers(
+    def _key_change(
         self,
+        txn: Txn,
+        lsn: int,
         info: RelationInfo,
-        old: m.TupleData,
-        new: m.TupleData,
-    ) -> tuple[Headers | None, Headers | None]:
-        # The other key's payload, as SimpleHeaderConverter prints a Struct.
+        msg: m.Update,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue],
+        old_key: bytes | None,
+        key: bytes | None,
+    ) -> Sequence[Record]:
+        """Debezium's key change: the old key's delete and tombstone carry the new key in a
+        header, then a create (no ``before``) of the new key carries the old one; the
+        delete and the create are counted apart."""
+        assert msg.old is not None  # a key change has the old key
         headers = self.headers or []
+        # The other key's payload, as SimpleHeaderConverter prints a Struct.
+        old_headers: Headers = [("__debezium.newkey", _dumps(key_row(info, msg.new))), *headers]
+        new_headers: Headers = [("__debezium.oldkey", _dumps(key_row(info, msg.old))), *headers]
+        total, order = txn.number(info.topic)
+        deleted = self._value(txn, info, lsn, "d", before, None, total, order)
+        total, order = txn.number(info.topic)
+        created = self._value(txn, info, lsn, "c", None, after, total, order)
         return (
-            [("__debezium.newkey", _dumps(key_row(info, new))), *headers],
-            [("__debezium.oldkey", _dumps(key_row(info, old))), *headers],
+            (info.topic, old_key, deleted, old_headers),
+            (info.topic, old_key, None, old_headers),
+            (info.topic, key, created, new_headers),
         )
 
     def _source_pieces(
@@ -353,6 +366,46 @@ class DebeziumEventBuilder(EventBuilder):
         ).encode()
         return head, middle
 
+    def _templates(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
+        """The ``source`` pieces of a relation's records in ``txn`` (see ``_source_pieces``)."""
+        return txn.templates.get(info.oid) or txn.templates.setdefault(
+            info.oid, self._source_pieces(info, txn.xid, txn.commit_ts, "false")
+        )
+
+    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
+        """What the compiled plan puts around the row, the lsn twice, the orders and the
+        three processing times (``_run_numbers``) of an insert, of an update without an old
+        tuple and of a delete: ``_envelope``'s bytes, cut at those numbers."""
+        head, middle = self._templates(txn, info)
+        value_head: bytes = info.encoded.value_head
+        transaction = _TXN_HEAD % txn.txid
+
+        def framed(before: bytes, after: bytes, op: bytes) -> tuple[bytes, ...]:
+            return (
+                value_head + before,
+                after + head,
+                middle,
+                transaction,
+                b',"data_collection_order":',
+                b'},"op":"%b","ts_ms":' % op,
+                b',"ts_us":',
+                b',"ts_ns":',
+                b"}}",
+            )
+
+        pieces = txn.row_pieces[info.oid] = (
+            framed(b'null,"after":', b"", b"c"),
+            framed(b'null,"after":', b"", b"u"),
+            framed(b"", b',"after":null', b"d"),
+        )
+        return pieces
+
+    def _run_numbers(self) -> tuple[int, ...]:
+        """The processing time a record carries (ts_ms, ts_us, ts_ns); a compiled run's
+        records share one reading, as a record built alone reads it once."""
+        now = time.time_ns()
+        return now // 1_000_000, now // 1000, now
+
     def _value(
         self,
         txn: Txn,
@@ -364,12 +417,7 @@ class DebeziumEventBuilder(EventBuilder):
         total: int,
         order: int,
     ) -> bytes:
-        head, middle = txn.templates.get(info.oid) or txn.templates.setdefault(
-            info.oid,
-            self._source_pieces(
-                info, txn.xid if txn.snapshot == "false" else None, txn.commit_ts, txn.snapshot
-            ),
-        )
+        head, middle = self._templates(txn, info)
         return self._envelope(
             info,
             head,
@@ -392,7 +440,7 @@ class DebeziumEventBuilder(EventBuilder):
         after: dict[str, JsonValue] | None,
         transaction: bytes,
     ) -> bytes:
-        now = time.time_ns()
+        now_ms, now_us, now_ns = self._run_numbers()
         out = b"".join(
             (
                 info.encoded.value_head,
@@ -404,7 +452,7 @@ class DebeziumEventBuilder(EventBuilder):
                 middle,
                 b'%d,"xmin":null,"origin":null,"origin_lsn":null},"transaction":%b,"op":"%b",'
                 b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}}'
-                % (lsn, transaction, op.encode(), now // 1_000_000, now // 1000, now),
+                % (lsn, transaction, op.encode(), now_ms, now_us, now_ns),
             )
         )
         if len(out) > self.max_record_bytes:
@@ -432,12 +480,27 @@ class DebeziumEventBuilder(EventBuilder):
         if not info.published:
             yield self._schema_record(info)
         head, middle = self._source_pieces(info, None, commit_ts, "true")
-        topic, headers, key_of = info.topic, self.headers, self._key_of
+        topic, headers, plan = info.topic, self.headers, info.plan
+        pieces = (
+            info.encoded.value_head + b'null,"after":',
+            head,
+            middle,
+            b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":null,"op":"r","ts_ms":',
+            b',"ts_us":',
+            b',"ts_ns":',
+            b"}}",
+        )
         for values in rows:
+            if plan is not None:
+                value, key = plan.record(values, pieces, (lsn, lsn, *self._run_numbers()))
+                if len(value) > self.max_record_bytes:
+                    raise self._too_large(info, lsn, len(value))
+                yield topic, key, value, headers
+                continue
             row = whole_row(info, values)
             yield (
                 topic,
-                key_of(info, row),
+                self._key_of(info, row),
                 self._envelope(info, head, middle, lsn, "r", None, row, b"null"),
                 headers,
             )

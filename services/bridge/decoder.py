@@ -80,6 +80,7 @@ _NAMES = {
     "K": "Commit Prepared",
     "r": "Rollback Prepared",
     "p": "Stream Prepare",
+    "!": "oversized change stand-in",
 }
 
 
@@ -185,6 +186,13 @@ def _relation(buf: bytes, streamed: bool) -> m.Message:
     return _end(buf, pos, m.Relation(xid, oid, namespace, name, identity, tuple(columns)))
 
 
+def _oversized(buf: bytes, streamed: bool) -> m.Message:
+    xid, pos = _xid_prefix(buf, streamed)
+    relid = _u32(buf, pos)[0]
+    size = _U64.unpack_from(buf, pos + 4)[0]
+    return _end(buf, pos + 12, m.OversizedChange(xid, relid, size))
+
+
 def _type(buf: bytes, streamed: bool) -> m.Message:
     xid, pos = _xid_prefix(buf, streamed)
     oid = _u32(buf, pos)[0]
@@ -201,9 +209,10 @@ def _unexpected(buf: bytes, pos: int, wanted: str) -> DecodeError:
 # inline rather than through helpers, since a call costs as much as a column.
 
 
-def insert_relid_at(streamed: bool) -> int:
-    """Where an Insert message's relation oid starts: after its type byte, and inside a
-    streamed transaction after the xid too. The 'N' marker and the new TupleData follow."""
+def change_relid_at(streamed: bool) -> int:
+    """Where a row change's (Insert, Update, Delete) relation oid starts: after its type
+    byte, and inside a streamed transaction after the xid too. A tuple marker and its
+    TupleData follow."""
     return 5 if streamed else 1
 
 
@@ -331,6 +340,82 @@ _HANDLERS: dict[int, Handler] = {
 }
 
 
+# What the stages before decoding (the assembler spooling a transaction, the publisher
+# filtering a spool) ask of a raw payload. They ask here, so that pgoutput's bytes are
+# known in this module (and its C readers) alone.
+
+_DATA_TYPES = frozenset(b"RYIUDTM!")
+_ROW_CHANGE_TYPES = frozenset(b"IUD")
+_CATALOG_TYPES = frozenset(b"RY")
+_RELATION = ord("R")
+_MESSAGE = ord("M")
+# The tag of the assembler's stand-in for a row change too large to publish (see
+# ``oversized_stand_in``). No pgoutput type: the server never sends it.
+_OVERSIZED = ord("!")
+
+
+def is_data(payload: bytes) -> bool:
+    """Whether the message is part of a transaction's content (relations, types, row
+    changes, logical messages), not of its framing (begin, commit, stream, prepare)."""
+    return payload[0] in _DATA_TYPES
+
+
+def is_catalog(payload: bytes) -> bool:
+    """A Relation or Type message: it describes, it changes nothing."""
+    return payload[0] in _CATALOG_TYPES
+
+
+def is_relation(payload: bytes) -> bool:
+    return payload[0] == _RELATION
+
+
+def is_logical_message(payload: bytes) -> bool:
+    return payload[0] == _MESSAGE
+
+
+def is_untied_message(payload: bytes) -> bool:
+    """A logical message emitted outside any transaction (``pg_logical_emit_message(false,
+    ...)``): it arrives at once and has no commit position."""
+    return payload[0] == _MESSAGE and not payload[1] & 1
+
+
+def message_name(payload: bytes) -> str:
+    """The message's type for an error line ("Insert"), or its type byte when unknown."""
+    kind = payload[:1].decode("latin-1")
+    return _NAMES.get(kind, repr(kind))
+
+
+def change_relation_oid(payload: bytes, streamed: bool) -> int | None:
+    """The relation an Insert, Update or Delete changes; None for any other message."""
+    if payload[0] not in _ROW_CHANGE_TYPES:
+        return None
+    oid: int = _u32(payload, change_relid_at(streamed))[0]
+    return oid
+
+
+def streamed_xid(payload: bytes) -> int:
+    """The (sub)transaction id a data message from a streamed block carries."""
+    xid: int = _u32(payload, 1)[0]
+    return xid
+
+
+def with_streamed_xid(payload: bytes, xid: int) -> bytes:
+    """A data message sent outside a streamed block, as if sent inside one by ``xid``
+    (a Relation sent before a stream started, which the stream's spool holds)."""
+    return payload[:1] + _U32.pack(xid) + payload[1:]
+
+
+def oversized_stand_in(payload: bytes, streamed: bool, max_size: int) -> bytes:
+    """What to spool for ``payload``: itself, or for a row change over ``max_size`` bytes
+    a stand-in naming its relation and size (decoded as ``OversizedChange``). A row of
+    hundreds of MB is then neither written to the spool nor read back from it; whether it
+    is refused depends on its transaction committing, known only later."""
+    if len(payload) <= max_size or payload[0] not in _ROW_CHANGE_TYPES:
+        return payload
+    end = change_relid_at(streamed) + 4
+    return bytes((_OVERSIZED,)) + payload[1:end] + _U64.pack(len(payload))
+
+
 class PgOutputDecoder:
     """Decodes the pgoutput messages of one replication session."""
 
@@ -348,6 +433,7 @@ class PgOutputDecoder:
         if proto_version >= 3:
             allowed += _TWO_PHASE_TYPES
         handlers = {kind: h for kind, h in _HANDLERS.items() if kind in allowed}
+        handlers[_OVERSIZED] = _oversized  # the assembler's own, whatever the protocol
         if proto_version >= 2:
             handlers[ord("S")] = self._stream_start
             handlers[ord("E")] = self._stream_stop

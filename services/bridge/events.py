@@ -11,14 +11,16 @@ through a callback the daemon supplies, so this module never opens a connection.
 from __future__ import annotations
 
 import base64
+import functools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from services.bridge import messages as m
+from services.bridge.decoder import change_relation_oid, change_relid_at
 from services.bridge.values import (
     JSON_NULL,
     TYPE_NAMES,
@@ -215,7 +217,9 @@ class RelationCatalog:
         )
         if self.encoder is not None:
             self.encoder(info, rel, facts)
-        else:
+        elif not info.json_names:
+            # A JSON null in a json or jsonb column is named in the record (``json_nulls``),
+            # which only the Python path writes.
             info.plan = row_plan(info)
         return info
 
@@ -231,12 +235,15 @@ _KINDS: dict[Callable[[str], JsonValue], bytes] = {
 }
 
 
-def row_plan(info: RelationInfo) -> RowPlan | None:
-    """The compiled builder of a relation version's row and key JSON: the same bytes as
-    ``_dumps(whole_row(...))`` and ``_key_of``, several times faster. None without the
-    extension, and for tables with json or jsonb columns (their JSON nulls are named in the
-    record, which takes the rows as dicts)."""
-    if RowPlan is None or info.json_names:
+def row_plan(
+    info: RelationInfo, key_frame: tuple[bytes, bytes] = (b"", b""), whole_old_key: bool = False
+) -> RowPlan | None:
+    """The compiled builder of a relation version's row and key JSON (the key object
+    between ``key_frame``): the same bytes as ``_dumps`` of the row and key dicts the
+    Python path builds with ``info.converters``, several times faster. ``whole_old_key``:
+    a delete's old key is written as a whole row (its other columns null). None without the
+    extension."""
+    if RowPlan is None:
         return None
     return RowPlan(
         tuple(_dumps(name) + b":" for name in info.names),
@@ -244,6 +251,8 @@ def row_plan(info: RelationInfo) -> RowPlan | None:
         info.key_idx,
         info.converters,
         _dumps,
+        *key_frame,
+        whole_old_key,
     )
 
 
@@ -289,30 +298,46 @@ Record = tuple[str, bytes | None, bytes | None, Headers | None]
 
 @dataclass(slots=True)
 class Txn:
-    """What every change record of one transaction shares, and the pieces of its values
-    serialised once per relation (``templates``: relation oid -> builder's pieces)."""
+    """What every change record of one transaction shares, the pieces of its values
+    serialised once per relation (``templates``: relation oid -> builder's pieces), and
+    the numbering of its records so far."""
 
     xid: int
     commit_lsn: int
     commit_ts: int  # PostgreSQL's microseconds since 2000-01-01
     ts_ms: int
-    snapshot: str
     now_ms: int
     txid: bytes  # "xid:commit_lsn", encoded once for all its records
     templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
-    # Relation oid -> the pieces of its insert records for the compiled builder.
-    insert_pieces: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
+    # Relation oid -> the pieces of its insert, update and delete records for the compiled
+    # builder (see ``EventBuilder._row_pieces``).
+    row_pieces: dict[int, RowPieces] = field(default_factory=dict)
+    # The ``transaction`` pieces of its insert, update and delete records.
+    op_pieces: tuple[bytes, ...] | None = None
+    # Change records so far: in all (total_order), and per topic (data_collection_order).
+    total: int = 0
+    per_table: dict[str, int] = field(default_factory=dict)
+
+    def number(self, topic: str) -> tuple[int, int]:
+        """The total and per-topic order of the next change record to ``topic``."""
+        self.total += 1
+        order = self.per_table[topic] = self.per_table.get(topic, 0) + 1
+        return self.total, order
+
+
+# What RowPlan.records puts around the row of an insert's, an update's and a delete's
+# record: six pieces each (see ``_VALUE``).
+RowPieces = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]
 
 
 @dataclass(frozen=True, slots=True)
 class Undecoded:
-    """How ``EventBuilder.transaction`` reads the messages it is given undecoded: where an
-    Insert's relation oid starts (``decoder.insert_relid_at``; the 'N' marker and the
-    TupleData follow it), and how to decode, at its LSN, what the compiled plan does not
-    read."""
+    """How ``EventBuilder.transaction`` reads the messages it is given undecoded: whether
+    they come from a streamed transaction (where their relation oid is), and how to decode
+    what the compiled plan does not read."""
 
-    relid_at: int
-    decode: Callable[[int, bytes], m.Message]
+    streamed: bool
+    decode: Callable[[bytes], m.Message]
 
 
 # Most records one RowPlan.records call builds: a run of inserts waits in memory as records
@@ -321,7 +346,9 @@ _RUN = 1024
 
 
 class EventBuilder:
-    """Turns decoded messages of one sealed transaction into Kafka records."""
+    """Turns decoded messages of one sealed transaction into Kafka records, in the default
+    record format; a format of its own overrides how a record is written, never which
+    records a transaction makes."""
 
     def __init__(
         self, catalog: RelationCatalog, topic_prefix: str, db: str, max_record_bytes: int
@@ -333,14 +360,26 @@ class EventBuilder:
         self.schema_topic = schema_topic(topic_prefix)
         self.transaction_topic = transaction_topic(topic_prefix)
         self.message_topic = message_topic(topic_prefix)
+        # Relation oid -> (the version, its source block's first fields): the same for every
+        # transaction, and made again only for a new version.
+        self._source_heads: dict[int, tuple[RelationInfo, bytes]] = {}
+        # One handler per message class: a dict lookup rather than an isinstance chain,
+        # which every row change would walk.
+        self._handlers: dict[type, Callable[[Txn, int, Any], Sequence[Record]]] = {
+            m.Insert: self._insert,
+            m.Update: self._update,
+            m.Delete: self._delete,
+            m.Relation: self._relation,
+            m.TypeMsg: lambda txn, lsn, msg: (),
+            m.Truncate: self._truncate,
+            m.LogicalMessage: self._logical_message,
+            m.OversizedChange: self._oversized,
+        }
 
     # The record headers of change records and tombstones: none in the default format.
     headers: Headers | None = None
-    # The op of the new key's record after a key change: an update here, a create (with no
-    # ``before``) in Debezium's records.
-    key_change_op = "u"
     # Whether the publisher may hand ``transaction`` its messages undecoded (see
-    # ``Undecoded``): worth it only where the compiled row builder reads the inserts.
+    # ``Undecoded``): worth it only where the compiled row builder reads the row changes.
     reads_undecoded = COMPILED
 
     def transaction(
@@ -349,7 +388,6 @@ class EventBuilder:
         commit_lsn: int,
         commit_ts: int,
         changes: Iterator[tuple[int, m.Message | bytes]],
-        snapshot: str = "false",
         end_lsn: int | None = None,
         undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
@@ -359,220 +397,196 @@ class EventBuilder:
         transaction names as the previous commit in ``source.sequence``. ``changes`` may
         hold messages as their raw payloads when ``undecoded`` says how to read them (see
         ``reads_undecoded``)."""
-        ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
-        txid = f"{xid}:{commit_lsn}"
-        now_ms = int(time.time() * 1000)
-        txn = Txn(xid, commit_lsn, commit_ts, ts_ms, snapshot, now_ms, txid.encode())
-        value = self._value
-        insert_op = "r" if snapshot != "false" else "c"
-        yield self._transaction_record("BEGIN", txid, ts_ms, None, None)
-        total = 0
-        per_table: dict[str, int] = {}
-        catalog = self.catalog
-        insert = m.Insert
-        key_of = self._key_of
-        headers = self.headers
-        changes = iter(changes)  # records() reads on from where this loop is
-        for lsn, msg in changes:
-            if isinstance(msg, bytes):
-                # Undecoded: a run of inserts into a table the compiled plan covers becomes
-                # records in one call, which reads their TupleData in place. What a run
-                # stops at (another message, a row the plan does not read, a record over the
-                # limit, an insert into another table) is decoded and built below.
-                assert undecoded is not None
-                at = undecoded.relid_at
-                target = (
-                    catalog.by_oid.get(int.from_bytes(msg[at : at + 4], "big"))
-                    if msg[0] == 0x49  # 'I'
-                    else None
-                )
-                if target is not None and target.plan is not None and msg[at + 4 : at + 5] == b"N":
-                    topic = target.topic
-                    built, total, order, leftover = target.plan.records(
-                        changes,
-                        lsn,
-                        msg,
-                        at,
-                        txn.insert_pieces.get(target.oid)
-                        or self._insert_pieces(txn, target, insert_op),
-                        total,
-                        per_table.get(topic, 0),
-                        topic,
-                        headers,
-                        self.max_record_bytes,
-                        _RUN,
-                    )
-                    if built:
-                        per_table[topic] = order
-                        yield from built
-                        if leftover is None:
-                            continue
-                        lsn, msg = leftover
-                if isinstance(msg, bytes):
-                    msg = undecoded.decode(lsn, msg)
-            if msg.__class__ is insert:  # the common case first, ahead of the isinstance chain
-                info = catalog.by_oid[msg.relation_oid]
-                total += 1
-                order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-                plan = info.plan
-                if plan is not None:
-                    pieces = txn.insert_pieces.get(info.oid) or self._insert_pieces(
-                        txn, info, insert_op
-                    )
-                    out, key_json = plan.record(
-                        msg.new,  # type: ignore[arg-type]
-                        pieces,
-                        (lsn, lsn, total, order),
-                    )
-                    if len(out) > self.max_record_bytes:
-                        raise self._too_large(info, lsn, len(out))
-                    yield info.topic, key_json, out, headers
-                    continue
-                # An insert has no unchanged-TOAST value: its key is already in the row,
-                # converted once.
-                row = whole_row(info, msg.new)  # type: ignore[arg-type]
-                yield (
-                    info.topic,
-                    key_of(info, row),
-                    value(txn, info, lsn, insert_op, None, row, total, order),
-                    headers,
-                )
-                continue
-            if isinstance(msg, m.Relation):
-                info = catalog.apply(msg)
-                txn.templates.pop(info.oid, None)
-                txn.insert_pieces.pop(info.oid, None)
-                if not info.published:
-                    yield self._schema_record(info)
-                continue
-            if isinstance(msg, m.TypeMsg):
-                continue
-            if isinstance(msg, m.Truncate):
-                for oid in msg.relation_oids:
-                    info = catalog.by_oid[oid]
-                    total += 1
-                    order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-                    truncate = value(txn, info, lsn, "t", None, None, total, order)
-                    yield info.topic, None, truncate, headers
-                continue
-            if isinstance(msg, m.LogicalMessage):
-                total += 1
-                yield (
-                    self.message_topic,
-                    _dumps({"prefix": msg.prefix}),
-                    _dumps(
-                        {
-                            "prefix": msg.prefix,
-                            "content": base64.b64encode(msg.content).decode(),
-                            "transactional": msg.transactional,
-                            "lsn": lsn,
-                            "txId": xid,
-                            "commit_lsn": commit_lsn,
-                            "ts_ms": ts_ms,
-                        }
-                    ),
-                    None,
-                )
-                continue
-            info = catalog.by_oid[msg.relation_oid]  # type: ignore[union-attr]
-            total += 1
-            order = per_table[info.topic] = per_table.get(info.topic, 0) + 1
-            if isinstance(msg, m.Update):
-                before = None
-                if msg.old is not None:
-                    before = (
-                        key_row(info, msg.old)
-                        if msg.old_is_key_only
-                        else _row(info, msg.old, None, info.placeholders)
-                    )
-                after = _row(
-                    info, msg.new, msg.old if not msg.old_is_key_only else None, info.placeholders
-                )
-                key = key_of(info, key_row(info, msg.new))
-                if msg.old is not None and msg.old_is_key_only:
-                    old_key = key_of(info, key_row(info, msg.old))
-                    if old_key != key:
-                        # The key changed: consumers of a compacted topic must forget the
-                        # old key, so publish a delete + tombstone for it first (Debezium
-                        # does the same).
-                        old_headers, new_headers = self._key_change_headers(info, msg.old, msg.new)
-                        yield (
-                            info.topic,
-                            old_key,
-                            value(txn, info, lsn, "d", before, None, total, order),
-                            old_headers,
-                        )
-                        yield info.topic, old_key, None, old_headers
-                        op = self.key_change_op
-                        if op == "c":  # Debezium counts the delete and the create apart
-                            total += 1
-                            order = per_table[info.topic] = order + 1
-                        yield (
-                            info.topic,
-                            key,
-                            value(
-                                txn,
-                                info,
-                                lsn,
-                                op,
-                                before if op == "u" else None,
-                                after,
-                                total,
-                                order,
-                            ),
-                            new_headers,
-                        )
-                        continue
-                yield (
-                    info.topic,
-                    key,
-                    value(txn, info, lsn, "u", before, after, total, order),
-                    headers,
-                )
-            elif isinstance(msg, m.Delete):
-                before = (
-                    key_row(info, msg.old)
-                    if msg.old_is_key_only
-                    else _row(info, msg.old, None, info.placeholders)
-                )
-                key = key_of(info, key_row(info, msg.old))
-                yield (
-                    info.topic,
-                    key,
-                    value(txn, info, lsn, "d", before, None, total, order),
-                    headers,
-                )
-                yield info.topic, key, None, headers
-        yield self._transaction_record("END", txid, ts_ms, total, per_table)
-
-    def _transaction_record(
-        self,
-        status: str,
-        txid: str,
-        ts_ms: int,
-        total: int | None,
-        per_table: dict[str, int] | None,
-    ) -> Record:
-        """A BEGIN (``total`` None) or END record of the transaction topic."""
-        return (
-            self.transaction_topic,
-            _dumps({"id": txid}),
-            transaction_value(status, txid, ts_ms, total, per_table),
-            None,
+        txn = Txn(
+            xid,
+            commit_lsn,
+            commit_ts,
+            commit_ts // 1000 + _PG_EPOCH_MS,
+            int(time.time() * 1000),
+            f"{xid}:{commit_lsn}".encode(),
         )
+        yield self._transaction_record("BEGIN", txn)
+        handlers = self._handlers
+        changes = iter(changes)  # a compiled run reads on from where this loop is
+        for lsn, msg in changes:
+            if msg.__class__ is bytes:
+                assert undecoded is not None
+                left = yield from self._compiled_runs(txn, changes, lsn, msg, undecoded)
+                if left is None:
+                    continue
+                lsn, msg = left
+            yield from handlers[msg.__class__](txn, lsn, msg)
+        yield self._transaction_record("END", txn)
+
+    def _compiled_runs(
+        self,
+        txn: Txn,
+        changes: Iterator[tuple[int, m.Message | bytes]],
+        lsn: int,
+        payload: bytes,
+        undecoded: Undecoded,
+    ) -> Generator[Record, None, tuple[int, m.Message] | None]:
+        """Records of runs of row changes to tables the compiled plan covers, each run made
+        in one call that reads their TupleData in place; a run ends at a change to another
+        table, where the next run starts. Returns the first message no run takes (another
+        kind, a row the plan does not read, a record over the limit), decoded, with its LSN,
+        to be handled as any decoded message; None when a run ended with nothing left over
+        (the caller's loop goes on with ``changes``)."""
+        streamed = undecoded.streamed
+        while True:
+            oid = change_relation_oid(payload, streamed)
+            target = self.catalog.by_oid.get(oid) if oid is not None else None
+            if target is None or target.plan is None:
+                return lsn, undecoded.decode(payload)
+            topic = target.topic
+            built, txn.total, order, leftover = target.plan.records(
+                changes,
+                lsn,
+                payload,
+                change_relid_at(streamed),
+                txn.row_pieces.get(target.oid) or self._row_pieces(txn, target),
+                txn.total,
+                txn.per_table.get(topic, 0),
+                topic,
+                self.headers,
+                self.max_record_bytes,
+                _RUN,
+                self._run_numbers(),
+            )
+            if not built:
+                return lsn, undecoded.decode(payload)
+            txn.per_table[topic] = order
+            yield from built
+            if leftover is None:
+                return None
+            lsn, payload = leftover
+
+    def _run_numbers(self) -> tuple[int, ...]:
+        """What the compiled plan writes after a record's orders (pieces between them, see
+        ``_row_pieces``): nothing in this format."""
+        return ()
+
+    def _insert(self, txn: Txn, lsn: int, msg: m.Insert) -> Sequence[Record]:
+        info = self.catalog.by_oid[msg.relation_oid]
+        total, order = txn.number(info.topic)
+        plan = info.plan
+        if plan is not None:
+            pieces = txn.row_pieces.get(info.oid) or self._row_pieces(txn, info)
+            numbers = (lsn, lsn, total, order, *self._run_numbers())
+            out, key_json = plan.record(msg.new, pieces[0], numbers)  # type: ignore[arg-type]
+            if len(out) > self.max_record_bytes:
+                raise self._too_large(info, lsn, len(out))
+            return ((info.topic, key_json, out, self.headers),)
+        # An insert has no unchanged-TOAST value: its key is already in the row,
+        # converted once.
+        row = whole_row(info, msg.new)  # type: ignore[arg-type]
+        value = self._value(txn, info, lsn, "c", None, row, total, order)
+        return ((info.topic, self._key_of(info, row), value, self.headers),)
+
+    def _update(self, txn: Txn, lsn: int, msg: m.Update) -> Sequence[Record]:
+        info = self.catalog.by_oid[msg.relation_oid]
+        before = None
+        if msg.old is not None:
+            before = (
+                key_row(info, msg.old)
+                if msg.old_is_key_only
+                else _row(info, msg.old, None, info.placeholders)
+            )
+        after = _row(info, msg.new, None if msg.old_is_key_only else msg.old, info.placeholders)
+        key = self._key_of(info, key_row(info, msg.new))
+        if msg.old is not None and msg.old_is_key_only:
+            old_key = self._key_of(info, key_row(info, msg.old))
+            if old_key != key:
+                return self._key_change(txn, lsn, info, msg, before, after, old_key, key)
+        total, order = txn.number(info.topic)
+        value = self._value(txn, info, lsn, "u", before, after, total, order)
+        return ((info.topic, key, value, self.headers),)
+
+    def _key_change(
+        self,
+        txn: Txn,
+        lsn: int,
+        info: RelationInfo,
+        msg: m.Update,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue],
+        old_key: bytes | None,
+        key: bytes | None,
+    ) -> Sequence[Record]:
+        """An update that changed the row's key: consumers of a compacted topic must forget
+        the old key, so a delete and a tombstone for it come first (as Debezium does), then
+        the update under the new key; all three share the update's numbers."""
+        total, order = txn.number(info.topic)
+        headers = self.headers
+        return (
+            (
+                info.topic,
+                old_key,
+                self._value(txn, info, lsn, "d", before, None, total, order),
+                headers,
+            ),
+            (info.topic, old_key, None, headers),
+            (
+                info.topic,
+                key,
+                self._value(txn, info, lsn, "u", before, after, total, order),
+                headers,
+            ),
+        )
+
+    def _delete(self, txn: Txn, lsn: int, msg: m.Delete) -> Sequence[Record]:
+        info = self.catalog.by_oid[msg.relation_oid]
+        total, order = txn.number(info.topic)
+        before = (
+            key_row(info, msg.old)
+            if msg.old_is_key_only
+            else _row(info, msg.old, None, info.placeholders)
+        )
+        key = self._key_of(info, key_row(info, msg.old))
+        value = self._value(txn, info, lsn, "d", before, None, total, order)
+        # The tombstone lets a compacted topic drop the key.
+        return ((info.topic, key, value, self.headers), (info.topic, key, None, self.headers))
+
+    def _relation(self, txn: Txn, lsn: int, msg: m.Relation) -> Sequence[Record]:
+        info = self.catalog.apply(msg)
+        txn.templates.pop(info.oid, None)
+        txn.row_pieces.pop(info.oid, None)
+        return () if info.published else (self._schema_record(info),)
+
+    def _truncate(self, txn: Txn, lsn: int, msg: m.Truncate) -> Sequence[Record]:
+        records = []
+        for oid in msg.relation_oids:
+            info = self.catalog.by_oid[oid]
+            total, order = txn.number(info.topic)
+            value = self._value(txn, info, lsn, "t", None, None, total, order)
+            records.append((info.topic, None, value, self.headers))
+        return records
+
+    def _logical_message(self, txn: Txn, lsn: int, msg: m.LogicalMessage) -> Sequence[Record]:
+        # A message has a place in the transaction's total order but no table's.
+        txn.total += 1
+        value = {
+            "prefix": msg.prefix,
+            "content": base64.b64encode(msg.content).decode(),
+            "transactional": msg.transactional,
+            "lsn": lsn,
+            "txId": txn.xid,
+            "commit_lsn": txn.commit_lsn,
+            "ts_ms": txn.ts_ms,
+        }
+        return ((self.message_topic, _dumps({"prefix": msg.prefix}), _dumps(value), None),)
+
+    def _oversized(self, txn: Txn, lsn: int, msg: m.OversizedChange) -> Sequence[Record]:
+        self.refuse_oversized(lsn, msg.relation_oid, msg.size)
+        return ()
+
+    def _transaction_record(self, status: str, txn: Txn) -> Record:
+        """The transaction topic's BEGIN or END record (END counts the change records)."""
+        return self.transaction_topic, b'{"id":"%b"}' % txn.txid, status_value(status, txn), None
 
     def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
         """The record key of a row holding (at least) the key columns."""
         return _dumps({n: row[n] for n in info.key_names}) if info.key_names else None
-
-    def _key_change_headers(
-        self,
-        info: RelationInfo,
-        old: m.TupleData,
-        new: m.TupleData,
-    ) -> tuple[Headers | None, Headers | None]:
-        """Headers of the delete + tombstone of the old key, and of the new key's record."""
-        return self.headers, self.headers
 
     def refuse_oversized(self, lsn: int, relation_oid: int, size: int) -> None:
         """A row change whose pgoutput message alone proves its record too large (see
@@ -621,7 +635,7 @@ class EventBuilder:
             f"0:{commit_lsn}".encode(),
         )
         topic, key_names, limit, plan = info.topic, info.key_names, self.max_record_bytes, info.plan
-        pieces = (_SNAPSHOT_BEFORE, rest, _ORDER, _END)
+        pieces = (_NO_BEFORE, rest, _ORDER, _END)
         for n, values in enumerate(rows, 1):
             key: bytes | None
             if plan is not None:
@@ -641,17 +655,20 @@ class EventBuilder:
     ) -> tuple[bytes, bytes]:
         """The ``source`` block before and after its ``lsn``: the same for every change of
         a relation in one transaction."""
-        head = _dumps(
-            {
-                "connector": CONNECTOR,
-                "version": VERSION,
-                "name": self.topic_prefix,
-                "db": self.db,
-                "schema": info.schema,
-                "table": info.table,
-                "txId": xid,
-            }
-        )[:-1]
+        cached = self._source_heads.get(info.oid)
+        if cached is None or cached[0] is not info:
+            prefix = _dumps(
+                {
+                    "connector": CONNECTOR,
+                    "version": VERSION,
+                    "name": self.topic_prefix,
+                    "db": self.db,
+                    "schema": info.schema,
+                    "table": info.table,
+                }
+            )[:-1]
+            cached = self._source_heads[info.oid] = (info, prefix + b',"txId":')
+        head = cached[1] + (b"null" if xid is None else b"%d" % xid)
         tail = b',"commit_lsn":%d,"ts_ms":%d,"snapshot":"%b","schema_version":%d' % (
             commit_lsn,
             ts_ms,
@@ -688,17 +705,21 @@ class EventBuilder:
             raise self._too_large(info, lsn, len(out))
         return out
 
-    def _insert_pieces(self, txn: Txn, info: RelationInfo, op: str) -> tuple[bytes, ...]:
-        """What ``RowPlan.record`` puts around an insert's row, lsn and orders (``_VALUE``
-        cut at them), made once per relation per transaction."""
+    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
+        """What ``RowPlan`` puts around the row, lsn and orders (``_VALUE`` cut at them) of
+        an insert, of an update without an old tuple (no ``before``) and of a delete (its
+        old row or key is the ``before``), made once per relation per transaction."""
         head, tail = self._pieces(txn, info)
-        pieces = txn.insert_pieces[info.oid] = (
-            _BEFORE % b"null",
-            _SOURCE % head,
-            _SEQUENCE % (tail, txn.commit_lsn),
-            _TRANSACTION % (op.encode(), txn.now_ms, txn.txid),
-            _ORDER,
-            _END,
+        source, sequence = _SOURCE % head, _SEQUENCE % (tail, txn.commit_lsn)
+        ops = txn.op_pieces
+        if ops is None:  # the same for every relation of the transaction
+            ops = txn.op_pieces = tuple(
+                _TRANSACTION % (op, txn.now_ms, txn.txid) for op in (b"c", b"u", b"d")
+            )
+        pieces = txn.row_pieces[info.oid] = (
+            (_NO_BEFORE, source, sequence, ops[0], _ORDER, _END),
+            (_NO_BEFORE, source, sequence, ops[1], _ORDER, _END),
+            (_BEFORE_FIELD, _NULL_AFTER + source, sequence, ops[2], _ORDER, _END),
         )
         return pieces
 
@@ -706,9 +727,8 @@ class EventBuilder:
         """The ``source`` block of a relation's records in ``txn``, before and after lsn."""
         pieces = txn.templates.get(info.oid)
         if pieces is None:
-            xid = txn.xid if txn.snapshot == "false" else None
             pieces = txn.templates[info.oid] = self._source(
-                info, xid, txn.commit_lsn, txn.ts_ms, txn.snapshot.encode()
+                info, txn.xid, txn.commit_lsn, txn.ts_ms, b"false"
             )
         return pieces
 
@@ -750,7 +770,11 @@ class EventBuilder:
 
 # A change record's value is these pieces around, in turn, its after row, its lsn (twice),
 # total_order and data_collection_order; the pieces' own fields are the transaction's.
-_BEFORE = b'{"before":%b,"after":'  # the before row
+_BEFORE_FIELD = b'{"before":'
+_AFTER_FIELD = b',"after":'
+_BEFORE = _BEFORE_FIELD + b"%b" + _AFTER_FIELD  # the before row
+_NO_BEFORE = _BEFORE % b"null"
+_NULL_AFTER = _AFTER_FIELD + b"null"
 _SOURCE = b',"source":%b,"lsn":'  # the source block up to its lsn
 _SEQUENCE = b'%b,"sequence":"[\\"%d\\",\\"'  # the rest of source, the commit LSN
 _TRANSACTION = b'\\"]"},"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":'
@@ -760,8 +784,7 @@ _VALUE = _BEFORE + b"%b" + _SOURCE + b"%d" + _SEQUENCE + b"%d" + _TRANSACTION
 _VALUE += b"%d" + _ORDER + b"%d" + _END
 # Where a snapshot chunk's records differ from one another: the row and the orders.
 _VALUE_REST = _SOURCE + b"%d" + _SEQUENCE + b"%d" + _TRANSACTION
-_SNAPSHOT_BEFORE = _BEFORE % b"null"
-_SNAPSHOT_VALUE = _SNAPSHOT_BEFORE + b"%b%b%d" + _ORDER + b"%d" + _END
+_SNAPSHOT_VALUE = _NO_BEFORE + b"%b%b%d" + _ORDER + b"%d" + _END
 
 
 _JSON_OIDS = frozenset((114, 3802))
@@ -787,26 +810,35 @@ def _with_json_nulls(
     return value[:-1] + b',"json_nulls":' + _dumps(nulls) + b"}"
 
 
-def transaction_value(
-    status: str, txid: str, ts_ms: int, total: int | None, per_table: dict[str, int] | None
-) -> bytes:
-    collections = (
-        None
-        if per_table is None
-        else [
-            {"data_collection": topic.split(".", 1)[1], "event_count": n}
-            for topic, n in per_table.items()
-        ]
-    )
-    return _dumps(
-        {
-            "status": status,
-            "id": txid,
-            "event_count": total,
-            "data_collections": collections,
-            "ts_ms": ts_ms,
-        }
-    )
+def status_value(status: str, txn: Txn) -> bytes:
+    """The transaction topic's value of ``txn``'s BEGIN or END record."""
+    if status == "BEGIN":
+        return begin_value(txn.txid, txn.ts_ms)
+    return end_value(txn.txid, txn.ts_ms, txn.total, txn.per_table)
+
+
+def begin_value(txid: bytes, ts_ms: int) -> bytes:
+    """A BEGIN record of the transaction topic: ``TransactionRecord`` as JSON, written from
+    a template (two of them per source transaction: a dict through the encoder was a tenth
+    of a small transaction's cost). ``txid`` is "xid:commit_lsn", which needs no escaping."""
+    return _BEGIN_VALUE % (txid, ts_ms)
+
+
+def end_value(txid: bytes, ts_ms: int, total: int, per_table: dict[str, int]) -> bytes:
+    """An END record of the transaction topic: its change records, in all and per table."""
+    collections = b",".join(_COLLECTION % (_collection_name(t), n) for t, n in per_table.items())
+    return _END_VALUE % (txid, total, collections, ts_ms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _collection_name(topic: str) -> bytes:
+    """The ``data_collection`` of a change topic: its name less the topic prefix, as JSON."""
+    return _dumps(topic.split(".", 1)[1])
+
+
+_BEGIN_VALUE = b'{"status":"BEGIN","id":"%b","event_count":null,"data_collections":null,"ts_ms":%d}'
+_END_VALUE = b'{"status":"END","id":"%b","event_count":%d,"data_collections":[%b],"ts_ms":%d}'
+_COLLECTION = b'{"data_collection":%b,"event_count":%d}'
 
 
 def whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:

@@ -201,6 +201,16 @@ class StreamPrepare:
     gid: str
 
 
+@dataclass(slots=True, frozen=True)
+class OversizedChange:
+    """A row change too large to publish, as the assembler spooled it: its relation and
+    its size in the stream, never its row (see ``decoder.oversized_stand_in``)."""
+
+    xid: int | None
+    relation_oid: int
+    size: int
+
+
 Message = (
     Begin
     | Commit
@@ -221,4 +231,5 @@ Message = (
     | CommitPrepared
     | RollbackPrepared
     | StreamPrepare
+    | OversizedChange
 )

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.bridge import messages as m
-from services.bridge.assembler import OVERSIZED, Transaction, oversized
+from services.bridge.assembler import Transaction
 from services.bridge.chunks import StreamWatch, TableName
 from services.bridge.confirm import ConfirmTracker
-from services.bridge.decoder import DecodeError, insert_relid_at
+from services.bridge.decoder import is_logical_message, is_relation, streamed_xid
 from services.bridge.events import EventBuilder, Record, RelationInfo, Undecoded
 from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
@@ -151,7 +151,6 @@ class _Batch:
 
 
 Decode = Callable[[bytes, bool], m.Message]
-_MESSAGE = 0x4D  # 'M'
 
 
 class Publisher(threading.Thread):
@@ -312,7 +311,7 @@ class Publisher(threading.Thread):
         if txn.spool.count != 1:
             return False
         ((lsn, payload),) = txn.spool
-        if payload[0] != _MESSAGE:
+        if not is_logical_message(payload):
             return False
         msg = self._decode(payload, txn.streamed)
         if not isinstance(msg, m.LogicalMessage) or msg.prefix not in (WATERMARK, SIGNAL):
@@ -407,15 +406,12 @@ class Publisher(threading.Thread):
         watch hears of them (a snapshot started then would change what is being built)."""
         for table in self._tables_to_snapshot(txn):
             self._start_snapshot(table, "added", None)
-        # Messages go to the builder undecoded (it reads inserts in place, and decodes the
-        # rest), unless a snapshot's watch must see them decoded.
+        # Messages go to the builder undecoded (it reads row changes in place, and decodes
+        # the rest), unless a snapshot's watch must see them decoded.
         undecoded = None
         if self._builder.reads_undecoded and not self._watch:
             streamed = txn.streamed
-            undecoded = Undecoded(
-                insert_relid_at(streamed),
-                lambda lsn, payload: self._decoded(lsn, payload, streamed),
-            )
+            undecoded = Undecoded(streamed, lambda payload: self._decode(payload, streamed))
         try:
             count = self._produce(
                 self._builder.transaction(
@@ -474,25 +470,15 @@ class Publisher(threading.Thread):
         for lsn, payload in txn.spool:
             # A relation described inside an aborted subtransaction still describes it for
             # the rest of the transaction: the server will not send it again.
-            if aborted and payload[0] != 0x52 and int.from_bytes(payload[1:5], "big") in aborted:
+            if aborted and not is_relation(payload) and streamed_xid(payload) in aborted:
                 continue
             if raw:
                 yield lsn, payload
                 continue
-            msg = self._decoded(lsn, payload, streamed)
+            msg = self._decode(payload, streamed)
             if watching and msg.__class__ is not relation:
                 self._note(msg, txn.xid)
             yield lsn, msg
-
-    def _decoded(self, lsn: int, payload: bytes, streamed: bool) -> m.Message:
-        try:
-            return self._decode(payload, streamed)
-        except DecodeError:
-            # The assembler's stand-in for a change too large to publish is no pgoutput
-            # message: found here, off the path every other message takes.
-            if payload[0] == OVERSIZED:
-                self._builder.refuse_oversized(lsn, *oversized(payload, streamed))
-            raise
 
     def _note(self, msg: m.Message, xid: int) -> None:
         """Tell the watch what a change did to a table being snapshotted.

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Container, Iterable
-from itertools import islice
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -169,31 +168,37 @@ class BatchSender:
     ``produce()`` call each (bench/produce_floor.py). Every record keeps its delivery
     report (the producer's ``on_delivery``), so a refused one is named like any other.
 
-    It takes no headers (the Debezium format's records have them: ``produce()``), and its
-    caller gives it only topics whose every partition is proven (``FirstWrites``): the
-    records are partitioned by librdkafka, many requests in flight to each partition.
+    It takes no headers (confluent-kafka's batch call has none: the Debezium format's
+    records go through ``produce()``), and its caller gives it only topics whose every
+    partition is proven (``FirstWrites``): the records are partitioned by librdkafka, many
+    requests in flight to each partition. Records wait here, per topic, until ``flush``:
+    a run of one source transaction is a record or two per table in an OLTP stream, and a
+    call per run cost more than the records it carried.
     """
 
     def __init__(self, producer: Producer) -> None:
         self._produce_batch = producer.produce_batch
+        self._poll = producer.poll
+        self._runs: dict[str, list[dict[str, bytes | None]]] = {}
+        self.waiting = 0  # records in _runs
 
-    def send(self, chunk: list[Record], at: int, settled: Container[str]) -> tuple[int, int]:
-        """Hand ``chunk[at:]`` over run by run; returns where it stopped (a record that is
-        not for this path, or the end) and the error code of the record that stopped it
-        (``_QUEUE_FULL`` when librdkafka's queue is full; 0 for none)."""
-        end = len(chunk)
-        while at < end:
-            topic = chunk[at][0]
-            if topic not in settled:
-                return at, 0
-            stop = at
-            while stop < end and chunk[stop][0] == topic and chunk[stop][3] is None:
-                stop += 1
-            if stop == at:  # a record with headers
-                return at, 0
-            messages = [{"key": key, "value": value} for _, key, value, _ in chunk[at:stop]]
-            queued = self._produce_batch(topic, messages)
-            if queued < len(messages):
+    def add(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+        run = self._runs.get(topic)
+        if run is None:
+            run = self._runs[topic] = []
+        run.append({"key": key, "value": value})
+        self.waiting += 1
+
+    def flush(self) -> tuple[str, int, int] | None:
+        """Hand every waiting run over, in the order each topic's records came (a full
+        librdkafka queue is waited out). None, or the refused record's (topic, size, error
+        code); the records behind it in its run are dropped, as its transaction is lost."""
+        runs, self._runs, self.waiting = self._runs, {}, 0
+        for topic, messages in runs.items():
+            while messages:
+                queued = self._produce_batch(topic, messages)
+                if queued == len(messages):
+                    break
                 # The refused ones must be the run's last: a record queued behind a refused
                 # one (a smaller record fits where a larger did not) would overtake it.
                 if any("_error" in message for message in messages[:queued]):
@@ -202,9 +207,18 @@ class BatchSender:
                         "transaction is aborted and published again"
                     )
                 error = messages[queued]["_error"]
-                return at + queued, int(error.code()) if isinstance(error, KafkaError) else -1
-            at = stop
-        return at, 0
+                code = int(error.code()) if isinstance(error, KafkaError) else -1
+                if code != KafkaError._QUEUE_FULL:
+                    return topic, len(messages[queued]["value"] or b""), code
+                self._poll(0.05)  # let librdkafka send, then hand the rest over
+                messages = messages[queued:]
+                for message in messages:
+                    message.pop("_error", None)  # this call's verdict, not the next one's
+        return None
+
+    def drop(self) -> None:
+        """Forget the waiting records (their transaction is aborted)."""
+        self._runs, self.waiting = {}, 0
 
 
 class KafkaSink:
@@ -423,6 +437,7 @@ class KafkaSink:
         value: bytes | None,
         headers: list[tuple[str, str | bytes | None]] | None = None,
     ) -> None:
+        self._hand_over()  # what waits for a run goes first: order per partition holds
         if self._failure is not None:
             raise self._classify(self._failure, "Kafka delivery failed: ")
         try:
@@ -451,33 +466,41 @@ class KafkaSink:
     def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
         """``produce`` each record, creating topics it does not know yet (``compacted``:
         those to create compacted); returns how many. The publisher's path: records with no
-        headers, for topics whose every partition is proven, go to librdkafka in runs
-        (``BatchSender``)."""
+        headers, for topics whose every partition is proven, wait in runs per topic
+        (``BatchSender``) until enough of them wait, a record takes the other path, or the
+        transaction commits."""
         settled = self._first.settled
         batches = self._batches
+        add = batches.add
         count = 0
-        pending = iter(records)
-        while chunk := list(islice(pending, _CHUNK)):
-            count += len(chunk)
-            at = 0
-            while at < len(chunk):
-                if self._failure is None:
-                    at, err = batches.send(chunk, at, settled)
-                    if at == len(chunk):
-                        break
-                    if err and err != KafkaError._QUEUE_FULL:
-                        # Records after it may be queued: this transaction is lost.
-                        topic, _, value, _ = chunk[at]
-                        raise self._classify(
-                            KafkaException(KafkaError(err)), record=(topic, len(value or b""))
-                        )
-                # Not for that path, or librdkafka's queue is full (produce waits for room).
-                topic, key, value, headers = chunk[at]
-                if topic not in self._ready:
-                    self.ensure_topics({topic: topic in compacted})
-                self.produce(topic, key, value, headers)
-                at += 1
+        for topic, key, value, headers in records:
+            count += 1
+            if headers is None and topic in settled:
+                add(topic, key, value)
+                if batches.waiting >= _CHUNK:
+                    self._hand_over()
+                continue
+            self._hand_over()  # the waiting records were given first
+            if topic not in self._ready:
+                self.ensure_topics({topic: topic in compacted})
+            self.produce(topic, key, value, headers)
         return count
+
+    def _hand_over(self) -> None:
+        """The waiting runs to librdkafka; a record it refuses ends the transaction."""
+        if not self._batches.waiting:
+            return
+        refused = self._batches.flush() if self._failure is None else None
+        if refused is None and self._failure is None:
+            return
+        self._batches.drop()
+        # librdkafka takes no record once one of the transaction's failed (_STATE): the
+        # first failure's delivery report says why.
+        if self._failure is not None:
+            raise self._classify(self._failure, "Kafka delivery failed: ")
+        assert refused is not None
+        topic, size, code = refused
+        raise self._classify(KafkaException(KafkaError(code)), record=(topic, size))
 
     def _deliver_all(self) -> None:
         """Wait until every record produced so far is acknowledged, or raise."""
@@ -497,6 +520,7 @@ class KafkaSink:
         """Commit the open transaction; returns the seconds it took."""
         started = time.monotonic()
         try:
+            self._hand_over()
             self._deliver_all()
             self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
         except (KafkaException, SystemError) as exc:
@@ -512,6 +536,7 @@ class KafkaSink:
 
     def abort(self) -> None:
         """Abort the open transaction if there is one; errors here are only logged."""
+        self._batches.drop()
         if not self._in_txn:
             return
         self._in_txn = False

@@ -78,7 +78,10 @@ class Spool:
     """The messages of one transaction, in arrival order, memory first then disk."""
 
     def __init__(self, directory: Path, name: str, memory_limit: int, stats: SpoolStats) -> None:
-        self._path = directory / f"{name}.spool"
+        # The file's path is made only when the spool spills: most transactions never do,
+        # and a Path per transaction was a tenth of a small transaction's cost.
+        self._directory = directory
+        self._name = name
         self._memory_limit = memory_limit
         self._stats = stats
         self._entries: list[tuple[int, bytes]] = []
@@ -87,6 +90,10 @@ class Spool:
         self._disk = 0
         self.count = 0
         stats.track(self)
+
+    @property
+    def _path(self) -> Path:
+        return self._directory / f"{self._name}.spool"
 
     @property
     def memory(self) -> int:
@@ -114,7 +121,7 @@ class Spool:
             # One call, and no joined copy of a payload that may be hundreds of MB.
             self._file.writelines((_HEADER.pack(lsn, len(payload)), payload))
         except OSError as exc:
-            raise _failed(self._path.parent, exc) from None
+            raise _failed(self._directory, exc) from None
         self._disk += _HEADER.size + len(payload)
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
@@ -132,7 +139,7 @@ class Spool:
             with open(self._path, "rb") as reader:
                 yield from _read_batches(reader)
         except OSError as exc:
-            raise _failed(self._path.parent, exc) from None
+            raise _failed(self._directory, exc) from None
 
     def discard(self) -> None:
         """Free memory and delete the file; the spool is empty afterwards."""

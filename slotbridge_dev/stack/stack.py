@@ -280,6 +280,10 @@ class Stack:
         if not self.kafka.is_running():
             self.kafka.check_ports()
 
+    def running(self) -> bool:
+        """Whether any process of this stack runs (a bench stops only a stack it started)."""
+        return bool(self._leftovers())
+
     def up(self) -> None:
         """Build or start what is missing; return only when every part is really ready."""
         started = time.monotonic()

@@ -140,7 +140,7 @@ def test_a_relation_sent_between_transactions_joins_the_next(tmp_path: Path) -> 
         ([m.Commit(0, 1, 2, TS)], "Commit without an open transaction"),
         ([m.Begin(9, TS, 1), m.Begin(9, TS, 2)], "Begin of 2 while 1 is still open"),
         ([m.StreamStart(1, True), m.StreamStart(2, True)], "Stream Start inside a stream block"),
-        ([ins(1)], "change message 'I' outside a transaction"),
+        ([ins(1)], "Insert message outside a transaction"),
         ([m.StreamCommit(5, 0, 1, 2, TS)], "Stream Commit for unknown streamed transaction 5"),
         ([m.Prepare(0, 1, 2, TS, 1, "g")], "Prepare without an open transaction"),
     ],

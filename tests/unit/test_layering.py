@@ -58,3 +58,58 @@ def test_the_distribution_holds_the_product_only() -> None:
     shipped = set(setuptools.find_packages(where=str(REPO), include=include))
     assert {p.split(".")[0] for p in shipped} == {"services", "spark_consumers"}
     assert {"services.bridge", "services.failover", "services.common"} <= shipped
+
+
+# The bridge's pipeline, in the order data flows through it: a stage may use the stages
+# before it (and shared modules), never one after it, so each file is entered once on the
+# way from the socket to Kafka.
+_PIPELINE = (
+    ("stream",),
+    ("decoder",),
+    ("assembler", "spool"),
+    ("events", "debezium", "connect_values", "values"),
+    ("sink", "partitioner"),
+    ("publisher",),
+)
+
+
+def _bridge_imports(module: str) -> set[str]:
+    """The services.bridge modules ``module`` imports, by their short names."""
+    path = REPO / "services" / "bridge" / f"{module}.py"
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "services.bridge":
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "services.bridge."
+        ):
+            names.add((node.module or "").rsplit(".", 1)[1])
+    return names
+
+
+@pytest.mark.parametrize("stage", range(len(_PIPELINE)))
+def test_no_stage_of_the_bridge_uses_a_later_one(stage: int) -> None:
+    later = {module for modules in _PIPELINE[stage + 1 :] for module in modules}
+    offenders = {
+        module: sorted(_bridge_imports(module) & later)
+        for module in _PIPELINE[stage]
+        if _bridge_imports(module) & later
+    }
+    assert not offenders
+
+
+def test_only_the_decoder_reads_pgoutput_bytes() -> None:
+    """``payload`` is the code base's name for a pgoutput message's raw bytes: only the
+    decoder looks inside one (the others ask it: ``decoder.is_relation`` and the like)."""
+    offenders = []
+    for path in sorted((REPO / "services" / "bridge").glob("*.py")):
+        if path.name == "decoder.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "payload"
+            ):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders

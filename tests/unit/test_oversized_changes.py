@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.bridge import messages as m
-from services.bridge.assembler import OVERSIZED, Assembler, oversized
-from services.bridge.decoder import PgOutputDecoder
+from services.bridge.assembler import Assembler
+from services.bridge.decoder import PgOutputDecoder, streamed_xid
 from services.bridge.spool import Spool, SpoolStats
 from tests.unit.pgoutput_builder import encode
 
@@ -28,8 +28,8 @@ def test_only_changes_over_the_limit_are_replaced(tmp_path: Path) -> None:
     spooled = list(txn.spool)
     assert spooled[0] == (2, small)
     lsn, stand_in = spooled[1]
-    assert lsn == 3 and stand_in[0] == OVERSIZED and len(stand_in) < 20
-    assert oversized(stand_in, False) == (42, len(huge))
+    assert lsn == 3 and len(stand_in) < 20
+    assert decoder.decode(stand_in, False) == m.OversizedChange(None, 42, len(huge))
 
 
 def test_a_streamed_stand_in_keeps_its_subtransaction(tmp_path: Path) -> None:
@@ -41,10 +41,11 @@ def test_a_streamed_stand_in_keeps_its_subtransaction(tmp_path: Path) -> None:
         max_change_bytes=1000,
     )
     assembler.feed(1, encode(m.StreamStart(7, True)))
-    assembler.feed(2, encode(m.Insert(9, 42, ["2", "x" * 5000])))
+    huge = encode(m.Insert(9, 42, ["2", "x" * 5000]))
+    assembler.feed(2, huge)
     assembler.feed(3, encode(m.StreamStop()))
     txn = assembler.feed(4, encode(m.StreamCommit(7, 0, 100, 110, 0)))
     assert txn is not None
     ((_, stand_in),) = list(txn.spool)
-    assert int.from_bytes(stand_in[1:5], "big") == 9
-    assert oversized(stand_in, True)[0] == 42
+    assert streamed_xid(stand_in) == 9
+    assert decoder.decode(stand_in, True) == m.OversizedChange(9, 42, len(huge))

@@ -20,7 +20,8 @@ import pytest
 from services.bridge import events
 from services.bridge import messages as m
 from services.bridge._rowjson import RowPlan
-from services.bridge.decoder import DecodeError, PgOutputDecoder, insert_relid_at
+from services.bridge.debezium import DebeziumEventBuilder, context_headers
+from services.bridge.decoder import DecodeError, PgOutputDecoder
 from services.bridge.events import (
     ColumnFacts,
     EventBuilder,
@@ -86,7 +87,8 @@ def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
     return RelationCatalog("app", lambda oid: facts).apply(rel)
 
 
-# What RowPlan.records puts around a row (six pieces, four numbers): nothing, for the tests.
+# What RowPlan.records puts around a row (six pieces, four numbers): nothing, for the tests
+# (the same for an insert, an update and a delete).
 SIX = (b"",) * 6
 
 
@@ -94,7 +96,7 @@ def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
     """``records`` of one Insert whose TupleData is ``data``: (value, key), or None when the
     plan leaves it to the decoder."""
     message = b"I" + struct.pack("!I", 16_401) + b"N" + data
-    records, *_ = plan.records(iter(()), 0, message, 1, SIX, 0, 0, "t", None, 1 << 30, 1)
+    records, *_ = plan.records(iter(()), 0, message, 1, (SIX,) * 3, 0, 0, "t", None, 1 << 30, 1, ())
     return (records[0][2], records[0][1]) if records else None
 
 
@@ -220,16 +222,20 @@ def test_no_plan_for_json_columns_or_other_formats() -> None:
     assert catalog.apply(relation((20, 25))).plan is None
 
 
-def test_records_equal_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+def test_records_equal_the_python_path(monkeypatch: pytest.MonkeyPatch, value_format: str) -> None:
+    # Decoded inserts and snapshot rows, built by the compiled plan or without it.
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
     rel = relation((20, 25, 1184, 1700))
     rows: list[list[str | None]] = [
         [str(i), f"row {i}\n", "2024-01-02 03:04:05+00", None] for i in range(5)
     ]
 
     def records(compiled: bool) -> list[Record]:
-        builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
+        builder = builder_of(value_format)
         info = builder.catalog.apply(rel)
+        assert info.plan is not None
         if not compiled:
             info.plan = None
         changes = iter(
@@ -289,7 +295,7 @@ def test_undecoded_inserts_make_the_decoded_records(
         given: list[tuple[int, m.Message | bytes]] = [
             (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
         ]
-        how = Undecoded(insert_relid_at(streamed), lambda _, p: decoder.decode(p, streamed))
+        how = Undecoded(streamed, lambda p: decoder.decode(p, streamed))
         return list(
             builder.transaction(
                 700, 0x200, 785_000_000_123_456, iter(given), undecoded=how if undecoded else None
@@ -301,7 +307,7 @@ def test_undecoded_inserts_make_the_decoded_records(
     assert len(compiled) == 2 + 3 + 6 + 6 + 8 + 1 + 4 + 1  # BEGIN, END, 3 schemas; inserts
     builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
     broken = encode(m.Insert(xid, plain.oid, ["1", "x", None]))[:-1]
-    how = Undecoded(insert_relid_at(streamed), lambda _, p: decoder.decode(p, streamed))
+    how = Undecoded(streamed, lambda p: decoder.decode(p, streamed))
     with pytest.raises(DecodeError, match="malformed Insert"):
         list(
             builder.transaction(
@@ -324,7 +330,7 @@ def test_a_run_of_inserts_stops_at_a_record_over_the_limit(
         note = "x" * 2000 if i == 3 else f"row {i}"
         changes.append((0x110 + i, m.Insert(xid, plain.oid, [str(i), note, None])))
     decoder = PgOutputDecoder()
-    how = Undecoded(insert_relid_at(streamed), lambda _, p: decoder.decode(p, streamed))
+    how = Undecoded(streamed, lambda p: decoder.decode(p, streamed))
 
     def refusal(undecoded: bool) -> tuple[int, str]:
         builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1500)
@@ -340,3 +346,186 @@ def test_a_run_of_inserts_stops_at_a_record_over_the_limit(
     assert (seen, message) == refusal(False)
     assert seen == 1 + 1 + 3  # BEGIN, the schema record, rows 0-2
     assert "at LSN 0/113" in message
+
+
+def builder_of(value_format: str) -> EventBuilder:
+    """A builder of ``value_format`` over an empty catalogue; the Debezium builder's run id
+    (a header of every record) is fixed, so two builders write the same records."""
+    catalog = RelationCatalog("app", lambda oid: None)
+    if value_format == "slotbridge":
+        return EventBuilder(catalog, "app", "shop", 1 << 20)
+    builder = DebeziumEventBuilder(catalog, "app", "shop", 1 << 20, None)
+    builder.headers = context_headers("app", "0190a3b4-0000-7000-8000-000000000000")
+    return builder
+
+
+def row_changes(
+    xid: int | None, oids: Sequence[int], row: Sequence[str | None], other: Sequence[str | None]
+) -> list[tuple[int, m.Message]]:
+    """Every change kind the compiled plan reads in place or leaves to the decoder, on a
+    table with a primary key (16_401) and one under REPLICA IDENTITY FULL (16_402), whose
+    columns have the type ``oids`` (the first is the key, an int8) and values like ``row``
+    and ``other`` (the key column's value replaced)."""
+    columns = relation(oids).columns
+    plain = m.Relation(xid, 16_401, "public", "plain", "d", columns)
+    full = m.Relation(xid, 16_402, "public", "full", "f", columns)
+    toast = m.UNCHANGED_TOAST
+    changes: list[tuple[int, m.Message]] = [(0x100, plain), (0x101, full)]
+    for i in range(8):
+        new: list[m.TupleValue] = [str(i), *(row[1:] if i % 2 else [None] * (len(row) - 1))]
+        changed: list[m.TupleValue] = [str(i), *other[1:]]
+        key: list[m.TupleValue] = [str(i), *[None] * (len(row) - 1)]
+        changes += [
+            (0x110 + i, m.Insert(xid, plain.oid, new)),
+            (0x120 + i, m.Update(xid, plain.oid, None, False, changed)),
+            (0x130 + i, m.Delete(xid, plain.oid, key, True)),
+            (0x140 + i, m.Update(xid, full.oid, new, False, changed)),
+            (0x150 + i, m.Delete(xid, full.oid, new, False)),
+        ]
+    changes += [
+        (0x160, m.Update(xid, plain.oid, None, False, ["1", toast, *other[2:]])),
+        (0x161, m.Update(xid, plain.oid, ["1", *[None] * (len(row) - 1)], True, ["2", *row[1:]])),
+        (0x162, m.Update(xid, full.oid, ["3", *row[1:]], False, ["3", toast, *other[2:]])),
+    ]
+    changes += [
+        (0x170 + i, m.Delete(xid, plain.oid, [str(i), *[None] * (len(row) - 1)], True))
+        for i in range(7)
+    ]
+    return changes
+
+
+def transaction_records(
+    value_format: str, changes: list[tuple[int, m.Message]], streamed: bool, undecoded: bool
+) -> tuple[list[Record], EventBuilder]:
+    """The records of one transaction of ``changes``, handed over as pgoutput payloads
+    (``undecoded``: the compiled plan reads what it can) or as decoded messages."""
+    builder = builder_of(value_format)
+    decoder = PgOutputDecoder()
+    given: list[tuple[int, m.Message | bytes]] = [
+        (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
+    ]
+    how = Undecoded(streamed, lambda p: decoder.decode(p, streamed))
+    records = builder.transaction(
+        700, 0x200, 785_000_000_123_456, iter(given), undecoded=how if undecoded else None
+    )
+    return list(records), builder
+
+
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_undecoded_updates_and_deletes_make_the_decoded_records(
+    monkeypatch: pytest.MonkeyPatch, streamed: bool, value_format: str
+) -> None:
+    # Updates without an old tuple and deletes (old key, or old row under REPLICA IDENTITY
+    # FULL) are read in place like inserts, a delete's tombstone included; what needs both
+    # rows (an update with an old tuple, a key change) or a placeholder (unchanged TOAST)
+    # is decoded. Every record equals the decoded path's, in the same order.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    monkeypatch.setattr(events, "_RUN", 5)
+    xid = 700 if streamed else None
+    row = ["0", "é 1\n", "2024-01-02 03:04:05+00"]
+    changes = row_changes(xid, (20, 25, 1184), row, ["0", "u", None])
+    compiled, builder = transaction_records(value_format, changes, streamed, True)
+    assert compiled == transaction_records(value_format, changes, streamed, False)[0]
+    assert all(info.plan is not None for info in builder.catalog.by_oid.values())
+    # BEGIN, END, 2 schemas; 8 x (insert, update, delete + tombstone, update, delete +
+    # tombstone); the TOAST update, the key change (delete, tombstone, update), the full
+    # table's TOAST update; 7 deletes + tombstones.
+    assert len(compiled) == 4 + 8 * 7 + 1 + 3 + 1 + 14
+
+
+# One value of each type the Debezium format encodes its own way, as PostgreSQL prints it.
+_DEBEZIUM_TYPES = {
+    16: "t",  # boolean
+    17: "\\x00ff10",  # bytea
+    21: "-7",  # int2
+    23: "2147483647",  # int4
+    700: "1.5",  # float4
+    701: "NaN",  # float8
+    790: "$1,234.50",  # money
+    1082: "2024-02-29",  # date
+    1083: "13:14:15.123456",  # time
+    1114: "2024-01-02 03:04:05.5",  # timestamp
+    1184: "2024-01-02 03:04:05.123+02",  # timestamptz
+    1186: "P1DT2H3M4S",  # interval (IntervalStyle iso_8601, as the bridge sets it)
+    1266: "13:14:15+02",  # timetz
+    1700: "-12345.6789",  # numeric (no modifier: variable scale)
+    2950: "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",  # uuid
+    3802: '{"a": [1, null]}',  # jsonb
+    1007: "{1,NULL,3}",  # int4[]
+    1009: '{a,"b c",NULL}',  # text[]
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_debezium_records_of_every_type_read_in_place_equal_the_decoded(
+    monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    oids = (20, *_DEBEZIUM_TYPES)
+    row = ["0", *_DEBEZIUM_TYPES.values()]
+    other = ["0", *[None] * len(_DEBEZIUM_TYPES)]
+    changes = row_changes(700 if streamed else None, oids, row, other)
+    compiled, builder = transaction_records("debezium", changes, streamed, True)
+    assert compiled == transaction_records("debezium", changes, streamed, False)[0]
+    assert all(info.plan is not None for info in builder.catalog.by_oid.values())
+
+
+def test_updates_and_deletes_are_read_in_place() -> None:
+    # RowPlan.records itself builds them (the test above would pass on the decoder alone).
+    info = info_of(relation((20, 25, 1184)))
+    assert info.plan is not None
+    kinds = ((b"",) * 6, (b"U",) + (b"",) * 5, (b"D",) + (b"",) * 5)
+    relid = struct.pack("!I", 16_401)
+    update = b"U" + relid + b"N" + tuple_data(["7", "x", None])
+    delete = b"D" + relid + b"K" + tuple_data(["7", None, None])
+    made, total, order, leftover = info.plan.records(
+        iter([(2, delete)]), 1, update, 1, kinds, 0, 0, "t", None, 1 << 30, 10, ()
+    )
+    key = b'{"c0_bigint":7}'
+    # After the row: the lsn twice, total and per-table order (empty pieces between).
+    assert made == [
+        ("t", key, b'U{"c0_bigint":7,"c1_text":"x","c2_timestamp with time zone":null}1111', None),
+        ("t", key, b"D" + key + b"2222", None),
+        ("t", key, None, None),
+    ]
+    assert (total, order, leftover) == (2, 2, None)
+
+
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+def test_changes_alternating_between_tables_are_all_read_in_place(
+    monkeypatch: pytest.MonkeyPatch, value_format: str
+) -> None:
+    # An OLTP transaction touches a row of each of several tables: each run is one change
+    # long, and the next run starts where the last stopped, without the decoder.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    columns = relation((20, 25, 1184)).columns
+    accounts = m.Relation(None, 16_401, "public", "accounts", "d", columns)
+    history = m.Relation(None, 16_402, "public", "history", "d", columns)
+    changes: list[tuple[int, m.Message]] = [(0x100, accounts), (0x101, history)]
+    for i in range(6):
+        row: list[m.TupleValue] = [str(i), f"v{i}", "2024-01-02 03:04:05+00"]
+        changes += [
+            (0x110 + 3 * i, m.Update(None, accounts.oid, None, False, row)),
+            (0x111 + 3 * i, m.Insert(None, history.oid, row)),
+            (0x112 + 3 * i, m.Delete(None, accounts.oid, [str(i), None, None], True)),
+        ]
+    decoded: list[bytes] = []
+    decoder = PgOutputDecoder()
+
+    def decode(payload: bytes) -> m.Message:
+        decoded.append(payload)
+        return decoder.decode(payload, False)
+
+    builder = builder_of(value_format)
+    given: list[tuple[int, m.Message | bytes]] = [(lsn, encode(msg)) for lsn, msg in changes]
+    compiled = list(
+        builder.transaction(
+            700, 0x200, 785_000_000_123_456, iter(given), None, Undecoded(False, decode)
+        )
+    )
+    assert compiled == transaction_records(value_format, changes, False, False)[0]
+    assert decoded == [encode(accounts), encode(history)]
