@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from bench.bridge_bench import daemon_env, drop_pipeline, say, stop_process
+from bench.workloads import OLTP_CHANGES_PER_TXN, Oltp
 from services.bridge.settings import BridgeSettings
 from slotbridge_dev.stack.stack import Stack
 
@@ -57,13 +58,29 @@ def _after(value: Any) -> Any:
     return value["after"]
 
 
+def inserted_at(after: Callable[[Any], Any] = _after) -> Callable[[Any], datetime]:
+    """When a row of the bench's table was inserted: its ``ts``, in the row ``after`` finds
+    in a record's decoded value."""
+    return lambda value: datetime.fromisoformat(after(value)["ts"])
+
+
+def _history_mtime(value: Any) -> datetime:
+    """pgbench_history's ``mtime`` (a timestamp, written in UTC: see ``run_oltp``)."""
+    return datetime.fromisoformat(value["after"]["mtime"]).replace(tzinfo=UTC)
+
+
+_INSERTED_AT = inserted_at()
+
+
 class Receiver(threading.Thread):
     """Reads the change topic (read_committed) and keeps each row's delay in seconds;
-    ``after`` finds the row in a record's decoded value."""
+    ``stamp`` finds when the row was written in a record's decoded value."""
 
-    def __init__(self, bootstrap: str, topic: str, after: Callable[[Any], Any] = _after) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, stamp: Callable[[Any], datetime] = _INSERTED_AT
+    ) -> None:
         super().__init__(daemon=True)
-        self.after = after
+        self.stamp = stamp
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -89,8 +106,8 @@ class Receiver(threading.Thread):
                 received = time.time()
                 if msg.error() is not None:
                     raise RuntimeError(f"consumer: {msg.error()}")
-                inserted = datetime.fromisoformat(self.after(json.loads(value))["ts"])
-                self.delays.append(received - inserted.timestamp())
+                written = self.stamp(json.loads(value))
+                self.delays.append(received - written.timestamp())
         except BaseException as exc:  # reported by the caller
             self.error = exc
         finally:
@@ -153,13 +170,13 @@ def measure(
     topic: str,
     what: str,
     alive: Callable[[], None],
-    after: Callable[[Any], Any] = _after,
+    stamp: Callable[[Any], datetime] = _INSERTED_AT,
 ) -> dict[str, Any]:
     """The delays through a CDC process streaming ``table`` into ``topic``: a warm-up row
     (which also has the topic created), the same write as measured for ``args.warm_up``
     seconds, not counted, then ``args.rate`` rows/s in ``args.txn_rows``-row transactions for
     ``args.seconds``, every row of which must arrive. ``alive()`` raises if the process
-    failed; ``after`` is the Receiver's."""
+    failed; ``stamp`` is the Receiver's."""
 
     def arrived(count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -173,7 +190,7 @@ def measure(
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"INSERT INTO {table} (pad) VALUES ('warm-up')")
     _wait_for_topic(bootstrap, topic, 60)
-    receiver = Receiver(bootstrap, topic, after)
+    receiver = Receiver(bootstrap, topic, stamp)
     receiver.start()
     try:
         if not arrived(1, 30):
@@ -193,12 +210,17 @@ def measure(
     finally:
         receiver.stop_flag.set()
         receiver.join(10)
-    delays = sorted(receiver.delays)
+    return _figures(what, receiver.delays, rows, rows / write_s)
+
+
+def _figures(what: str, delays: list[float], rows: int, rate: float) -> dict[str, Any]:
+    """Percentiles of the rows' delays; every row written must have arrived."""
+    delays = sorted(delays)
     if len(delays) != rows:
         raise RuntimeError(f"{what}: received {len(delays)} rows, wrote {rows}")
     return {
         "rows": rows,
-        "write_rows_per_s": rows / write_s,
+        "write_rows_per_s": rate,
         "p50_ms": _percentile(delays, 0.50) * 1000,
         "p90_ms": _percentile(delays, 0.90) * 1000,
         "p99_ms": _percentile(delays, 0.99) * 1000,
@@ -244,6 +266,94 @@ def run_mode(
     return {"mode": mode, **result}
 
 
+def run_oltp(args: argparse.Namespace, dsn: str, bootstrap: str, work: Path) -> dict[str, Any]:
+    """The OLTP mix at ``args.rate`` changes/s: pgbench's TPC-B-like script (three UPDATEs
+    and an INSERT into pgbench_history per transaction) rate-limited to a quarter of that in
+    transactions, by 8 clients, for ``args.seconds``. A history row's ``mtime`` is its
+    transaction's start, so its delay is start-to-visible: commit-to-visible plus the few
+    milliseconds a four-statement transaction takes."""
+    tag = f"latoltp{int(time.time()) % 1_000_000}"
+    schema, prefix = f"bench_{tag}", f"bench.{tag}"
+    oltp = OLTP
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    oltp.prefill(dsn, schema, 0)
+    tables = [f"{schema}.{t}" for t in oltp.tables]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE PUBLICATION {tag} FOR TABLE {', '.join(tables)}")
+    log_path = work / f"{tag}.log"
+    env = daemon_env(dsn, bootstrap, tag, tag, tables, prefix, work / "spool")
+    topic = f"{prefix}.{schema}.pgbench_history"
+    try:
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "run"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {proc.returncode}; see {log_path}")
+
+        try:
+            wait_streaming(log_path, "streaming", alive)
+            return {"mode": "oltp", **_oltp_delays(args, dsn, bootstrap, schema, topic, alive)}
+        finally:
+            stop_process(proc)
+    finally:
+        if not args.keep:
+            drop_pipeline(
+                dsn, bootstrap, [tag], [tag], tag, f"SCHEMA IF EXISTS {schema} CASCADE", prefix
+            )
+
+
+def _oltp_delays(
+    args: argparse.Namespace,
+    dsn: str,
+    bootstrap: str,
+    schema: str,
+    topic: str,
+    alive: Callable[[], None],
+) -> dict[str, Any]:
+    def history_rows() -> int:
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(f"SELECT count(*) FROM {schema}.pgbench_history").fetchone()
+            assert row is not None
+            return int(row[0])
+
+    # One transaction first, so the daemon has made the topic the receiver reads.
+    OLTP.run_pgbench(dsn, schema, "-t", "1", "-c", "1")
+    _wait_for_topic(bootstrap, topic, 60)
+    receiver = Receiver(bootstrap, topic, _history_mtime)
+    receiver.start()
+    try:
+        before = history_rows()
+        tps = max(1, args.rate // OLTP_CHANGES_PER_TXN)
+        say(f"oltp: {tps:,} transactions/s ({args.rate:,} changes/s) for {args.seconds:.0f}s")
+        started = time.monotonic()
+        OLTP.run_pgbench(
+            dsn, schema, "-R", str(tps), "-T", str(int(args.seconds)), "-c", "8", "-j", "2"
+        )
+        write_s = time.monotonic() - started
+        rows = history_rows() - before
+        deadline = time.monotonic() + 60
+        while len(receiver.delays) < rows + 1 and time.monotonic() < deadline:
+            alive()
+            time.sleep(0.05)
+    finally:
+        receiver.stop_flag.set()
+        receiver.join(10)
+    warm_up = receiver.delays[:1]  # the first transaction's row
+    measured = receiver.delays[len(warm_up) :]
+    return _figures("oltp", measured, rows, rows * OLTP_CHANGES_PER_TXN / write_s)
+
+
+OLTP = Oltp()
+
+
 def add_rate_arguments(parser: argparse.ArgumentParser, warm_up: float = 0) -> None:
     """The steady write's options, as ``measure`` reads them (``warm_up``: --warm-up's
     default)."""
@@ -267,6 +377,13 @@ def main() -> None:
         help=f"comma-separated, of {', '.join(MODES)} (see the module doc)",
     )
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument(
+        "--workload",
+        choices=("insert", "oltp"),
+        default="insert",
+        help="insert: --txn-rows-row inserts, in each of --modes; oltp: pgbench's mix at "
+        "--rate changes/s, the default mode",
+    )
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
@@ -280,16 +397,21 @@ def main() -> None:
         stack.up()
     work = args.stack_dir / "latency-bench"
     work.mkdir(parents=True, exist_ok=True)
-    results = [
-        run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work) for mode in modes
-    ]
+    if args.workload == "oltp":
+        results = [run_oltp(args, stack.primary_dsn, stack.kafka_bootstrap, work)]
+    else:
+        results = [
+            run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work) for mode in modes
+        ]
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(
-        f"\ninsert -> read_committed consumer, {args.rate:,} rows/s in {args.txn_rows}-row "
-        f"transactions, {args.seconds:.0f}s"
+    what = (
+        f"pgbench's mix, {args.rate:,} changes/s: transaction start"
+        if args.workload == "oltp"
+        else f"{args.rate:,} rows/s in {args.txn_rows}-row transactions: insert"
     )
+    print(f"\n{what} -> read_committed consumer, {args.seconds:.0f}s")
     print(
         f"{'mode':6} {'rows':>8} {'rows/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"
         f" {'max ms':>8}"

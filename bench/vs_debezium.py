@@ -80,6 +80,7 @@ from bench.bridge_bench import (
 from bench.latency_bench import (
     add_rate_arguments,
     create_table,
+    inserted_at,
     measure,
     run_mode,
     wait_streaming,
@@ -309,7 +310,7 @@ def debezium_latency(
                 f"{prefix}.public.{table}",
                 "Debezium",
                 alive,
-                lambda value: value["payload"]["after"],
+                inserted_at(lambda value: value["payload"]["after"]),
             )
         finally:
             stop_process(worker.proc)

@@ -216,8 +216,10 @@ class Oltp(Workload):
     def create(self, conn: psycopg.Connection[Any], schema: str) -> None:
         """pgbench creates the tables itself (``prefill``)."""
 
-    def _pgbench(self, dsn: str, schema: str, *args: str) -> None:
-        env = {**os.environ, "PGOPTIONS": f"-c search_path={schema}"}
+    def run_pgbench(self, dsn: str, schema: str, *args: str) -> None:
+        """pgbench with ``args`` on the workload's tables in ``schema``; its sessions write
+        timestamps (pgbench_history.mtime) in UTC."""
+        env = {**os.environ, "PGOPTIONS": f"-c search_path={schema} -c timezone=UTC"}
         done = subprocess.run(
             [str(PGBENCH), *args, dsn], env=env, capture_output=True, text=True, check=False
         )
@@ -226,7 +228,7 @@ class Oltp(Workload):
 
     def prefill(self, dsn: str, schema: str, rows: int) -> None:
         # Scale 10: 1M accounts, so the clients' random accounts rarely collide.
-        self._pgbench(dsn, schema, "-i", "-q", "-s", "10", "--foreign-keys")
+        self.run_pgbench(dsn, schema, "-i", "-q", "-s", "10", "--foreign-keys")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
                 f"ALTER TABLE {schema}.pgbench_history"
@@ -235,7 +237,9 @@ class Oltp(Workload):
 
     def load(self, dsn: str, schema: str, rows: int, txn_size: int) -> Plan:
         per_client = max(1, rows // OLTP_CHANGES_PER_TXN // OLTP_CLIENTS)
-        self._pgbench(dsn, schema, "-n", "-c", str(OLTP_CLIENTS), "-j", "2", "-t", str(per_client))
+        self.run_pgbench(
+            dsn, schema, "-n", "-c", str(OLTP_CLIENTS), "-j", "2", "-t", str(per_client)
+        )
         txns = per_client * OLTP_CLIENTS
         return Plan(txns * OLTP_CHANGES_PER_TXN, txns)
 

@@ -7,9 +7,12 @@ live."""
 
 from __future__ import annotations
 
+import random
+
 import orjson
 import pytest
 
+from services.bridge import connect_values
 from services.bridge import messages as m
 from services.bridge.connect_values import ColumnType, column_encoding, placeholder
 from services.bridge.debezium import DebeziumEventBuilder, run_id
@@ -197,3 +200,39 @@ def test_records_of_a_key_change() -> None:
         if r[0] == "dbz.public.t"
     )
     assert orjson.loads(record[2])["payload"]["source"]["sequence"] == '["248","300"]'  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("width", range(7))
+def test_zoned_timestamps_through_datetime_equal_the_exact_path(width: int) -> None:
+    # The usual timestamptz goes through datetime (C); the exact path, which every other
+    # value takes, is the reference. Values as PostgreSQL prints them, days and years
+    # crossed by the offset included.
+    fast = connect_values._zoned_timestamp(width)
+    exact = connect_values._zoned_timestamp_exact(width)
+    generator = random.Random(width)
+    texts = [
+        "0001-01-01 00:30:00+01",  # before year 1 in UTC: the exact path
+        "9999-12-31 23:30:00-01",  # after 9999 in UTC
+        "2024-02-29 23:59:59.999999-15:59:59",
+        "2000-01-01 00:00:00+00",
+        "infinity",
+        "-infinity",
+        "0044-03-15 12:00:00+01 BC",
+        "12345-01-01 00:00:00+00",
+    ]
+    for _ in range(3000):
+        year = generator.choice(
+            [1, 2, 99, 1000, 1969, 1970, 2024, 9999, generator.randint(1, 9999)]
+        )
+        month, day = generator.randint(1, 12), generator.randint(1, 28)
+        clock = f"{generator.randint(0, 23):02d}:{generator.randint(0, 59):02d}:"
+        clock += f"{generator.randint(0, 59):02d}"
+        fraction = generator.choice(
+            ["", ".5", ".000001", ".120", f".{generator.randint(0, 999999):06d}"]
+        )
+        sign = generator.choice("+-")
+        offset = f"{sign}{generator.randint(0, 15):02d}"
+        offset += generator.choice(["", ":30", ":45", f":{generator.randint(0, 59):02d}:07"])
+        texts.append(f"{year:04d}-{month:02d}-{day:02d} {clock}{fraction}{offset}")
+    for text in texts:
+        assert fast(text) == exact(text), text
