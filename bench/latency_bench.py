@@ -325,7 +325,7 @@ def _oltp_delays(
             return int(row[0])
 
     # One transaction first, so the daemon has made the topic the receiver reads.
-    OLTP.run_pgbench(dsn, schema, "-t", "1", "-c", "1")
+    OLTP.run_pgbench(dsn, schema, "-n", "-t", "1", "-c", "1")
     _wait_for_topic(bootstrap, topic, 60)
     receiver = Receiver(bootstrap, topic, _history_mtime)
     receiver.start()
@@ -335,13 +335,15 @@ def _oltp_delays(
         say(f"oltp: {tps:,} transactions/s ({args.rate:,} changes/s) for {args.seconds:.0f}s")
         started = time.monotonic()
         OLTP.run_pgbench(
-            dsn, schema, "-R", str(tps), "-T", str(int(args.seconds)), "-c", "8", "-j", "2"
+            dsn, schema, "-n", "-R", str(tps), "-T", str(int(args.seconds)), "-c", "8", "-j", "2"
         )
         write_s = time.monotonic() - started
         rows = history_rows() - before
         deadline = time.monotonic() + 60
         while len(receiver.delays) < rows + 1 and time.monotonic() < deadline:
             alive()
+            if receiver.error is not None:
+                raise RuntimeError(f"oltp: the consumer failed ({receiver.error})")
             time.sleep(0.05)
     finally:
         receiver.stop_flag.set()
