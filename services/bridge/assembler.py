@@ -99,6 +99,12 @@ class Assembler:
         self._orphans: list[tuple[int, bytes]] = []  # relation/type outside a transaction
 
     @property
+    def mid_transaction(self) -> bool:
+        """A regular transaction's messages are arriving: its Commit is on its way (the
+        server sends a transaction only once it committed, unless it streams it)."""
+        return self._current is not None
+
+    @property
     def idle(self) -> bool:
         """No transaction is open, streaming or prepared: confirming WAL end loses nothing."""
         return self._current is None and not self._streams and not self._prepared

@@ -361,6 +361,7 @@ class Bridge:
             snapshot_added=s.snapshot_mode != "never"
             and not publishes_all_tables(sql, s.publication_name),
             published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
+            receiving=lambda: assembler.mid_transaction,
         )
         ending.callback(_stop_if_running, publisher)
         log_event(

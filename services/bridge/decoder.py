@@ -349,6 +349,8 @@ _ROW_CHANGE_TYPES = frozenset(b"IUD")
 _CATALOG_TYPES = frozenset(b"RY")
 _RELATION = ord("R")
 _MESSAGE = ord("M")
+_UPDATE = ord("U")
+_NEW_TUPLE = ord("N")
 # The tag of the assembler's stand-in for a row change too large to publish (see
 # ``oversized_stand_in``). No pgoutput type: the server never sends it.
 _OVERSIZED = ord("!")
@@ -385,11 +387,17 @@ def message_name(payload: bytes) -> str:
     return _NAMES.get(kind, repr(kind))
 
 
-def change_relation_oid(payload: bytes, streamed: bool) -> int | None:
-    """The relation an Insert, Update or Delete changes; None for any other message."""
-    if payload[0] not in _ROW_CHANGE_TYPES:
+def one_row_change_relation(payload: bytes, streamed: bool) -> int | None:
+    """The relation of a row change whose record needs one row of it (an Insert, a Delete,
+    an Update that sends no old row), which a compiled plan may read in place; None for any
+    other message (an Update with an old key or row: its record compares the two)."""
+    kind = payload[0]
+    if kind not in _ROW_CHANGE_TYPES:
         return None
-    oid: int = _u32(payload, change_relid_at(streamed))[0]
+    at = change_relid_at(streamed)
+    if kind == _UPDATE and payload[at + 4] != _NEW_TUPLE:
+        return None
+    oid: int = _u32(payload, at)[0]
     return oid
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from services.bridge import messages as m
-from services.bridge.decoder import change_relation_oid, change_relid_at
+from services.bridge.decoder import change_relid_at, one_row_change_relation
 from services.bridge.values import (
     JSON_NULL,
     TYPE_NAMES,
@@ -434,7 +434,7 @@ class EventBuilder:
         (the caller's loop goes on with ``changes``)."""
         streamed = undecoded.streamed
         while True:
-            oid = change_relation_oid(payload, streamed)
+            oid = one_row_change_relation(payload, streamed)
             target = self.catalog.by_oid.get(oid) if oid is not None else None
             if target is None or target.plan is None:
                 return lsn, undecoded.decode(payload)

@@ -151,6 +151,8 @@ class _Batch:
 
 
 Decode = Callable[[bytes, bool], m.Message]
+# How often a publisher waiting for a transaction on its way in looks again.
+_ARRIVING_POLL_S = 0.002
 
 
 class Publisher(threading.Thread):
@@ -171,6 +173,7 @@ class Publisher(threading.Thread):
         book: SnapshotBook,
         snapshot_added: bool,
         published: Callable[[], set[TableName]],
+        receiving: Callable[[], bool] = lambda: False,
     ) -> None:
         """``snapshot_added``: whether tables missing from Kafka get a snapshot (not with
         ``snapshot_mode: never``, nor for a FOR ALL TABLES publication, whose new tables
@@ -191,6 +194,9 @@ class Publisher(threading.Thread):
         self._book = book
         self._watch = StreamWatch()
         self._published = published
+        # Whether the receiving thread is in the middle of a transaction the server is
+        # sending: the queue is empty only for the moment it takes to arrive.
+        self._receiving = receiving
         # Tables the stream described that the publication does not publish: the
         # partitions a change went through, described next to the root that
         # publish_via_partition_root publishes them as. Asked about once per session.
@@ -215,14 +221,18 @@ class Publisher(threading.Thread):
 
     def _loop(self) -> None:
         max_s = self._settings.batch_max_ms / 1000
-        # A batch is committed as soon as nothing more is ready (once it is this old):
-        # under backlog the queue never runs dry, so batches grow to the budgets; on a
-        # quiet stream each transaction goes out at once; in between, what arrives while
-        # a Kafka commit runs makes the next batch.
+        # A batch is committed as soon as nothing more is ready (once it is this old) and
+        # no transaction is on its way in: on a quiet stream each transaction goes out at
+        # once; under backlog the next transaction is always arriving (a thousand-row one
+        # takes longer to arrive than to publish), so batches grow to the budgets instead
+        # of a Kafka commit per transaction; in between, what arrives while a Kafka commit
+        # runs makes the next batch.
         linger_s = min(self._settings.batch_linger_ms / 1000, max_s)
         batch: _Batch | None = None
         while True:
             wait = max_s if batch is None else max(0.0, batch.started + linger_s - time.monotonic())
+            if batch is not None and not wait and self._receiving():
+                wait = _ARRIVING_POLL_S  # it may also end without a transaction (a PREPARE)
             item = self._queue.get(wait)
             if item is _STOP:
                 if batch is not None:
@@ -244,7 +254,7 @@ class Publisher(threading.Thread):
                 if (
                     batch.events >= self._settings.batch_max_events
                     or age >= max_s
-                    or (age >= linger_s and self._queue.empty)
+                    or (age >= linger_s and self._queue.empty and not self._receiving())
                 ):
                     self._commit(batch)
                     batch = None

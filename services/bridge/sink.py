@@ -70,7 +70,8 @@ _TOPIC_REFUSALS = frozenset(
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _REACH_S = 10.0
-# Records taken from the publisher's iterator at a time, for BatchSender.
+# Records that wait in BatchSender before they are handed over: calls with hundreds of
+# records each, and a bounded copy of the records in memory.
 _CHUNK = 1024
 _SECURITY_HINT = (
     "kafka_bootstrap and the security settings in kafka_config (security.protocol, sasl.*, ssl.*)"
@@ -182,12 +183,14 @@ class BatchSender:
         self._runs: dict[str, list[dict[str, bytes | None]]] = {}
         self.waiting = 0  # records in _runs
 
-    def add(self, topic: str, key: bytes | None, value: bytes | None) -> None:
+    def add(self, topic: str, key: bytes | None, value: bytes | None) -> int:
+        """Keep a record for ``topic``'s next run; returns how many records wait."""
         run = self._runs.get(topic)
         if run is None:
             run = self._runs[topic] = []
         run.append({"key": key, "value": value})
         self.waiting += 1
+        return self.waiting
 
     def flush(self) -> tuple[str, int, int] | None:
         """Hand every waiting run over, in the order each topic's records came (a full
@@ -476,8 +479,7 @@ class KafkaSink:
         for topic, key, value, headers in records:
             count += 1
             if headers is None and topic in settled:
-                add(topic, key, value)
-                if batches.waiting >= _CHUNK:
+                if add(topic, key, value) >= _CHUNK:
                     self._hand_over()
                 continue
             self._hand_over()  # the waiting records were given first

@@ -16,6 +16,8 @@ ARCHITECTURE.md, checked on what ends up in Kafka and in the origin.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -107,10 +109,11 @@ def session(
     batch_max_events: int = 20_000,
     book: SnapshotBook | None = None,
     published: Callable[[], set[TableName]] | None = None,
+    receiving: Callable[[], bool] = lambda: False,
 ) -> Publisher:
     """A publisher that starts from what Kafka and the origin hold, as the daemon's
     session does; given ``published`` (the publication's tables), tables missing from
-    Kafka get snapshots."""
+    Kafka get snapshots; ``receiving``: whether a transaction is on its way in."""
     replay = PgOutputDecoder(4)
     mark = kafka.high_water()
     return Publisher(
@@ -128,6 +131,7 @@ def session(
         book=book or SnapshotBook(),
         snapshot_added=published is not None,
         published=published or set,
+        receiving=receiving,
     )
 
 
@@ -397,3 +401,27 @@ def test_a_table_the_publication_leaves_out_gets_no_snapshot(tmp_path: Path) -> 
 def _fields(rel: m.Relation) -> tuple[Any, ...]:
     """A relation's fields after its xid (to describe it inside a streamed transaction)."""
     return (rel.oid, rel.namespace, rel.name, rel.replica_identity, rel.columns)
+
+
+def test_a_batch_waits_for_a_transaction_on_its_way_in(tmp_path: Path) -> None:
+    # Under backlog the queue is empty only while the next transaction arrives: committing
+    # then would make a Kafka transaction per source transaction. (Were the publisher too
+    # slow to take the first one before the second came, the test would pass without the
+    # rule; it cannot fail with it.)
+    source, kafka = Source(tmp_path), Kafka()
+    first = source.commit(700, ACCOUNTS, ins(1))
+    second = source.commit(701, ins(2))
+    arriving = threading.Event()
+    arriving.set()
+    queue = TxnQueue(1 << 30)
+    publisher = session(kafka, queue, receiving=arriving.is_set)
+    publisher.start()
+    queue.put(first)
+    time.sleep(0.1)  # the publisher takes it and finds the queue empty
+    queue.put(second)
+    arriving.clear()
+    queue.stop()
+    publisher.join()
+    assert publisher.error is None
+    assert len(kafka.sink.transactions) == 1
+    assert kafka.keys() == [1, 2]
