@@ -314,6 +314,8 @@ class Txn:
     row_pieces: dict[int, RowPieces] = field(default_factory=dict)
     # The ``transaction`` pieces of its insert, update and delete records.
     op_pieces: tuple[bytes, ...] | None = None
+    # Its xid, commit LSN and commit time as text, for the source blocks.
+    source_numbers: tuple[bytes, bytes, bytes] | None = None
     # Change records so far: in all (total_order), and per topic (data_collection_order).
     total: int = 0
     per_table: dict[str, int] = field(default_factory=dict)
@@ -360,9 +362,9 @@ class EventBuilder:
         self.schema_topic = schema_topic(topic_prefix)
         self.transaction_topic = transaction_topic(topic_prefix)
         self.message_topic = message_topic(topic_prefix)
-        # Relation oid -> (the version, its source block's first fields): the same for every
-        # transaction, and made again only for a new version.
-        self._source_heads: dict[int, tuple[RelationInfo, bytes]] = {}
+        # Relation oid -> (the version, its source block's two templates): the same for
+        # every transaction, and made again only for a new version.
+        self._source_templates: dict[int, tuple[RelationInfo, bytes, bytes]] = {}
         # One handler per message class: a dict lookup rather than an isinstance chain,
         # which every row change would walk.
         self._handlers: dict[type, Callable[[Txn, int, Any], Sequence[Record]]] = {
@@ -623,12 +625,12 @@ class EventBuilder:
         if not info.published:
             yield self._schema_record(info)
         ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
-        head, tail = self._source(info, None, commit_lsn, ts_ms, b"true")
+        commit = b"%d" % commit_lsn
+        source, sequence = self._source(info, b"null", commit, b"%d" % ts_ms, b"true")
         rest = _VALUE_REST % (
-            head,
+            source,
             lsn,
-            tail,
-            commit_lsn,
+            sequence,
             lsn,
             b"r",
             int(time.time() * 1000),
@@ -651,31 +653,14 @@ class EventBuilder:
             yield topic, key, value, None
 
     def _source(
-        self, info: RelationInfo, xid: int | None, commit_lsn: int, ts_ms: int, snapshot: bytes
+        self, info: RelationInfo, xid: bytes, commit_lsn: bytes, ts_ms: bytes, snapshot: bytes
     ) -> tuple[bytes, bytes]:
-        """The ``source`` block before and after its ``lsn``: the same for every change of
-        a relation in one transaction."""
-        cached = self._source_heads.get(info.oid)
-        if cached is None or cached[0] is not info:
-            prefix = _dumps(
-                {
-                    "connector": CONNECTOR,
-                    "version": VERSION,
-                    "name": self.topic_prefix,
-                    "db": self.db,
-                    "schema": info.schema,
-                    "table": info.table,
-                }
-            )[:-1]
-            cached = self._source_heads[info.oid] = (info, prefix + b',"txId":')
-        head = cached[1] + (b"null" if xid is None else b"%d" % xid)
-        tail = b',"commit_lsn":%d,"ts_ms":%d,"snapshot":"%b","schema_version":%d' % (
-            commit_lsn,
-            ts_ms,
-            snapshot,
-            info.version,
-        )
-        return head, tail
+        """The ``source`` block before and after its ``lsn`` (see ``_VALUE``), of every
+        change of a relation in one transaction; the numbers are given as their text."""
+        templates = self._source_templates.get(info.oid)
+        if templates is None or templates[0] is not info:
+            templates = self._source_templates[info.oid] = (info, *_source_templates(self, info))
+        return templates[1] % xid, templates[2] % (commit_lsn, ts_ms, snapshot, commit_lsn)
 
     def _value(
         self,
@@ -709,8 +694,7 @@ class EventBuilder:
         """What ``RowPlan`` puts around the row, lsn and orders (``_VALUE`` cut at them) of
         an insert, of an update without an old tuple (no ``before``) and of a delete (its
         old row or key is the ``before``), made once per relation per transaction."""
-        head, tail = self._pieces(txn, info)
-        source, sequence = _SOURCE % head, _SEQUENCE % (tail, txn.commit_lsn)
+        source, sequence = self._pieces(txn, info)
         ops = txn.op_pieces
         if ops is None:  # the same for every relation of the transaction
             ops = txn.op_pieces = tuple(
@@ -727,9 +711,14 @@ class EventBuilder:
         """The ``source`` block of a relation's records in ``txn``, before and after lsn."""
         pieces = txn.templates.get(info.oid)
         if pieces is None:
-            pieces = txn.templates[info.oid] = self._source(
-                info, txn.xid, txn.commit_lsn, txn.ts_ms, b"false"
-            )
+            numbers = txn.source_numbers
+            if numbers is None:
+                numbers = txn.source_numbers = (
+                    b"%d" % txn.xid,
+                    b"%d" % txn.commit_lsn,
+                    b"%d" % txn.ts_ms,
+                )
+            pieces = txn.templates[info.oid] = self._source(info, *numbers, b"false")
         return pieces
 
     def _join(
@@ -744,14 +733,13 @@ class EventBuilder:
         order: int,
     ) -> bytes:
         """A change record's value around its serialised rows."""
-        head, tail = self._pieces(txn, info)
+        source, sequence = self._pieces(txn, info)
         return _VALUE % (
             before,
             after,
-            head,
+            source,
             lsn,
-            tail,
-            txn.commit_lsn,
+            sequence,
             lsn,
             op.encode(),
             txn.now_ms,
@@ -775,19 +763,38 @@ _AFTER_FIELD = b',"after":'
 _BEFORE = _BEFORE_FIELD + b"%b" + _AFTER_FIELD  # the before row
 _NO_BEFORE = _BEFORE % b"null"
 _NULL_AFTER = _AFTER_FIELD + b"null"
-_SOURCE = b',"source":%b,"lsn":'  # the source block up to its lsn
-_SEQUENCE = b'%b,"sequence":"[\\"%d\\",\\"'  # the rest of source, the commit LSN
 _TRANSACTION = b'\\"]"},"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":'
 _ORDER = b',"data_collection_order":'
 _END = b"}}"
-_VALUE = _BEFORE + b"%b" + _SOURCE + b"%d" + _SEQUENCE + b"%d" + _TRANSACTION
-_VALUE += b"%d" + _ORDER + b"%d" + _END
+# After the rows: the source block up to its lsn, the lsn, the rest of the source block up
+# to the sequence's second LSN (see ``_source_templates``), the lsn again.
+_VALUE = _BEFORE + b"%b%b%d%b%d" + _TRANSACTION + b"%d" + _ORDER + b"%d" + _END
 # Where a snapshot chunk's records differ from one another: the row and the orders.
-_VALUE_REST = _SOURCE + b"%d" + _SEQUENCE + b"%d" + _TRANSACTION
+_VALUE_REST = b"%b%d%b%d" + _TRANSACTION
 _SNAPSHOT_VALUE = _NO_BEFORE + b"%b%b%d" + _ORDER + b"%d" + _END
 
 
 _JSON_OIDS = frozenset((114, 3802))
+
+
+def _source_templates(builder: EventBuilder, info: RelationInfo) -> tuple[bytes, bytes]:
+    """The ``source`` block of a relation version's records, as two templates: up to its
+    ``lsn`` (taking the transaction id), and from after the ``lsn`` to the sequence's
+    second LSN (taking the commit LSN, the commit time, the snapshot flag and the commit
+    LSN again). Only numbers are formatted per transaction."""
+    fields = _dumps(
+        {
+            "connector": CONNECTOR,
+            "version": VERSION,
+            "name": builder.topic_prefix,
+            "db": builder.db,
+            "schema": info.schema,
+            "table": info.table,
+        }
+    )[:-1].replace(b"%", b"%%")  # names may hold a %: the template's own are escaped
+    head = b',"source":' + fields + b',"txId":%b,"lsn":'
+    tail = b',"commit_lsn":%%b,"ts_ms":%%b,"snapshot":"%%b","schema_version":%d' % info.version
+    return head, tail + b',"sequence":"[\\"%b\\",\\"'
 
 
 def _with_json_nulls(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -183,14 +183,27 @@ class BatchSender:
         self._runs: dict[str, list[dict[str, bytes | None]]] = {}
         self.waiting = 0  # records in _runs
 
-    def add(self, topic: str, key: bytes | None, value: bytes | None) -> int:
-        """Keep a record for ``topic``'s next run; returns how many records wait."""
-        run = self._runs.get(topic)
-        if run is None:
-            run = self._runs[topic] = []
-        run.append({"key": key, "value": value})
-        self.waiting += 1
-        return self.waiting
+    def take(self, records: Iterator[Record], settled: Container[str]) -> tuple[int, Record | None]:
+        """Keep records from ``records`` for their topics' next runs until one is not for
+        this path (it has headers, or its topic is not ``settled``: it is returned), or
+        ``_CHUNK`` wait, or ``records`` ends. Returns how many it kept, and that record.
+        One loop here rather than a call per record: this is every record's path."""
+        runs, waiting, kept = self._runs, self.waiting, 0
+        for record in records:
+            topic, key, value, headers = record
+            if headers is not None or topic not in settled:
+                self.waiting = waiting
+                return kept, record
+            run = runs.get(topic)
+            if run is None:
+                run = runs[topic] = []
+            run.append({"key": key, "value": value})
+            kept += 1
+            waiting += 1
+            if waiting >= _CHUNK:
+                break
+        self.waiting = waiting
+        return kept, None
 
     def flush(self) -> tuple[str, int, int] | None:
         """Hand every waiting run over, in the order each topic's records came (a full
@@ -472,21 +485,20 @@ class KafkaSink:
         headers, for topics whose every partition is proven, wait in runs per topic
         (``BatchSender``) until enough of them wait, a record takes the other path, or the
         transaction commits."""
-        settled = self._first.settled
-        batches = self._batches
-        add = batches.add
+        pending = iter(records)
         count = 0
-        for topic, key, value, headers in records:
-            count += 1
-            if headers is None and topic in settled:
-                if add(topic, key, value) >= _CHUNK:
-                    self._hand_over()
-                continue
-            self._hand_over()  # the waiting records were given first
-            if topic not in self._ready:
-                self.ensure_topics({topic: topic in compacted})
-            self.produce(topic, key, value, headers)
-        return count
+        while True:
+            kept, other = self._batches.take(pending, self._first.settled)
+            count += kept
+            if other is None and self._batches.waiting < _CHUNK:
+                return count  # records ended: what waits goes at the next hand-over
+            self._hand_over()
+            if other is not None:
+                count += 1
+                topic, key, value, headers = other
+                if topic not in self._ready:
+                    self.ensure_topics({topic: topic in compacted})
+                self.produce(topic, key, value, headers)
 
     def _hand_over(self) -> None:
         """The waiting runs to librdkafka; a record it refuses ends the transaction."""
