@@ -401,8 +401,8 @@ class DebeziumEventBuilder(EventBuilder):
         return pieces
 
     def _run_numbers(self) -> tuple[int, ...]:
-        """The processing time a record carries (ts_ms, ts_us, ts_ns); a compiled run's
-        records share one reading, as a record built alone reads it once."""
+        """The processing time a record carries (ts_ms, ts_us, ts_ns): read once for the
+        records of consecutive compiled runs, as a record built alone reads it once."""
         now = time.time_ns()
         return now // 1_000_000, now // 1000, now
 

@@ -434,10 +434,15 @@ class EventBuilder:
         kind, a row the plan does not read, a record over the limit), decoded, with its LSN,
         to be handled as any decoded message; None when a run ended with nothing left over
         (the caller's loop goes on with ``changes``)."""
+        # What every run of the call shares, looked up once: an OLTP transaction is a run
+        # per table it touches, each a change long.
         streamed = undecoded.streamed
+        relid_at = change_relid_at(streamed)
+        by_oid, row_pieces, per_table = self.catalog.by_oid, txn.row_pieces, txn.per_table
+        headers, limit, trailing = self.headers, self.max_record_bytes, self._run_numbers()
         while True:
             oid = one_row_change_relation(payload, streamed)
-            target = self.catalog.by_oid.get(oid) if oid is not None else None
+            target = by_oid.get(oid) if oid is not None else None
             if target is None or target.plan is None:
                 return lsn, undecoded.decode(payload)
             topic = target.topic
@@ -445,19 +450,19 @@ class EventBuilder:
                 changes,
                 lsn,
                 payload,
-                change_relid_at(streamed),
-                txn.row_pieces.get(target.oid) or self._row_pieces(txn, target),
+                relid_at,
+                row_pieces.get(target.oid) or self._row_pieces(txn, target),
                 txn.total,
-                txn.per_table.get(topic, 0),
+                per_table.get(topic, 0),
                 topic,
-                self.headers,
-                self.max_record_bytes,
+                headers,
+                limit,
                 _RUN,
-                self._run_numbers(),
+                trailing,
             )
             if not built:
                 return lsn, undecoded.decode(payload)
-            txn.per_table[topic] = order
+            per_table[topic] = order
             yield from built
             if leftover is None:
                 return None
