@@ -18,6 +18,7 @@ column's Python converter (which also raises the converter's errors), as do the 
 #define K_TIMESTAMP 't'   /* the first blank becomes a T */
 #define K_TIMESTAMPTZ 'z' /* ... and a +00 offset becomes a Z */
 #define K_PYTHON 'p'      /* the converter, then dumps */
+#define K_JSON 'j'        /* json/jsonb text, written as it is (a JSON null: see json_null) */
 
 typedef struct {
     char *data;
@@ -249,6 +250,8 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
         break;
     case K_TIMESTAMP:
         return put_string(b, s, n, 1, "");
+    case K_JSON:
+        return buf_put(b, s, n);
     case K_TIMESTAMPTZ:
         if (n >= 3 && memcmp(s + n - 3, "+00", 3) == 0)
             return put_string(b, s, n - 3, 1, "Z");
@@ -391,6 +394,24 @@ static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long
     return nnumbers;
 }
 
+/* Whether a json/jsonb column holds a JSON null (json keeps the blanks around it): the
+   record then names it in "json_nulls", which only the Python path writes, so a row with
+   one is not built here. */
+static int has_json_null(RowPlan *self, const Col *cols) {
+    for (Py_ssize_t i = 0; i < self->ncols; i++) {
+        if (self->kinds[i] != K_JSON || cols[i].s == NULL)
+            continue;
+        const char *s = cols[i].s, *end = s + cols[i].n;
+        while (s < end && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r'))
+            s++;
+        while (end > s && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r'))
+            end--;
+        if (end - s == 4 && memcmp(s, "null", 4) == 0)
+            return 1;
+    }
+    return 0;
+}
+
 /* Room for ncols columns: on the stack for the usual table, else on the heap. */
 static Col *cols_for(RowPlan *self, Col *small, Py_ssize_t nsmall) {
     if (self->ncols <= nsmall)
@@ -401,7 +422,8 @@ static Col *cols_for(RowPlan *self, Col *small, Py_ssize_t nsmall) {
     return cols;
 }
 
-/* record(values, pieces, numbers) -> (record value, key JSON or None): the row framed. */
+/* record(values, pieces, numbers) -> (record value, key JSON or None): the row framed; None
+   for a row with a JSON null in a json/jsonb column (see has_json_null). */
 static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "record(values, pieces: tuple, numbers: tuple)");
@@ -441,6 +463,10 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         if (cols[i].s == NULL)
             goto done;
         cols[i].text = item;
+    }
+    if (has_json_null(self, cols)) {
+        result = Py_NewRef(Py_None);
+        goto done;
     }
     PyObject *value, *key;
     if (emit(self, cols, args[1], numbers, nnumbers, 0, &value, &key) == 0) {
@@ -491,7 +517,7 @@ static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, 
                 break;
             }
     }
-    if (td.pos == td.len)
+    if (td.pos == td.len && !has_json_null(self, cols))
         rc = emit(self, cols, pieces, numbers, nnumbers, key_only, value, key) < 0 ? -1 : 1;
 done:
     for (Py_ssize_t i = 0; i < read; i++)
@@ -667,8 +693,9 @@ error:
 
 static PyMethodDef plan_methods[] = {
     {"record", (PyCFunction)(void (*)(void))plan_record, METH_FASTCALL,
-     "record(values, pieces, numbers) -> (value, key JSON or None): pieces[0], the row, "
-     "pieces[1], then each number followed by the next piece"},
+     "record(values, pieces, numbers) -> (value, key JSON or None), or None for a row with "
+     "a JSON null in a json column: pieces[0], the row, pieces[1], then each number "
+     "followed by the next piece"},
     {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
      "records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, "
      "trailing) "

@@ -491,8 +491,13 @@ class DebeziumEventBuilder(EventBuilder):
             b"}}",
         )
         for values in rows:
-            if plan is not None:
-                value, key = plan.record(values, pieces, (lsn, lsn, *self._run_numbers()))
+            made = (
+                plan.record(values, pieces, (lsn, lsn, *self._run_numbers()))
+                if plan is not None
+                else None
+            )
+            if made is not None:
+                value, key = made
                 if len(value) > self.max_record_bytes:
                     raise self._too_large(info, lsn, len(value))
                 yield topic, key, value, headers

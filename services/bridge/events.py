@@ -27,6 +27,7 @@ from services.bridge.values import (
     JsonValue,
     bool_from_text,
     converter_for,
+    raw_json,
     timestamp_iso,
     timestamptz_iso,
 )
@@ -217,9 +218,7 @@ class RelationCatalog:
         )
         if self.encoder is not None:
             self.encoder(info, rel, facts)
-        elif not info.json_names:
-            # A JSON null in a json or jsonb column is named in the record (``json_nulls``),
-            # which only the Python path writes.
+        else:
             info.plan = row_plan(info)
         return info
 
@@ -232,6 +231,9 @@ _KINDS: dict[Callable[[str], JsonValue], bytes] = {
     bool_from_text: b"b",
     timestamp_iso: b"t",
     timestamptz_iso: b"z",
+    # Written as it is; a row with a JSON null, which the record names (``json_nulls``),
+    # is left to the Python path.
+    raw_json: b"j",
 }
 
 
@@ -480,10 +482,12 @@ class EventBuilder:
         if plan is not None:
             pieces = txn.row_pieces.get(info.oid) or self._row_pieces(txn, info)
             numbers = (lsn, lsn, total, order, *self._run_numbers())
-            out, key_json = plan.record(msg.new, pieces[0], numbers)  # type: ignore[arg-type]
-            if len(out) > self.max_record_bytes:
-                raise self._too_large(info, lsn, len(out))
-            return ((info.topic, key_json, out, self.headers),)
+            made = plan.record(msg.new, pieces[0], numbers)  # type: ignore[arg-type]
+            if made is not None:
+                out, key_json = made
+                if len(out) > self.max_record_bytes:
+                    raise self._too_large(info, lsn, len(out))
+                return ((info.topic, key_json, out, self.headers),)
         # An insert has no unchanged-TOAST value: its key is already in the row,
         # converted once.
         row = whole_row(info, msg.new)  # type: ignore[arg-type]
@@ -645,8 +649,9 @@ class EventBuilder:
         pieces = (_NO_BEFORE, rest, _ORDER, _END)
         for n, values in enumerate(rows, 1):
             key: bytes | None
-            if plan is not None:
-                value, key = plan.record(values, pieces, (n, n))
+            made = plan.record(values, pieces, (n, n)) if plan is not None else None
+            if made is not None:
+                value, key = made
             else:
                 row = whole_row(info, values)
                 value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)

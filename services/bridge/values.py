@@ -93,7 +93,7 @@ def timestamptz_iso(text: str) -> JsonValue:
 JSON_NULL = orjson.Fragment(b"null")
 
 
-def _raw_json(text: str) -> JsonValue:
+def raw_json(text: str) -> JsonValue:
     # json keeps the input's blanks around the value; jsonb prints exactly "null".
     if len(text) < 16 and text.strip() == "null":
         return JSON_NULL
@@ -123,7 +123,7 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (23, 1007, "integer", int),
     (25, 1009, "text", str),
     (26, 1028, "oid", int),
-    (114, 199, "json", _raw_json),
+    (114, 199, "json", raw_json),
     (700, 1021, "real", float_or_text),
     (701, 1022, "double precision", float_or_text),
     (790, 791, "money", money_decimal),
@@ -137,7 +137,7 @@ _TYPES: tuple[tuple[int, int, str, Converter], ...] = (
     (1266, 1270, "time with time zone", str),
     (1700, 1231, "numeric", str),  # exact: the string as sent, NaN/Infinity included
     (2950, 2951, "uuid", str),
-    (3802, 3807, "jsonb", _raw_json),
+    (3802, 3807, "jsonb", raw_json),
 )
 
 # An array element is quoted ("..." with \" and \\ escapes), or unquoted up to the next

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import re
 import struct
 import time
@@ -104,14 +105,15 @@ def built(plan: RowPlan, values: Sequence[str | None]) -> tuple[bytes, bytes | N
     """The row and key JSON alone: ``record`` with nothing around the row; ``records`` of
     the same values as pgoutput TupleData (inside an Insert message) must agree."""
     try:
-        expected = plan.record(values, (b"", b""), ())
+        made = plan.record(values, (b"", b""), ())
     except ValueError as exc:  # a converter refused the text: in place too
         with pytest.raises(ValueError, match=re.escape(str(exc)[:20])):
             in_place(plan, tuple_data(values))
         raise
+    assert made is not None
     framed = plan.record(values, SIX, (0, 0, 1, 1))
     assert in_place(plan, tuple_data(values)) == framed, values
-    return expected
+    return made
 
 
 def python_path(info: RelationInfo, values: Sequence[str | None]) -> tuple[bytes, bytes | None]:
@@ -215,11 +217,21 @@ def test_what_is_left_to_the_decoder() -> None:
         assert in_place(plan, data) is None, data
 
 
-def test_no_plan_for_json_columns_or_other_formats() -> None:
-    # JSON nulls in json/jsonb columns are named in the record from the row dicts.
-    assert info_of(relation((20, 3802))).plan is None
+def test_a_format_of_its_own_sets_its_own_plan() -> None:
     catalog = RelationCatalog("app", lambda oid: None, encoder=lambda info, rel, facts: None)
     assert catalog.apply(relation((20, 25))).plan is None
+
+
+def test_a_row_with_a_json_null_is_left_to_the_python_path() -> None:
+    # Its record names the column in json_nulls, which the plan does not write.
+    plan = info_of(relation((20, 3802))).plan
+    assert plan is not None
+    assert plan.record(["1", " null "], (b"", b""), ()) is None
+    assert in_place(plan, tuple_data(["1", "null"])) is None
+    assert plan.record(["1", '{"a":null}'], (b"", b""), ()) == (
+        b'{"c0_bigint":1,"c1_jsonb":{"a":null}}',
+        b'{"c0_bigint":1}',
+    )
 
 
 @pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
@@ -529,3 +541,34 @@ def test_changes_alternating_between_tables_are_all_read_in_place(
     )
     assert compiled == transaction_records(value_format, changes, False, False)[0]
     assert decoded == [encode(accounts), encode(history)]
+
+
+# json and jsonb texts as the server prints them: a JSON null (json keeps its blanks) is
+# named in the record's json_nulls, which the Python path writes (the plan leaves the row).
+_JSON_TEXTS = ['{"a": [1, 2.50, null], "b": "é\\n"}', "null", " null\n", "[]", '"s"', "1e400"]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_json_columns_read_in_place_equal_the_python_path(
+    monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    oids = (20, 3802, 114, 25)
+    columns = relation(oids).columns
+    rel = m.Relation(700 if streamed else None, 16_401, "public", "docs", "d", columns)
+    changes: list[tuple[int, m.Message]] = [(0x100, rel)]
+    for i, text in enumerate([*_JSON_TEXTS, None]):
+        row: list[m.TupleValue] = [str(i), text, text, "x"]
+        changes += [
+            (0x110 + 3 * i, m.Insert(rel.xid, rel.oid, row)),
+            (0x111 + 3 * i, m.Update(rel.xid, rel.oid, None, False, row)),
+            (0x112 + 3 * i, m.Delete(rel.xid, rel.oid, [str(i), None, None, None], True)),
+        ]
+    compiled, builder = transaction_records("slotbridge", changes, streamed, True)
+    assert builder.catalog.by_oid[rel.oid].plan is not None
+    python = builder_of("slotbridge")
+    python.catalog.apply(rel).plan = None
+    given: list[tuple[int, m.Message | bytes]] = list(changes)
+    assert compiled == list(python.transaction(700, 0x200, 785_000_000_123_456, iter(given)))
+    nulls = [json.loads(v)["json_nulls"] for _, _, v, _ in compiled if v and b"json_nulls" in v]
+    assert nulls == [{"after": ["c1_jsonb", "c2_json"]}] * 4
