@@ -132,6 +132,7 @@ typedef struct {
     Py_ssize_t *key_idx;
     PyObject *holder;     /* the tuple that owns the names' bytes and the kinds */
     PyObject *key_head, *key_tail; /* bytes written around the key object */
+    PyObject *placeholders; /* per column, the JSON of an unchanged TOAST value; or NULL */
     int whole_old_key; /* an old key tuple's row is every column (the others null) */
     PyObject *converters; /* tuple of callables */
     PyObject *dumps;
@@ -144,6 +145,7 @@ static void plan_dealloc(RowPlan *self) {
     PyMem_Free(self->key_idx);
     Py_XDECREF(self->holder);
     Py_XDECREF(self->key_head);
+    Py_XDECREF(self->placeholders);
     Py_XDECREF(self->key_tail);
     Py_XDECREF(self->converters);
     Py_XDECREF(self->dumps);
@@ -151,17 +153,19 @@ static void plan_dealloc(RowPlan *self) {
 }
 
 /* RowPlan(names: tuple[bytes], kinds: bytes, key_idx: tuple[int], converters, dumps,
-   key_head=b"", key_tail=b"", whole_old_key=False): names are the columns' '"name":'
-   pieces; the key object is written between key_head and key_tail; with whole_old_key, a
-   delete's old key tuple is written with every column (pgoutput sends the others as
-   nulls), else with its key columns alone. */
+   key_head=b"", key_tail=b"", whole_old_key=False, placeholders=None): names are the
+   columns' '"name":' pieces; the key object is written between key_head and key_tail; with
+   whole_old_key, a delete's old key tuple is written with every column (pgoutput sends the
+   others as nulls), else with its key columns alone; placeholders, a tuple of bytes per
+   column, is the JSON written for an unchanged TOAST value (without it such a row is left
+   to the caller). */
 static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     PyObject *names, *kinds, *key_idx, *converters, *dumps;
-    PyObject *key_head = NULL, *key_tail = NULL;
+    PyObject *key_head = NULL, *key_tail = NULL, *placeholders = Py_None;
     int whole_old_key = 0;
-    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSp:RowPlan", &PyTuple_Type, &names, &kinds,
+    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSpO:RowPlan", &PyTuple_Type, &names, &kinds,
                           &PyTuple_Type, &key_idx, &PyTuple_Type, &converters, &dumps, &key_head,
-                          &key_tail, &whole_old_key))
+                          &key_tail, &whole_old_key, &placeholders))
         return -1;
     Py_ssize_t n = PyTuple_GET_SIZE(names);
     if (PyBytes_GET_SIZE(kinds) != n || PyTuple_GET_SIZE(converters) != n) {
@@ -214,6 +218,18 @@ static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     if (self->key_head == NULL || self->key_tail == NULL)
         return -1;
     self->whole_old_key = whole_old_key;
+    if (placeholders != Py_None) {
+        if (!PyTuple_Check(placeholders) || PyTuple_GET_SIZE(placeholders) != n) {
+            PyErr_SetString(PyExc_ValueError, "placeholders: a tuple of bytes per column");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!PyBytes_Check(PyTuple_GET_ITEM(placeholders, i))) {
+                PyErr_SetString(PyExc_TypeError, "placeholders must be bytes");
+                return -1;
+            }
+        self->placeholders = Py_NewRef(placeholders);
+    }
     Py_INCREF(converters);
     self->converters = converters;
     Py_INCREF(dumps);
@@ -222,11 +238,13 @@ static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
 }
 
 /* One column's value as emit() sees it: its text (s == NULL for NULL) and, when the caller
-   has one, the str it came from (for the column's Python converter). */
+   has one, the str it came from (for the column's Python converter); or, with raw, the
+   JSON to write as it is (an unchanged TOAST value's placeholder). */
 typedef struct {
     const char *s;
     Py_ssize_t n;
     PyObject *text;
+    int raw;
 } Col;
 
 /* The value of column i: its JSON text appended to b. */
@@ -235,6 +253,8 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     Py_ssize_t n = col->n;
     if (s == NULL)
         return buf_put(b, "null", 4);
+    if (col->raw)
+        return buf_put(b, s, n);
     switch (self->kinds[i]) {
     case K_TEXT:
         return put_string(b, s, n, 0, "");
@@ -399,7 +419,7 @@ static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long
    one is not built here. */
 static int has_json_null(RowPlan *self, const Col *cols) {
     for (Py_ssize_t i = 0; i < self->ncols; i++) {
-        if (self->kinds[i] != K_JSON || cols[i].s == NULL)
+        if (self->kinds[i] != K_JSON || cols[i].s == NULL || cols[i].raw)
             continue;
         const char *s = cols[i].s, *end = s + cols[i].n;
         while (s < end && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r'))
@@ -452,6 +472,7 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         PyObject *item = items[i];
         cols[i].text = NULL;
         cols[i].s = NULL;
+        cols[i].raw = 0;
         if (item == Py_None)
             continue;
         if (!PyUnicode_CheckExact(item)) {
@@ -501,9 +522,17 @@ static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, 
         Col *col = &cols[read];
         col->s = NULL;
         col->text = NULL;
+        col->raw = 0;
         int kind = tupledata_next(&td, &col->s, &col->n);
         if (kind == 'n')
             continue;
+        if (kind == 'u' && self->placeholders != NULL) {
+            PyObject *placeholder = PyTuple_GET_ITEM(self->placeholders, read);
+            col->s = PyBytes_AS_STRING(placeholder);
+            col->n = PyBytes_GET_SIZE(placeholder);
+            col->raw = 1;
+            continue;
+        }
         if (kind != 't')
             goto done;
         for (Py_ssize_t k = 0; k < col->n; k++)

@@ -12,6 +12,7 @@ class RowPlan:
         key_head: bytes = ...,
         key_tail: bytes = ...,
         whole_old_key: bool = ...,
+        placeholders: tuple[bytes, ...] | None = ...,
         /,
     ) -> None: ...
     def record(

@@ -242,9 +242,9 @@ def row_plan(
 ) -> RowPlan | None:
     """The compiled builder of a relation version's row and key JSON (the key object
     between ``key_frame``): the same bytes as ``_dumps`` of the row and key dicts the
-    Python path builds with ``info.converters``, several times faster. ``whole_old_key``:
-    a delete's old key is written as a whole row (its other columns null). None without the
-    extension."""
+    Python path builds with ``info.converters``, several times faster, an unchanged TOAST
+    value as its ``info.placeholders`` JSON. ``whole_old_key``: a delete's old key is
+    written as a whole row (its other columns null). None without the extension."""
     if RowPlan is None:
         return None
     return RowPlan(
@@ -255,6 +255,7 @@ def row_plan(
         _dumps,
         *key_frame,
         whole_old_key,
+        tuple(_dumps(placeholder) for placeholder in info.placeholders),
     )
 
 

@@ -34,6 +34,7 @@ from services.bridge.events import (
     whole_row,
 )
 from services.bridge.values import TYPE_NAMES
+from services.contract.records import TOAST_PLACEHOLDER
 from tests.unit.pgoutput_builder import encode, tuple_data
 
 CONTROL = "".join(chr(i) for i in range(0x20))
@@ -195,16 +196,19 @@ def test_what_the_builder_refuses() -> None:
 
 
 def test_what_is_left_to_the_decoder() -> None:
-    # records reads text and NULL columns; for anything else it builds nothing and the
-    # builder decodes the message, whose decoder names what is wrong.
+    # records reads text, NULL and unchanged-TOAST columns (its placeholder); for anything
+    # else it builds nothing and the builder decodes the message, whose decoder names what
+    # is wrong.
     plan = info_of(relation((20, 25))).plan
     assert plan is not None
     good = tuple_data(["1", "x"])
     assert in_place(plan, good) == plan.record(["1", "x"], SIX, (0, 0, 1, 1))
+    toasted = in_place(plan, tuple_data(["1", m.UNCHANGED_TOAST]))
+    row = b'{"c0_bigint":1,"c1_text":%b}' % orjson.dumps(TOAST_PLACEHOLDER)
+    assert toasted is not None and toasted[0] == row + b"0011"  # in_place's four numbers
     for data in [
         tuple_data(["1"]),  # another column count
         tuple_data(["1", "x", "y"]),
-        tuple_data(["1", m.UNCHANGED_TOAST]),
         tuple_data(["1", b"binary"]),
         good[:-1],  # the last value runs past the end
         good + b"\0",  # something after the tuple
@@ -396,6 +400,7 @@ def row_changes(
         ]
     changes += [
         (0x160, m.Update(xid, plain.oid, None, False, ["1", toast, *other[2:]])),
+        (0x163, m.Update(xid, plain.oid, None, False, ["4", *[toast] * (len(row) - 1)])),
         (0x161, m.Update(xid, plain.oid, ["1", *[None] * (len(row) - 1)], True, ["2", *row[1:]])),
         (0x162, m.Update(xid, full.oid, ["3", *row[1:]], False, ["3", toast, *other[2:]])),
     ]
@@ -442,9 +447,9 @@ def test_undecoded_updates_and_deletes_make_the_decoded_records(
     assert compiled == transaction_records(value_format, changes, streamed, False)[0]
     assert all(info.plan is not None for info in builder.catalog.by_oid.values())
     # BEGIN, END, 2 schemas; 8 x (insert, update, delete + tombstone, update, delete +
-    # tombstone); the TOAST update, the key change (delete, tombstone, update), the full
+    # tombstone); two TOAST updates, the key change (delete, tombstone, update), the full
     # table's TOAST update; 7 deletes + tombstones.
-    assert len(compiled) == 4 + 8 * 7 + 1 + 3 + 1 + 14
+    assert len(compiled) == 4 + 8 * 7 + 2 + 3 + 1 + 14
 
 
 # One value of each type the Debezium format encodes its own way, as PostgreSQL prints it.
