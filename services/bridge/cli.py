@@ -14,6 +14,7 @@ import click
 from services.bridge.settings import BridgeSettings
 from services.common.pg import SourceError
 from services.common.settings import SettingsError, load_settings
+from services.contract.records import EndedSnapshot
 
 _config_option = click.option(
     "--config",
@@ -112,39 +113,61 @@ def snapshot(
                 f"snapshot request {request} sent for {table}"
                 + (f" where {where}" if where else "")
             )
-        finished = not wait or ondemand.wait_for(
-            settings,
-            request,
-            lsn,
-            timeout_s,
-            lambda entry: (
-                None
-                if as_json
-                else click.echo(
-                    f"  {entry.rows:,} rows in {entry.chunks} chunks"
-                    if entry is not None
-                    else "  waiting for the bridge to reach the request",
-                    err=True,
-                )
-            ),
+        progress = (
+            None
+            if not wait
+            else ondemand.wait_for(
+                settings,
+                request,
+                lsn,
+                timeout_s,
+                lambda entry: (
+                    None
+                    if as_json
+                    else click.echo(
+                        f"  {entry.rows:,} rows in {entry.chunks} chunks"
+                        if entry is not None
+                        else "  waiting for the bridge to reach the request",
+                        err=True,
+                    )
+                ),
+            )
         )
     except (SourceError, TopicReadError) as exc:
         click.echo(f"slotbridge: {exc}", err=True)
         sys.exit(1)
+    report: dict[str, Any] = {"request": request, "table": table, "where": where}
+    if not wait:
+        if as_json:
+            click.echo(json.dumps(report))
+        return
+    if progress is None:
+        code, line = 3, f"still running after {timeout_s:.0f}s"
+        report["finished"] = False
+    else:
+        ended = ondemand.ended_entry(progress, request)
+        code, line = _snapshot_outcome(ended)
+        report["finished"] = True
+        if ended is not None:
+            report.update(outcome=ended.outcome, reason=ended.reason, rows=ended.rows)
+            report.update(chunks=ended.chunks)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "request": request,
-                    "table": table,
-                    "where": where,
-                    "finished": finished if wait else None,
-                }
-            )
-        )
-    elif wait:
-        click.echo("published" if finished else f"still running after {timeout_s:.0f}s")
-    sys.exit(0 if finished else 3)
+        click.echo(json.dumps(report))
+    else:
+        click.echo(line, err=code == 1)
+    sys.exit(code)
+
+
+def _snapshot_outcome(ended: EndedSnapshot | None) -> tuple[int, str]:
+    """Exit code and line for a request that ended, from what the progress record says."""
+    if ended is None:
+        return 0, "published (the progress record no longer holds its row count)"
+    done = f"{ended.rows:,} rows in {ended.chunks} chunks"
+    if ended.outcome == "done":
+        return 0, f"published: {done}"
+    if ended.outcome == "cancelled":
+        return 1, f"slotbridge: snapshot request {ended.id} was cancelled after {done}"
+    return 1, f"slotbridge: snapshot request {ended.id} failed after {done}: {ended.reason}"
 
 
 @click.command("adopt-upgrade")

@@ -667,7 +667,9 @@ class Bridge:
         never published anything, the initial snapshot of every published table."""
         s = self.settings
         if kafka_progress is not None:
-            return SnapshotBook(kafka_progress.snapshots, held=s.snapshot_workers)
+            return SnapshotBook(
+                kafka_progress.snapshots, held=s.snapshot_workers, ended=kafka_progress.ended
+            )
         book = SnapshotBook(held=s.snapshot_workers)
         if s.snapshot_mode != "never" and mark == 0:
             for table in published_tables(sql, s.publication_name):

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from services.bridge.highwater import ServerIdentity
 from services.common.errors import SlotbridgeError
-from services.contract.records import ProgressRecord, TableSnapshot
+from services.contract.records import EndedSnapshot, ProgressRecord, TableSnapshot
 
 
 class ProgressRecordError(SlotbridgeError):
@@ -35,6 +35,7 @@ def progress_value(
     commit_lsn: int,
     identity: ServerIdentity,
     snapshots: Sequence[TableSnapshot] = (),
+    ended: Sequence[EndedSnapshot] = (),
 ) -> bytes:
     record = ProgressRecord(
         slot=slot,
@@ -44,6 +45,7 @@ def progress_value(
         timeline=identity.timeline,
         ts_ms=int(time.time() * 1000),
         snapshots=list(snapshots),
+        ended=list(ended),
     )
     return record.model_dump_json(by_alias=True).encode()
 

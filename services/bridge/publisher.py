@@ -543,6 +543,7 @@ class Publisher(threading.Thread):
                 self._last_commit_lsn,
                 self._identity,
                 self._book.states(),
+                self._book.ended(),
             ),
         )
         failpoint("before_kafka_commit")

@@ -121,7 +121,14 @@ def _adopt(
     sink.produce(
         settings.progress_topic,
         progress_key(slot),
-        progress_value(slot, published.end_lsn, published.commit_lsn, server, published.snapshots),
+        progress_value(
+            slot,
+            published.end_lsn,
+            published.commit_lsn,
+            server,
+            published.snapshots,
+            published.ended,
+        ),
     )
     sink.commit()
     log_event(

@@ -192,12 +192,25 @@ class TableSnapshot(StrictModel):
     started_ms: int
 
 
+class EndedSnapshot(TableSnapshot):
+    """A table snapshot that ended, as far as it got: what its request published.
+
+    The progress record keeps the last few, so ``slotbridge snapshot`` reports what Kafka
+    holds once the request's entry has left ``snapshots``.
+    """
+
+    outcome: Literal["done", "cancelled", "failed"]
+    reason: str | None = Field(default=None, description="why it failed")
+    ended_ms: int
+
+
 class ProgressRecord(StrictModel):
     """Value on the compacted progress topic, keyed by slot name.
 
     ``end_lsn`` is the end of the last source transaction whose records are committed in
     Kafka; with the replication origin it forms the bridge's high-water mark.
-    ``snapshots`` lists the table snapshots not finished yet, as far as they got.
+    ``snapshots`` lists the table snapshots not finished yet, as far as they got;
+    ``ended`` the last ones that ended (the bridge keeps 16), oldest first.
     """
 
     slot: str
@@ -207,6 +220,7 @@ class ProgressRecord(StrictModel):
     timeline: int
     ts_ms: int
     snapshots: list[TableSnapshot] = Field(default_factory=list)
+    ended: list[EndedSnapshot] = Field(default_factory=list)
 
     @field_validator("snapshots", mode="before")
     @classmethod
