@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic import ValidationError
 
@@ -36,6 +36,7 @@ def progress_value(
     identity: ServerIdentity,
     snapshots: Sequence[TableSnapshot] = (),
     ended: Sequence[EndedSnapshot] = (),
+    topic_ids: Mapping[str, str] | None = None,
 ) -> bytes:
     record = ProgressRecord(
         slot=slot,
@@ -46,6 +47,7 @@ def progress_value(
         ts_ms=int(time.time() * 1000),
         snapshots=list(snapshots),
         ended=list(ended),
+        topic_ids=dict(topic_ids or {}),
     )
     return record.model_dump_json(by_alias=True).encode()
 

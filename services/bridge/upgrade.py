@@ -128,6 +128,7 @@ def _adopt(
             server,
             published.snapshots,
             published.ended,
+            published.topic_ids,
         ),
     )
     sink.commit()

@@ -221,6 +221,11 @@ class ProgressRecord(StrictModel):
     ts_ms: int
     snapshots: list[TableSnapshot] = Field(default_factory=list)
     ended: list[EndedSnapshot] = Field(default_factory=list)
+    topic_ids: dict[str, str] = Field(
+        default_factory=dict,
+        description="topic name -> Kafka topic id of every topic the bridge wrote: one "
+        "deleted and recreated since has another id",
+    )
 
     @field_validator("snapshots", mode="before")
     @classmethod
