@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -15,6 +16,8 @@ from services.bridge.settings import BridgeSettings
 from services.common.pg import SourceError
 from services.common.settings import SettingsError, load_settings
 from services.contract.records import EndedSnapshot
+
+T = TypeVar("T")
 
 _config_option = click.option(
     "--config",
@@ -183,15 +186,9 @@ def _snapshot_outcome(ended: EndedSnapshot | None) -> tuple[int, str]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def adopt_upgrade(config: Path | None, from_system: str, as_json: bool) -> None:
     """Resume the slot on its source after a major-version pg_upgrade (run once, bridge stopped)."""
-    settings = _settings(config)
     from services.bridge.upgrade import adopt_upgraded_source
-    from services.common.errors import SlotbridgeError
 
-    try:
-        adopted = adopt_upgraded_source(settings, from_system)
-    except SlotbridgeError as exc:
-        click.echo(f"slotbridge: {exc}", err=True)
-        sys.exit(1)
+    adopted = _or_exit(lambda: adopt_upgraded_source(_settings(config), from_system))
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(adopted)))
     elif adopted.changed:
@@ -205,6 +202,36 @@ def adopt_upgrade(config: Path | None, from_system: str, as_json: bool) -> None:
             f"slot {adopted.slot}: its progress already belongs to this server's system "
             f"{adopted.system}; nothing to do"
         )
+
+
+@click.command()
+@_config_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def resync(config: Path | None, as_json: bool) -> None:
+    """Start an invalidated slot over: every published table snapshotted again into the
+    same topics, the gap recorded (run once, bridge stopped)."""
+    from services.bridge.resync import resync as start_over
+
+    done = _or_exit(lambda: start_over(_settings(config)))
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(done)))
+    else:
+        click.echo(
+            f"slot {done.slot}: the changes after {done.after_lsn} are lost ({done.reason}); "
+            f"recorded, and {len(done.tables)} tables will be snapshotted again "
+            "into the same topics: start the bridge"
+        )
+
+
+def _or_exit(command: Callable[[], T]) -> T:
+    """What ``command`` returns, or its refusal as one line and exit 1."""
+    from services.common.errors import SlotbridgeError
+
+    try:
+        return command()
+    except SlotbridgeError as exc:
+        click.echo(f"slotbridge: {exc}", err=True)
+        sys.exit(1)
 
 
 def _print_table(report: dict[str, Any]) -> None:

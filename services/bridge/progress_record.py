@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -27,6 +28,11 @@ class ProgressRecordError(SlotbridgeError):
 
 def progress_key(slot: str) -> bytes:
     return json.dumps({"slot": slot}).encode()
+
+
+def gap_key(slot: str, after_lsn: int) -> bytes:
+    """A gap's own key next to the slot's progress: compaction keeps every gap."""
+    return json.dumps({"slot": slot, "gap_after_lsn": after_lsn}).encode()
 
 
 def progress_value(
@@ -49,6 +55,14 @@ def progress_value(
         ended=list(ended),
         topic_ids=dict(topic_ids or {}),
     )
+    return record.model_dump_json(by_alias=True).encode()
+
+
+def progress_again(published: ProgressRecord, **update: Any) -> bytes:
+    """A published progress record written again with ``update`` (fields by name): what a
+    one-off command changes in it (``adopt-upgrade`` the identity, ``resync`` the
+    snapshots), the rest kept."""
+    record = published.model_copy(update={**update, "ts_ms": int(time.time() * 1000)})
     return record.model_dump_json(by_alias=True).encode()
 
 

@@ -184,7 +184,9 @@ class TableSnapshot(StrictModel):
 
     schema_: str = Field(alias="schema")
     table: str
-    id: str = Field(description="the request: 'initial', 'added', or an on-demand request id")
+    id: str = Field(
+        description="the request: 'initial', 'added', 'resync', or an on-demand request id"
+    )
     where: str | None = Field(default=None, description="the on-demand condition, SQL")
     cursor: list[str | None] | None = Field(default=None, description="null before the first chunk")
     chunks: int = 0
@@ -202,6 +204,25 @@ class EndedSnapshot(TableSnapshot):
     outcome: Literal["done", "cancelled", "failed"]
     reason: str | None = Field(default=None, description="why it failed")
     ended_ms: int
+
+
+class GapRecord(StrictModel):
+    """Value on the progress topic, keyed by slot and ``after_lsn``: changes the source
+    lost before Kafka had them (an invalidated slot), as ``slotbridge resync`` recorded
+    them when it started the slot over.
+
+    The changes committed after ``after_lsn`` until the new slot's start are missing;
+    every table in ``tables`` is snapshotted again (snapshot id ``resync``) in stream
+    order, so a key's last record is its current state again once that snapshot ended.
+    A row deleted during the gap has no record saying so: a consumer may drop the keys
+    the resync snapshot did not publish again.
+    """
+
+    slot: str
+    after_lsn: int = Field(description="end of the last source transaction Kafka holds")
+    reason: str = Field(description="why the changes are missing, e.g. 'slot invalidated'")
+    tables: list[str] = Field(description="schema.table of every table snapshotted again")
+    ts_ms: int
 
 
 class ProgressRecord(StrictModel):
