@@ -196,12 +196,12 @@ class TopicIds:
 
     ``expected`` comes from the published progress record (what earlier sessions wrote),
     ``learned`` is what this session found when it made a topic ready; both are published
-    with every progress record, so a topic recreated while the bridge was down is caught
-    at the session's start. Checked again before every commit (one DescribeTopics request,
-    ~1 ms on the local stack): a transaction that wrote into a topic recreated meanwhile
-    is aborted, never confirmed to PostgreSQL. A new id means new partitions that this
-    producer never wrote: the session ends, and the next one starts with ``FirstWrites``
-    empty, so nothing there counts as proven.
+    with every progress record, so a topic recreated while the bridge was down is caught at
+    the session's start. Checked again before every commit (one DescribeTopics request, 0.9
+    ms alone on the local stack, up to ~7 ms per commit on a loaded machine): a transaction
+    that wrote into a topic recreated meanwhile is aborted, never confirmed to PostgreSQL. A
+    new id means new partitions that this producer never wrote: the session ends, and the
+    next one starts with ``FirstWrites`` empty, so nothing there counts as proven.
     """
 
     def __init__(self, slot: str) -> None:
