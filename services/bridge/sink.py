@@ -204,8 +204,7 @@ class TopicIds:
     next one starts with ``FirstWrites`` empty, so nothing there counts as proven.
     """
 
-    def __init__(self, slot: str) -> None:
-        self._slot = slot
+    def __init__(self) -> None:
         self.expected: dict[str, str] = {}
         self.learned: dict[str, str] = {}
 
@@ -232,8 +231,8 @@ class TopicIds:
         return (
             f"topic {topic} (topic id {was}) {what}: the records published there before are "
             "gone from Kafka and this bridge will not write on as if they were there; to "
-            f"publish every table again, drop slot {self._slot} and start with a new "
-            "slot_name (a full snapshot into the same topics)"
+            "publish every table again into the same topics, with the gap recorded, run "
+            "`slotbridge resync` once with the bridge stopped, then start it"
         )
 
 
@@ -306,7 +305,7 @@ class KafkaSink:
         self._ready: set[str] = set()
         self._partitions: dict[str, int] = {}  # partition count per existing topic
         self._first = FirstWrites()
-        self.ids = TopicIds(settings.slot_name)
+        self.ids = TopicIds()
         self._failure: KafkaError | None = None
         self._failed_record: tuple[str, int] | None = None  # topic, bytes
         self._in_txn = False
@@ -416,6 +415,12 @@ class KafkaSink:
                 topic_id=published[topic],
             )
         self.ids.check({t: now for t, now in found.items() if now is not None})
+
+    def replaced(self, published: dict[str, str]) -> dict[str, str | None]:
+        """The topics of ``published`` (name -> id) whose id is another now: their new id,
+        None for one that is gone."""
+        found = self._describe(list(published)) if published else {}
+        return {t: now for t, now in found.items() if now != published[t]}
 
     def _describe(self, topics: list[str], timeout_s: float = 30.0) -> dict[str, str | None]:
         """Each topic's id now; None for one that does not exist."""

@@ -207,20 +207,22 @@ class EndedSnapshot(TableSnapshot):
 
 
 class GapRecord(StrictModel):
-    """Value on the progress topic, keyed by slot and ``after_lsn``: changes the source
-    lost before Kafka had them (an invalidated slot), as ``slotbridge resync`` recorded
-    them when it started the slot over.
+    """Value on the progress topic, keyed by slot and ``after_lsn``: changes Kafka does not
+    hold, as ``slotbridge resync`` recorded them when it published the tables again.
 
-    The changes committed after ``after_lsn`` until the new slot's start are missing;
-    every table in ``tables`` is snapshotted again (snapshot id ``resync``) in stream
-    order, so a key's last record is its current state again once that snapshot ended.
-    A row deleted during the gap has no record saying so: a consumer may drop the keys
-    the resync snapshot did not publish again.
+    ``kind`` ``source``: the source lost the changes committed after ``after_lsn`` (an
+    invalidated or dropped slot) until the new slot's start. ``topic``: Kafka lost what the
+    topics named in ``reason`` held up to ``after_lsn`` (deleted under the bridge). Every
+    table in ``tables`` is snapshotted again (snapshot id ``resync``) in stream order, so a
+    key's last record is its current state again once that snapshot ended. A row deleted
+    during a source gap has no record saying so: a consumer may drop the keys the resync
+    snapshot did not publish again.
     """
 
     slot: str
+    kind: Literal["source", "topic"]
     after_lsn: int = Field(description="end of the last source transaction Kafka holds")
-    reason: str = Field(description="why the changes are missing, e.g. 'slot invalidated'")
+    reason: str = Field(description="why, e.g. 'slot invalidated (wal_removed)'")
     tables: list[str] = Field(description="schema.table of every table snapshotted again")
     ts_ms: int
 

@@ -7,6 +7,7 @@ empty on the producer's next metadata request, under another id.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from confluent_kafka import TopicCollection
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from services.bridge.kafka_reader import read_kafka_progress
+from services.bridge.kafka_reader import read_kafka_progress, read_topic
 from slotbridge_dev.stack.kafka_audit import audit
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (
@@ -22,6 +23,7 @@ from tests.integration.bridge_harness import (
     Pipeline,
     one_line_error,
     read_topics,
+    run_cli,
     sql,
     wait_for,
 )
@@ -69,7 +71,7 @@ def test_change_topic_deleted_under_a_streaming_bridge_stops_it_in_one_line(
         if "topic id now" not in line:
             admin.create_topics([NewTopic(log_topic, 1)])[log_topic].result(30)
         new = _topic_id(admin, log_topic)
-        assert new != old and "new slot_name" in line, line
+        assert new != old and "slotbridge resync" in line, line
 
         progress = read_kafka_progress(
             {"bootstrap.servers": pipe.kafka.bootstrap}, pipe.progress_topic, pipe.name
@@ -107,6 +109,30 @@ def test_change_topic_deleted_under_a_streaming_bridge_stops_it_in_one_line(
 
         code, output = pipe.run_to_exit(60)
         assert code == 1 and f"topic id now {new}" in _bridge_error(output), output[-2000:]
+
+        # Resync: the slot is kept, every table published again, the new topic accepted.
+        code, out = run_cli("resync", env=pipe.env())
+        assert code == 0 and "start the bridge" in out, out
+        restarted = CounterWorkload(stack.primary_dsn, "topicloss", seed=8)
+        pipe.start()
+        restarted.start()
+        wait_for(lambda: restarted.committed >= 100, 60, "100 more source transactions")
+        restarted.finish()
+        pipe.wait_caught_up()
+        assert pipe.stop() == 0
+        ids = [r.key["id"] for r in pipe.changes("topicloss.log")]
+        assert sorted(set(ids)) == [
+            i for (i,) in sql(stack.primary_dsn, "SELECT id FROM topicloss.log ORDER BY id")
+        ]
+        gaps = [
+            json.loads(value)
+            for key, value in read_topic(
+                {"bootstrap.servers": pipe.kafka.bootstrap}, pipe.progress_topic
+            )
+            if key is not None and b"gap_after_lsn" in key and value is not None
+        ]
+        assert [(g["kind"], g["after_lsn"]) for g in gaps] == [("topic", progress.end_lsn)], gaps
+        assert log_topic in gaps[0]["reason"] and old in gaps[0]["reason"], gaps
     finally:
         workload.stop_flag.set()
         pipe.cleanup()
