@@ -99,6 +99,9 @@ class _CountingSink:
     def abort(self) -> None:
         pass
 
+    def topic_ids(self) -> dict[str, str]:
+        return {}
+
     def prove_not_fenced(self) -> None:
         pass
 

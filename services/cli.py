@@ -18,6 +18,7 @@ _COMMANDS = {
     "status": "services.bridge.cli:status",
     "snapshot": "services.bridge.cli:snapshot",
     "adopt-upgrade": "services.bridge.cli:adopt_upgrade",
+    "resync": "services.bridge.cli:resync",
     "failover": "services.failover.cli:failover",
     "consume": "spark_consumers.cli:consume",
 }

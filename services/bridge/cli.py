@@ -6,14 +6,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from services.bridge.settings import BridgeSettings
 from services.common.pg import SourceError
 from services.common.settings import SettingsError, load_settings
+from services.contract.records import EndedSnapshot
+
+T = TypeVar("T")
 
 _config_option = click.option(
     "--config",
@@ -112,39 +116,61 @@ def snapshot(
                 f"snapshot request {request} sent for {table}"
                 + (f" where {where}" if where else "")
             )
-        finished = not wait or ondemand.wait_for(
-            settings,
-            request,
-            lsn,
-            timeout_s,
-            lambda entry: (
-                None
-                if as_json
-                else click.echo(
-                    f"  {entry.rows:,} rows in {entry.chunks} chunks"
-                    if entry is not None
-                    else "  waiting for the bridge to reach the request",
-                    err=True,
-                )
-            ),
+        progress = (
+            None
+            if not wait
+            else ondemand.wait_for(
+                settings,
+                request,
+                lsn,
+                timeout_s,
+                lambda entry: (
+                    None
+                    if as_json
+                    else click.echo(
+                        f"  {entry.rows:,} rows in {entry.chunks} chunks"
+                        if entry is not None
+                        else "  waiting for the bridge to reach the request",
+                        err=True,
+                    )
+                ),
+            )
         )
     except (SourceError, TopicReadError) as exc:
         click.echo(f"slotbridge: {exc}", err=True)
         sys.exit(1)
+    report: dict[str, Any] = {"request": request, "table": table, "where": where}
+    if not wait:
+        if as_json:
+            click.echo(json.dumps(report))
+        return
+    if progress is None:
+        code, line = 3, f"still running after {timeout_s:.0f}s"
+        report["finished"] = False
+    else:
+        ended = ondemand.ended_entry(progress, request)
+        code, line = _snapshot_outcome(ended)
+        report["finished"] = True
+        if ended is not None:
+            report.update(outcome=ended.outcome, reason=ended.reason, rows=ended.rows)
+            report.update(chunks=ended.chunks)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "request": request,
-                    "table": table,
-                    "where": where,
-                    "finished": finished if wait else None,
-                }
-            )
-        )
-    elif wait:
-        click.echo("published" if finished else f"still running after {timeout_s:.0f}s")
-    sys.exit(0 if finished else 3)
+        click.echo(json.dumps(report))
+    else:
+        click.echo(line, err=code == 1)
+    sys.exit(code)
+
+
+def _snapshot_outcome(ended: EndedSnapshot | None) -> tuple[int, str]:
+    """Exit code and line for a request that ended, from what the progress record says."""
+    if ended is None:
+        return 0, "published (the progress record no longer holds its row count)"
+    done = f"{ended.rows:,} rows in {ended.chunks} chunks"
+    if ended.outcome == "done":
+        return 0, f"published: {done}"
+    if ended.outcome == "cancelled":
+        return 1, f"slotbridge: snapshot request {ended.id} was cancelled after {done}"
+    return 1, f"slotbridge: snapshot request {ended.id} failed after {done}: {ended.reason}"
 
 
 @click.command("adopt-upgrade")
@@ -160,15 +186,9 @@ def snapshot(
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def adopt_upgrade(config: Path | None, from_system: str, as_json: bool) -> None:
     """Resume the slot on its source after a major-version pg_upgrade (run once, bridge stopped)."""
-    settings = _settings(config)
     from services.bridge.upgrade import adopt_upgraded_source
-    from services.common.errors import SlotbridgeError
 
-    try:
-        adopted = adopt_upgraded_source(settings, from_system)
-    except SlotbridgeError as exc:
-        click.echo(f"slotbridge: {exc}", err=True)
-        sys.exit(1)
+    adopted = _or_exit(lambda: adopt_upgraded_source(_settings(config), from_system))
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(adopted)))
     elif adopted.changed:
@@ -182,6 +202,36 @@ def adopt_upgrade(config: Path | None, from_system: str, as_json: bool) -> None:
             f"slot {adopted.slot}: its progress already belongs to this server's system "
             f"{adopted.system}; nothing to do"
         )
+
+
+@click.command()
+@_config_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def resync(config: Path | None, as_json: bool) -> None:
+    """Start an invalidated slot over: every published table snapshotted again into the
+    same topics, the gap recorded (run once, bridge stopped)."""
+    from services.bridge.resync import resync as start_over
+
+    done = _or_exit(lambda: start_over(_settings(config)))
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(done)))
+    else:
+        click.echo(
+            f"slot {done.slot}: the changes after {done.after_lsn} are lost ({done.reason}); "
+            f"recorded, and {len(done.tables)} tables will be snapshotted again "
+            "into the same topics: start the bridge"
+        )
+
+
+def _or_exit(command: Callable[[], T]) -> T:
+    """What ``command`` returns, or its refusal as one line and exit 1."""
+    from services.common.errors import SlotbridgeError
+
+    try:
+        return command()
+    except SlotbridgeError as exc:
+        click.echo(f"slotbridge: {exc}", err=True)
+        sys.exit(1)
 
 
 def _print_table(report: dict[str, Any]) -> None:

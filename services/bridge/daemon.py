@@ -316,6 +316,8 @@ class Bridge:
         sink.start()  # fences a killed predecessor; must precede reading progress
         sink.ensure_topics({s.progress_topic: True})
         kafka_progress = read_kafka_progress(kafka_client_config(s), s.progress_topic, s.slot_name)
+        if kafka_progress is not None:
+            sink.expect_topic_ids(kafka_progress.topic_ids)
         # Progress before PostgreSQL: it decides which server of source_dsn may be used.
         server = open_server(self._dsn, kafka_progress, s.slot_name)
         ending.callback(server.close)
@@ -668,7 +670,9 @@ class Bridge:
         never published anything, the initial snapshot of every published table."""
         s = self.settings
         if kafka_progress is not None:
-            return SnapshotBook(kafka_progress.snapshots, held=s.snapshot_workers)
+            return SnapshotBook(
+                kafka_progress.snapshots, held=s.snapshot_workers, ended=kafka_progress.ended
+            )
         book = SnapshotBook(held=s.snapshot_workers)
         if s.snapshot_mode != "never" and mark == 0:
             for table in published_tables(sql, s.publication_name):

@@ -1,6 +1,6 @@
 """Where a session resumes: the high-water mark, and whether this server may continue it.
 
-The rule (the README's first section): ``high_water = max(origin progress, last committed
+The rule (ARCHITECTURE.md, "Exactly once"): ``high_water = max(origin progress, last committed
 Kafka progress record)``; every transaction ending at or below it was published already
 and is skipped. The origin is WAL-logged, so a promoted standby carries it; the Kafka
 record closes the window between a Kafka commit and the origin update.

@@ -23,7 +23,7 @@ from services.bridge.snapshot import SIGNAL
 from services.bridge.source import published_tables
 from services.common.lsn import parse_lsn
 from services.common.pg import SourceRefused, connect, with_password
-from services.contract.records import TableSnapshot
+from services.contract.records import EndedSnapshot, ProgressRecord, TableSnapshot
 
 
 def _dsn(settings: BridgeSettings) -> str:
@@ -109,11 +109,12 @@ def wait_for(
     timeout_s: float,
     report: Callable[[TableSnapshot | None], None],
     poll_s: float = 2.0,
-) -> bool:
-    """Until Kafka holds the request's last chunk (True) or ``timeout_s`` passed (False;
-    0 waits for ever). The request was acted on once the published position passed
-    ``lsn``; it is finished once its entry left the progress record. ``report`` gets the
-    entry on every poll (None until the bridge reached the request)."""
+) -> ProgressRecord | None:
+    """Until Kafka holds the request's last chunk: the published progress that says so,
+    whose ``ended`` has what the request published (``ended_entry``); None once
+    ``timeout_s`` passed (0 waits for ever). The request was acted on once the published
+    position passed ``lsn``; it ended once its entry left ``snapshots``. ``report`` gets
+    the entry on every poll (None until the bridge reached the request)."""
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
     while True:
         progress = read_kafka_progress(
@@ -126,8 +127,14 @@ def wait_for(
             else None
         )
         if reached and entry is None:
-            return True
+            return progress
         report(entry)
         if time.monotonic() >= deadline:
-            return False
+            return None
         time.sleep(poll_s)
+
+
+def ended_entry(progress: ProgressRecord, request: str) -> EndedSnapshot | None:
+    """The request's outcome as published; None if 16 other snapshots ended since, or the
+    bridge's release predates ``ended``."""
+    return next((e for e in reversed(progress.ended) if e.id == request), None)

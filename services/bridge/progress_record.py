@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
 from services.bridge.highwater import ServerIdentity
 from services.common.errors import SlotbridgeError
-from services.contract.records import ProgressRecord, TableSnapshot
+from services.contract.records import EndedSnapshot, ProgressRecord, TableSnapshot
 
 
 class ProgressRecordError(SlotbridgeError):
@@ -29,12 +30,19 @@ def progress_key(slot: str) -> bytes:
     return json.dumps({"slot": slot}).encode()
 
 
+def gap_key(slot: str, after_lsn: int) -> bytes:
+    """A gap's own key next to the slot's progress: compaction keeps every gap."""
+    return json.dumps({"slot": slot, "gap_after_lsn": after_lsn}).encode()
+
+
 def progress_value(
     slot: str,
     end_lsn: int,
     commit_lsn: int,
     identity: ServerIdentity,
     snapshots: Sequence[TableSnapshot] = (),
+    ended: Sequence[EndedSnapshot] = (),
+    topic_ids: Mapping[str, str] | None = None,
 ) -> bytes:
     record = ProgressRecord(
         slot=slot,
@@ -44,7 +52,17 @@ def progress_value(
         timeline=identity.timeline,
         ts_ms=int(time.time() * 1000),
         snapshots=list(snapshots),
+        ended=list(ended),
+        topic_ids=dict(topic_ids or {}),
     )
+    return record.model_dump_json(by_alias=True).encode()
+
+
+def progress_again(published: ProgressRecord, **update: Any) -> bytes:
+    """A published progress record written again with ``update`` (fields by name): what a
+    one-off command changes in it (``adopt-upgrade`` the identity, ``resync`` the
+    snapshots), the rest kept."""
+    record = published.model_copy(update={**update, "ts_ms": int(time.time() * 1000)})
     return record.model_dump_json(by_alias=True).encode()
 
 

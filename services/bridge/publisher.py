@@ -78,6 +78,10 @@ class Sink(Protocol):
         """Raise if another bridge took this slot's transactional id."""
         ...
 
+    def topic_ids(self) -> dict[str, str]:
+        """Topic name -> Kafka topic id of every topic written (``sink.TopicIds``)."""
+        ...
+
 
 class OriginProgress(Protocol):
     """Where PostgreSQL records how far Kafka holds the stream (``origin.OriginStore``,
@@ -538,6 +542,8 @@ class Publisher(threading.Thread):
                 self._last_commit_lsn,
                 self._identity,
                 self._book.states(),
+                self._book.ended(),
+                self._sink.topic_ids(),
             ),
         )
         failpoint("before_kafka_commit")

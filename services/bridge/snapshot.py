@@ -32,9 +32,10 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
@@ -48,7 +49,7 @@ from services.bridge.stream import SESSION_OPTIONS
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 from services.common.pg import SourceRefused, connect
-from services.contract.records import TableSnapshot
+from services.contract.records import EndedSnapshot, TableSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ WATERMARK = "slotbridge.watermark"
 SIGNAL = "slotbridge.signal"
 _FETCH = 2_000
 _LOCK_TIMEOUT_MS = 5_000
+# Ended snapshots the progress record keeps: `slotbridge snapshot` polls every 2 s, so a
+# request's entry outlives its poll unless 16 others end meanwhile.
+ENDED_KEPT = 16
 
 _COLUMNS_SQL = """
 SELECT a.attname, a.atttypid::int, a.atttypmod,
@@ -107,6 +111,7 @@ class _Entry:
     # in the WAL, since a table's chunks are read one after another.
     in_flight: list[str] = field(default_factory=list)
     read_all: bool = False  # its last chunk is in flight
+    failed: str | None = None  # why it cannot go on; it ends where the stream says so
     estimate: int | None = None
     claimed: bool = False  # a reader works on it
     started: float = field(default_factory=time.monotonic)
@@ -130,13 +135,19 @@ class SnapshotBook:
     ``held``: how many chunks may wait for their watermark at once, over all tables; with
     the chunk a reader holds, memory stays under (``held`` + readers) chunks."""
 
-    def __init__(self, states: Collection[TableSnapshot] = (), held: int = 2) -> None:
+    def __init__(
+        self,
+        states: Collection[TableSnapshot] = (),
+        held: int = 2,
+        ended: Collection[EndedSnapshot] = (),
+    ) -> None:
         self._cond = threading.Condition(threading.RLock())
         self._entries: dict[TableName, _Entry] = {}
         self._chunks: dict[str, Chunk] = {}
         self._held = held
         self._closed = False
         self._done: dict[str, dict[str, Any]] = {}
+        self._ended = deque(ended, maxlen=ENDED_KEPT)
         self.last_progress = time.monotonic()
         for state in states:
             self._entries[(state.schema_, state.table)] = _Entry.of(state)
@@ -163,13 +174,15 @@ class SnapshotBook:
             return None
 
     def cancel(self, request: str) -> list[TableName]:
-        """Cancel the snapshots of a request id or a ``schema.table``."""
+        """End the snapshots of a request id or a ``schema.table``: cancelled, or failed
+        for one a reader gave up on (``fail``)."""
         with self._cond:
             gone = [
                 t for t, e in self._entries.items() if request in (e.state.id, f"{t[0]}.{t[1]}")
             ]
             for table in gone:
-                self._finish(table, "cancelled")
+                reason = self._entries[table].failed
+                self._finish(table, "failed" if reason else "cancelled", reason)
             return gone
 
     def covers(self, table: TableName) -> bool:
@@ -181,9 +194,14 @@ class SnapshotBook:
             return list(self._entries)
 
     def states(self) -> list[TableSnapshot]:
-        """What the progress record carries."""
+        """What the progress record carries of the snapshots under way."""
         with self._cond:
             return [e.state.model_copy() for e in self._entries.values()]
+
+    def ended(self) -> list[EndedSnapshot]:
+        """What the progress record carries of the last snapshots that ended."""
+        with self._cond:
+            return list(self._ended)
 
     # -- chunks ----------------------------------------------------------------------
 
@@ -194,7 +212,12 @@ class SnapshotBook:
             for _ in range(2):
                 if len(self._chunks) < self._held:
                     for entry in self._entries.values():
-                        if not (entry.claimed or entry.read_all or len(entry.in_flight) >= _AHEAD):
+                        if not (
+                            entry.claimed
+                            or entry.read_all
+                            or entry.failed
+                            or len(entry.in_flight) >= _AHEAD
+                        ):
                             entry.claimed = True
                             return entry.state.model_copy(update={"cursor": entry.read_from})
                 if self._closed:
@@ -271,19 +294,36 @@ class SnapshotBook:
             return chunk.last
 
     def fail(self, table: TableName, reason: str) -> None:
-        """A snapshot that cannot go on (its condition does not parse, the table is gone)."""
+        """A snapshot that cannot go on (its condition fails, the table is gone): no more
+        chunks; it ends when the publisher meets the reader's cancel in the stream, so
+        the progress record that drops it is a published one."""
         with self._cond:
-            if table in self._entries:
-                self._finish(table, f"failed: {reason}")
+            entry = self._entries.get(table)
+            if entry is not None:
+                entry.failed = reason
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
-    def _finish(self, table: TableName, outcome: str) -> None:
+    def _finish(
+        self,
+        table: TableName,
+        outcome: Literal["done", "cancelled", "failed"],
+        reason: str | None = None,
+    ) -> None:
         entry = self._entries.pop(table)
-        self._done[f"{table[0]}.{table[1]}"] = {**self._report(entry), "state": outcome}
+        self._ended.append(
+            EndedSnapshot(
+                **entry.state.model_dump(by_alias=True),
+                outcome=outcome,
+                reason=reason,
+                ended_ms=int(time.time() * 1000),
+            )
+        )
+        state = f"{outcome}: {reason}" if reason else outcome
+        self._done[f"{table[0]}.{table[1]}"] = {**self._report(entry), "state": state}
         self._cond.notify_all()
 
     # -- reporting -------------------------------------------------------------------
@@ -409,11 +449,11 @@ class ChunkReader(threading.Thread):
             log_event(
                 log, logging.ERROR, f"snapshot of {name} abandoned: {reason}", request=state.id
             )
-            self._book.fail(table, reason)
+            self._abandon(conn, table, reason)
             return
         if chunk is None:  # no longer published, or gone
             conn.rollback()
-            self._book.fail(table, "the table is no longer published")
+            self._abandon(conn, table, "the table is no longer published")
             return
         if not self._book.offer(chunk):
             conn.rollback()
@@ -428,6 +468,18 @@ class ChunkReader(threading.Thread):
         except BaseException:
             self._book.withdraw(chunk)
             raise
+
+    def _abandon(
+        self, conn: psycopg.Connection[tuple[object, ...]], table: TableName, reason: str
+    ) -> None:
+        """Ends the table's snapshot in stream order, through the cancel a user would send:
+        until a progress record drops it, a restart would resume it."""
+        self._book.fail(table, reason)
+        conn.execute(
+            "SELECT pg_logical_emit_message(true, %s, %s)",
+            (SIGNAL, json.dumps({"slot": self._slot, "cancel": f"{table[0]}.{table[1]}"})),
+        )
+        conn.commit()
 
     def _read(
         self, conn: psycopg.Connection[tuple[object, ...]], state: TableSnapshot

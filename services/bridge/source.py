@@ -289,9 +289,9 @@ def check_slot(state: SlotState, settings: BridgeSettings, ours: bool) -> None:
         raise SourceRefused(
             f"slot {slot} is invalidated ({state.invalidation_reason}): the source no longer "
             f"has the changes after {state.confirmed_flush or 'its last confirmed position'}, "
-            "so Kafka misses every change since; to start over with a full snapshot of every "
-            f"published table, drop the slot (SELECT pg_drop_replication_slot('{slot}')) and "
-            "restart the bridge with a new slot_name"
+            "so Kafka misses every change since; to snapshot every published table again "
+            "into the same topics, with the gap recorded, run `slotbridge resync` once "
+            "with the bridge stopped, then start it"
         )
 
 

@@ -26,17 +26,17 @@ import logging
 from dataclasses import dataclass
 
 from services.bridge.highwater import ServerIdentity
-from services.bridge.kafka_reader import read_kafka_progress
+from services.bridge.oneoff import fenced_slot, source_dsn
 from services.bridge.origin import OriginStore
-from services.bridge.progress_record import progress_key, progress_value
+from services.bridge.progress_record import progress_again, progress_key
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink, kafka_client_config
+from services.bridge.sink import KafkaSink
 from services.bridge.source import Conn, slot_state
 from services.bridge.stream import ReplicationConnection
 from services.common.errors import SlotbridgeError
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn
-from services.common.pg import connect, with_password
+from services.common.pg import connect
 from services.contract.records import ProgressRecord
 
 log = logging.getLogger(__name__)
@@ -66,14 +66,8 @@ def adopt_upgraded_source(settings: BridgeSettings, from_system: str) -> Adopted
     """Take the source server as the ``pg_upgrade`` of system ``from_system`` (see the
     module's docstring); ``AdoptRefused`` when a check fails, with nothing written."""
     slot = settings.slot_name
-    secret = settings.source_password
-    dsn = with_password(settings.source_dsn, secret.get_secret_value() if secret else None)
-    sink = KafkaSink(settings)
-    try:
-        sink.start()  # registers the transactional id: a bridge on the slot is fenced
-        published = read_kafka_progress(
-            kafka_client_config(settings), settings.progress_topic, slot
-        )
+    dsn = source_dsn(settings)
+    with fenced_slot(settings) as (sink, published):
         if published is None:
             raise AdoptRefused(
                 f"slot {slot} has no published progress in {settings.progress_topic}: "
@@ -83,8 +77,6 @@ def adopt_upgraded_source(settings: BridgeSettings, from_system: str) -> Adopted
         changed = published.system_identifier != server.system_identifier
         if changed:
             _adopt(settings, dsn, sink, published, server, from_system)
-    finally:
-        sink.close()
     return Adopted(
         slot,
         from_system,
@@ -121,7 +113,9 @@ def _adopt(
     sink.produce(
         settings.progress_topic,
         progress_key(slot),
-        progress_value(slot, published.end_lsn, published.commit_lsn, server, published.snapshots),
+        progress_again(
+            published, system_identifier=server.system_identifier, timeline=server.timeline
+        ),
     )
     sink.commit()
     log_event(

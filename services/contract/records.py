@@ -184,7 +184,9 @@ class TableSnapshot(StrictModel):
 
     schema_: str = Field(alias="schema")
     table: str
-    id: str = Field(description="the request: 'initial', 'added', or an on-demand request id")
+    id: str = Field(
+        description="the request: 'initial', 'added', 'resync', or an on-demand request id"
+    )
     where: str | None = Field(default=None, description="the on-demand condition, SQL")
     cursor: list[str | None] | None = Field(default=None, description="null before the first chunk")
     chunks: int = 0
@@ -192,12 +194,46 @@ class TableSnapshot(StrictModel):
     started_ms: int
 
 
+class EndedSnapshot(TableSnapshot):
+    """A table snapshot that ended, as far as it got: what its request published.
+
+    The progress record keeps the last few, so ``slotbridge snapshot`` reports what Kafka
+    holds once the request's entry has left ``snapshots``.
+    """
+
+    outcome: Literal["done", "cancelled", "failed"]
+    reason: str | None = Field(default=None, description="why it failed")
+    ended_ms: int
+
+
+class GapRecord(StrictModel):
+    """Value on the progress topic, keyed by slot and ``after_lsn``: changes Kafka does not
+    hold, as ``slotbridge resync`` recorded them when it published the tables again.
+
+    ``kind`` ``source``: the source lost the changes committed after ``after_lsn`` (an
+    invalidated or dropped slot) until the new slot's start. ``topic``: Kafka lost what the
+    topics named in ``reason`` held up to ``after_lsn`` (deleted under the bridge). Every
+    table in ``tables`` is snapshotted again (snapshot id ``resync``) in stream order, so a
+    key's last record is its current state again once that snapshot ended. A row deleted
+    during a source gap has no record saying so: a consumer may drop the keys the resync
+    snapshot did not publish again.
+    """
+
+    slot: str
+    kind: Literal["source", "topic"]
+    after_lsn: int = Field(description="end of the last source transaction Kafka holds")
+    reason: str = Field(description="why, e.g. 'slot invalidated (wal_removed)'")
+    tables: list[str] = Field(description="schema.table of every table snapshotted again")
+    ts_ms: int
+
+
 class ProgressRecord(StrictModel):
     """Value on the compacted progress topic, keyed by slot name.
 
     ``end_lsn`` is the end of the last source transaction whose records are committed in
     Kafka; with the replication origin it forms the bridge's high-water mark.
-    ``snapshots`` lists the table snapshots not finished yet, as far as they got.
+    ``snapshots`` lists the table snapshots not finished yet, as far as they got;
+    ``ended`` the last ones that ended (the bridge keeps 16), oldest first.
     """
 
     slot: str
@@ -207,6 +243,12 @@ class ProgressRecord(StrictModel):
     timeline: int
     ts_ms: int
     snapshots: list[TableSnapshot] = Field(default_factory=list)
+    ended: list[EndedSnapshot] = Field(default_factory=list)
+    topic_ids: dict[str, str] = Field(
+        default_factory=dict,
+        description="topic name -> Kafka topic id of every topic the bridge wrote: one "
+        "deleted and recreated since has another id",
+    )
 
     @field_validator("snapshots", mode="before")
     @classmethod

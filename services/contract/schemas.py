@@ -23,6 +23,7 @@ from services.contract.debezium import (
 from services.contract.records import (
     TOAST_PLACEHOLDER,
     ChangeValue,
+    GapRecord,
     MessageRecord,
     ProgressRecord,
     TableSchemaRecord,
@@ -36,6 +37,7 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "table_schema": TableSchemaRecord,
     "message": MessageRecord,
     "progress": ProgressRecord,
+    "gap": GapRecord,
     "debezium_key": DebeziumKey,
     "debezium_change_value": DebeziumChangeValue,
     "debezium_transaction": DebeziumTransactionValue,

@@ -311,7 +311,7 @@ class Stack:
 
     def upgrade(self, to_major: str) -> None:
         """The primary upgraded to ``to_major`` with ``pg_upgrade``, the standby rebuilt from
-        it: the procedure of the README's upgrade section, on this stack.
+        it: the procedure of docs/operations.md ("Upgrading PostgreSQL"), on this stack.
 
         The caller stops writes and lets every logical slot catch up first (pg_upgrade
         refuses a slot with changes it has not confirmed). What ``pg_upgrade`` does not carry

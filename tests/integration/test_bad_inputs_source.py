@@ -15,7 +15,7 @@ Items covered, by their number in issue #12:
     a configured table;
 14. a least-privilege REPLICATION role: a missing GRANT on a replication origin function
     or a publication it may not create is one line naming the GRANT or who creates it;
-    with the README's GRANTs the bridge streams.
+    with the GRANTs of docs/bridge.md the bridge streams.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def test_least_privilege_role_needs_origin_grants(
     assert code == 2
     assert f"GRANT EXECUTE ON FUNCTION pg_replication_origin_create(text) TO {least_role}" in line
     assert _slot(stack, pipe.name) is None
-    # With the README's GRANTs it streams.
+    # With the GRANTs of docs/bridge.md it streams.
     for function in ORIGIN_FUNCTIONS:
         sql(stack.primary_dsn, f"GRANT EXECUTE ON FUNCTION {function} TO {least_role}")
     sql(stack.primary_dsn, f"INSERT INTO {SCHEMA}.t VALUES (1, 'a')")

@@ -364,6 +364,47 @@ def test_on_demand_snapshot_while_writing_and_health_while_snapshotting(
         pipe.cleanup()
 
 
+def test_on_demand_snapshot_reports_what_kafka_holds(stack: Stack, tmp_path: Path) -> None:
+    """``slotbridge snapshot --where`` ends with the count the published progress gives
+    (it printed "0 rows in 0 chunks" once the request left the progress record); a
+    condition failing on some row ends the request with its reason and exit 1."""
+    sql(
+        stack.primary_dsn,
+        """
+        DROP SCHEMA IF EXISTS reported CASCADE; CREATE SCHEMA reported;
+        CREATE TABLE reported.orders (id int PRIMARY KEY, v int NOT NULL);
+        INSERT INTO reported.orders SELECT g, 0 FROM generate_series(1, 1500) g;""",
+    )
+    pipe = Pipeline(stack, ["reported.orders"], tmp_path)
+    pipe.extra.update(
+        {"SLOTBRIDGE_SNAPSHOT_MODE": "never", "SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS": "400"}
+    )
+    try:
+        pipe.start()
+        pipe.wait_for_log("streaming", 60)
+        code, out = run_cli("snapshot", "reported.orders", "--where", "id <= 1000", env=pipe.env())
+        assert code == 0 and "\npublished: 1,000 rows in 3 chunks\n" in out, out
+        # EXPLAIN accepts it; reading meets id 700 (a seq scan: before any row is published).
+        code, out = run_cli(
+            "snapshot",
+            "reported.orders",
+            "--where",
+            "1 / (id - 700) <> 0",
+            "--json",
+            env=pipe.env(),
+        )
+        report = json.loads(out.splitlines()[-1])
+        assert code == 1 and (report["outcome"], report["rows"]) == ("failed", 0), out
+        assert "division by zero" in report["reason"], report
+        pipe.wait_caught_up()
+        assert pipe.stop() == 0
+        published = Counter(r.key["id"] for r in pipe.changes("reported.orders"))
+        assert published == Counter(range(1, 1001))
+        pipe.audit()
+    finally:
+        pipe.cleanup()
+
+
 def test_snapshot_of_unreadable_table_names_it(stack: Stack, tmp_path: Path) -> None:
     """A least-privilege role (REPLICATION + origin functions, no superuser)."""
     dsn = stack.primary_dsn

@@ -24,7 +24,7 @@ from tests.integration.bridge_harness import Pipeline, one_line_error, sql
 
 SCHEMA = "takeover"
 # Far below the stack's wal_sender_timeout (60 s), even on a slow, busy machine; the
-# measured figure is printed (and in the README).
+# measured figure is printed (and in docs/operations.md).
 TAKEOVER_LIMIT_S = 30.0
 
 

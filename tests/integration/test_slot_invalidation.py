@@ -1,5 +1,5 @@
-"""A slot that the source invalidates (``max_slot_wal_keep_size``) is seen coming and named
-when it happens.
+"""A slot that the source invalidates (``max_slot_wal_keep_size``) is seen coming, named
+when it happens, and started over by ``slotbridge resync``.
 
 On its own stack: the test changes the primary's ``max_slot_wal_keep_size``, which would
 invalidate other tests' idle slots too.
@@ -7,16 +7,19 @@ invalidate other tests' idle slots too.
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.bridge.kafka_reader import read_topic
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, one_line_error, sql, wait_for
+from tests.integration.bridge_harness import Pipeline, one_line_error, run_cli, sql, wait_for
 
 
 def _metric(port: int, name: str) -> dict[str, float]:
@@ -81,6 +84,38 @@ def test_slot_reserve_is_exported_and_an_invalidated_slot_is_named(
         assert code != 0
         line = one_line_error(output)
         assert f"slot {pipe.name} is invalidated (wal_removed)" in line, line
-        assert "Kafka misses every change since" in line and "new slot_name" in line, line
+        assert "Kafka misses every change since" in line and "slotbridge resync" in line, line
+
+        # Resync: every published table again, into the same topics, while writes go on.
+        code, out = run_cli("resync", env=pipe.env())
+        assert code == 0 and "start the bridge" in out, out
+        pipe.start(
+            SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS="2000", SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.3"
+        )
+        # The first run streamed too; the refused one did not.
+        wait_for(lambda: pipe.output().count("INFO    streaming") == 2, 60, "the new slot")
+        sql(dsn, "UPDATE filler SET pad = 'updated' WHERE id % 7 = 0")
+        sql(dsn, "DELETE FROM filler WHERE id % 11 = 0")
+        sql(dsn, "INSERT INTO filler (pad) SELECT 'after' FROM generate_series(1, 500)")
+        pipe.wait_caught_up()
+        assert pipe.stop() == 0
+        # A consumer converges on the table: for every key its last record is the row.
+        last: dict[int, Any] = {}
+        for record in pipe.changes("public.filler"):
+            last[record.key["id"]] = record.value
+        rows = {k: v["after"]["pad"] for k, v in last.items() if v["op"] != "d"}
+        assert rows == dict(sql(dsn, "SELECT id, pad FROM filler"))
+        assert {r.value["op"] for r in pipe.changes("public.filler")} >= {"r", "u", "d", "c"}
+        gaps = [
+            json.loads(value)
+            for key, value in read_topic(
+                {"bootstrap.servers": pipe.kafka.bootstrap}, pipe.progress_topic
+            )
+            if key is not None and b"gap_after_lsn" in key and value is not None
+        ]
+        assert [(g["slot"], g["tables"], g["reason"]) for g in gaps] == [
+            (pipe.name, ["public.filler"], "slot invalidated (wal_removed)")
+        ]
+        pipe.audit()
     finally:
         pipe.kill()

@@ -1,11 +1,12 @@
 """The source upgraded from PostgreSQL 17 to 18 with ``pg_upgrade`` under a bridge.
 
-The README's procedure, on real servers: writes stopped, the bridge caught up and stopped
-cleanly, the primary upgraded with PostgreSQL's own pg_upgrade (which moves the caught-up
-failover slot), the standby rebuilt from it. The bridge then refuses the new cluster (a new
-system identifier) in one line naming the command to run; after ``slotbridge
-adopt-upgrade`` it resumes. Kafka must hold every change once (broker-log audit), and the
-failover slot must be synced to the rebuilt 18 standby.
+The procedure of docs/operations.md ("Upgrading PostgreSQL"), on real servers: writes
+stopped, the bridge caught up and stopped cleanly, the primary upgraded with PostgreSQL's
+own pg_upgrade (which moves the caught-up failover slot), the standby rebuilt from it. The
+bridge then refuses the new cluster (a new system identifier) in one line naming the
+command to run; after ``slotbridge adopt-upgrade`` it resumes. Kafka must hold every
+change once (broker-log audit), and the failover slot must be synced to the rebuilt 18
+standby.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ class MemorySink:
         self.begin()
         self._open = None
 
+    def topic_ids(self) -> dict[str, str]:
+        return {}
+
     def records(self, *topics: str) -> list[Record]:
         """Every committed record (of ``topics``, when given), in log order."""
         return [r for txn in self.transactions for r in txn if not topics or r[0] in topics]

@@ -31,6 +31,7 @@ from services.contract.records import (
     OPS,
     VERSION,
     ChangeValue,
+    EndedSnapshot,
     MessageRecord,
     ProgressRecord,
     TableSchemaRecord,
@@ -240,30 +241,50 @@ def test_synthetic_records_hold_to_the_contract() -> None:
 
 
 @pytest.mark.parametrize(
-    "snapshots",
+    ("snapshots", "ended"),
     [
-        (),
+        ((), ()),
         (
-            TableSnapshot(schema="public", table="t", id="initial", started_ms=1),
-            TableSnapshot(
-                schema="public",
-                table="u",
-                id="r-1",
-                where="id > 3",
-                cursor=["7", None],
-                chunks=2,
-                rows=2048,
-                started_ms=2,
+            (
+                TableSnapshot(schema="public", table="t", id="initial", started_ms=1),
+                TableSnapshot(
+                    schema="public",
+                    table="u",
+                    id="r-1",
+                    where="id > 3",
+                    cursor=["7", None],
+                    chunks=2,
+                    rows=2048,
+                    started_ms=2,
+                ),
+            ),
+            (),
+        ),
+        (
+            (),
+            (
+                EndedSnapshot(
+                    schema="public",
+                    table="t",
+                    id="r-2",
+                    chunks=1,
+                    rows=1000,
+                    started_ms=3,
+                    outcome="done",
+                    ended_ms=4,
+                ),
             ),
         ),
     ],
 )
-def test_progress_record_holds_to_the_contract(snapshots: tuple[TableSnapshot, ...]) -> None:
-    value = progress_value("slot_a", 300, 280, ServerIdentity("7301", 2), snapshots)
+def test_progress_record_holds_to_the_contract(
+    snapshots: tuple[TableSnapshot, ...], ended: tuple[EndedSnapshot, ...]
+) -> None:
+    value = progress_value("slot_a", 300, 280, ServerIdentity("7301", 2), snapshots, ended)
     _validator(ProgressRecord).validate(json.loads(value))
     record = parse_progress(value, "p")
     assert (record.end_lsn, record.commit_lsn, record.timeline) == (300, 280, 2)
-    assert record.snapshots == list(snapshots)
+    assert record.snapshots == list(snapshots) and record.ended == list(ended)
 
 
 def test_records_name_the_release_that_wrote_them() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from services.bridge import messages as m
 from services.bridge.chunks import XidSnapshot
-from services.bridge.snapshot import Chunk, SnapshotBook
+from services.bridge.snapshot import ENDED_KEPT, Chunk, SnapshotBook
 
 T = ("s", "t")
 _RELATION = m.Relation(None, 1, "s", "t", "d", (m.Column("id", 23, -1, True),))
@@ -57,6 +57,26 @@ def test_next_chunk_is_read_while_the_previous_waits_for_its_watermark() -> None
     assert book.take(three.token) is three
     assert book.advance(three, 5) is True
     assert not book.covers(T)
+    # What `slotbridge snapshot` reports once the entry left the list: the published count.
+    (ended,) = book.ended()
+    assert (ended.id, ended.outcome, ended.rows, ended.chunks) == ("initial", "done", 25, 3)
+
+
+def test_ended_snapshots_are_kept_with_their_outcome_up_to_a_bound() -> None:
+    book = _book()
+    book.fail(T, "the table is no longer published")
+    assert book.claim(0) is None  # no more chunks of it
+    assert book.ended() == []  # until the reader's cancel comes through the stream
+    assert book.cancel("s.t") == [T]
+    assert book.add(T, "r-1", "id < 3") is None
+    assert book.cancel("r-1") == [T]
+    failed, cancelled = book.ended()
+    assert (failed.outcome, failed.reason) == ("failed", "the table is no longer published")
+    assert (cancelled.id, cancelled.where, cancelled.outcome) == ("r-1", "id < 3", "cancelled")
+    resumed = SnapshotBook(ended=book.ended() * ENDED_KEPT)  # a restart carries them on
+    resumed.add(T, "r-2")
+    resumed.cancel("r-2")
+    assert len(resumed.ended()) == ENDED_KEPT and resumed.ended()[-1].id == "r-2"
 
 
 def test_a_chunk_read_again_takes_the_later_ones_with_it() -> None:
