@@ -229,6 +229,27 @@ def _figures(what: str, delays: list[float], rows: int, rate: float) -> dict[str
     }
 
 
+def start_daemon(
+    env: dict[str, str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], Callable[[], None]]:
+    """This checkout's daemon with ``env``, its output in ``log_path``; and a check that
+    raises if it has exited."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {proc.returncode}; see {log_path}")
+
+    return proc, alive
+
+
 def run_mode(
     mode: str, args: argparse.Namespace, dsn: str, bootstrap: str, work: Path
 ) -> dict[str, Any]:
@@ -241,19 +262,7 @@ def run_mode(
         **MODES[mode],
     }
     try:
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "run"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-
-        def alive() -> None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {proc.returncode}; see {log_path}")
-
+        proc, alive = start_daemon(env, log_path)
         try:
             # The daemon creates the topic for the warm-up row once it streams.
             wait_streaming(log_path, "streaming", alive)
@@ -285,19 +294,7 @@ def run_oltp(args: argparse.Namespace, dsn: str, bootstrap: str, work: Path) -> 
     env = daemon_env(dsn, bootstrap, tag, tag, tables, prefix, work / "spool")
     topic = f"{prefix}.{schema}.pgbench_history"
     try:
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "run"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-
-        def alive() -> None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {proc.returncode}; see {log_path}")
-
+        proc, alive = start_daemon(env, log_path)
         try:
             wait_streaming(log_path, "streaming", alive)
             return {"mode": "oltp", **_oltp_delays(args, dsn, bootstrap, schema, topic, alive)}
