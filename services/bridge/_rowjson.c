@@ -310,12 +310,41 @@ static int put_uint(Buf *b, unsigned long long v) {
     return buf_put(b, digits + sizeof(digits) - n, n);
 }
 
-/* *value: the row's JSON between pieces[0] and pieces[1], then numbers[i] followed by
-   pieces[i + 2]; *key: the key object, or None when the table has no key. cols holds ncols
-   columns; with key_only the row is the key columns alone (a delete's old key, which is
-   how the Python path writes it). 0, or -1 with an exception set. */
-static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned long long *numbers,
-                Py_ssize_t nnumbers, int key_only, PyObject **value, PyObject **key) {
+/* The row's JSON object appended to b: every column of cols, or with key_only its key
+   columns alone; where each column's value starts and ends goes to spans (may be NULL). */
+static int write_row(RowPlan *self, Buf *b, const Col *cols, int key_only,
+                     Py_ssize_t (*spans)[2]) {
+    if (buf_byte(b, '{') < 0)
+        return -1;
+    Py_ssize_t nwritten = key_only ? self->nkeys : self->ncols;
+    for (Py_ssize_t j = 0; j < nwritten; j++) {
+        Py_ssize_t i = key_only ? self->key_idx[j] : j;
+        if ((j > 0 && buf_byte(b, ',') < 0) || buf_put(b, self->names[i], self->name_lens[i]) < 0)
+            return -1;
+        if (spans != NULL)
+            spans[i][0] = b->len;
+        if (put_value(self, b, i, &cols[i]) < 0)
+            return -1;
+        if (spans != NULL)
+            spans[i][1] = b->len;
+    }
+    return buf_byte(b, '}');
+}
+
+/* pieces[j] appended to b. */
+static int put_piece(Buf *b, PyObject *pieces, Py_ssize_t j) {
+    PyObject *piece = PyTuple_GET_ITEM(pieces, j);
+    return buf_put(b, PyBytes_AS_STRING(piece), PyBytes_GET_SIZE(piece));
+}
+
+/* *value: pieces[0], the before row (when there is one) and pieces[1], the row, then the
+   next piece, then numbers[i] each followed by the next piece; *key: the key object of the
+   row, or None when the table has no key. cols (and before) hold ncols columns; with
+   key_only the row is the key columns alone (a delete's old key, which is how the Python
+   path writes it). 0, or -1 with an exception set. */
+static int emit(RowPlan *self, const Col *before, const Col *cols, PyObject *pieces,
+                const unsigned long long *numbers, Py_ssize_t nnumbers, int key_only,
+                PyObject **value, PyObject **key) {
     Buf b = {.len = 0, .cap = sizeof(b.small)};
     b.data = b.small;
     /* Where each column's value starts and ends in b, for the key. */
@@ -329,27 +358,16 @@ static int emit(RowPlan *self, const Col *cols, PyObject *pieces, const unsigned
             goto done;
         }
     }
-#define PIECE(j)                                                                                   \
-    buf_put(&b, PyBytes_AS_STRING(PyTuple_GET_ITEM(pieces, j)),                                    \
-            PyBytes_GET_SIZE(PyTuple_GET_ITEM(pieces, j)))
-    if (PIECE(0) < 0 || buf_byte(&b, '{') < 0)
+    Py_ssize_t at = 0; /* the next piece */
+    if (put_piece(&b, pieces, at++) < 0)
         goto done;
-    Py_ssize_t nwritten = key_only ? self->nkeys : self->ncols;
-    for (Py_ssize_t j = 0; j < nwritten; j++) {
-        Py_ssize_t i = key_only ? self->key_idx[j] : j;
-        if ((j > 0 && buf_byte(&b, ',') < 0) || buf_put(&b, self->names[i], self->name_lens[i]) < 0)
-            goto done;
-        spans[i][0] = b.len;
-        if (put_value(self, &b, i, &cols[i]) < 0)
-            goto done;
-        spans[i][1] = b.len;
-    }
-    if (buf_byte(&b, '}') < 0 || PIECE(1) < 0)
+    if (before != NULL && (write_row(self, &b, before, 0, NULL) < 0 || put_piece(&b, pieces, at++) < 0))
+        goto done;
+    if (write_row(self, &b, cols, key_only, spans) < 0 || put_piece(&b, pieces, at++) < 0)
         goto done;
     for (Py_ssize_t j = 0; j < nnumbers; j++)
-        if (put_uint(&b, numbers[j]) < 0 || PIECE(j + 2) < 0)
+        if (put_uint(&b, numbers[j]) < 0 || put_piece(&b, pieces, at++) < 0)
             goto done;
-#undef PIECE
     Py_ssize_t value_len = b.len;
     if (self->nkeys > 0) {
         /* The key object goes after the value in the same buffer. */
@@ -490,7 +508,7 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         goto done;
     }
     PyObject *value, *key;
-    if (emit(self, cols, args[1], numbers, nnumbers, 0, &value, &key) == 0) {
+    if (emit(self, NULL, cols, args[1], numbers, nnumbers, 0, &value, &key) == 0) {
         result = PyTuple_Pack(2, value, key);
         Py_DECREF(value);
         Py_DECREF(key);
@@ -502,57 +520,91 @@ done:
     return result;
 }
 
-/* The record of the pgoutput TupleData at pos in buf[0:len], which must run to the end, read
-   in place (no str per column), into *value and *key: 1; 0 when it holds anything but text
-   and NULL values, another column count, or text that is not UTF-8 (the caller decodes the
-   message, which says what is wrong); -1 with an exception set. */
-static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, Py_ssize_t pos,
-                       PyObject *pieces, const unsigned long long *numbers, Py_ssize_t nnumbers,
-                       int key_only, PyObject **value, PyObject **key) {
-    TupleData td = {.buf = buf, .len = len, .pos = pos};
-    if (tupledata_count(&td) != self->ncols)
+/* One TupleData of td read in place into cols (ncols columns, each set): 1; 0 when it holds
+   anything but text, NULL and (with placeholders) unchanged TOAST values, another column
+   count, or text that is not UTF-8. *read counts the columns whose text (if any) the
+   caller now owns, also when it returns 0. */
+static int read_tuple(RowPlan *self, TupleData *td, Col *cols, Py_ssize_t *read) {
+    *read = 0;
+    if (tupledata_count(td) != self->ncols)
         return 0;
-    int rc = 0;
-    Col small[64];
-    Col *cols = cols_for(self, small, 64);
-    if (cols == NULL)
-        return -1;
-    Py_ssize_t read = 0; /* columns read, whose text (if any) this call owns */
-    for (; read < self->ncols; read++) {
-        Col *col = &cols[read];
+    for (; *read < self->ncols; (*read)++) {
+        Col *col = &cols[*read];
         col->s = NULL;
         col->text = NULL;
         col->raw = 0;
-        int kind = tupledata_next(&td, &col->s, &col->n);
+        int kind = tupledata_next(td, &col->s, &col->n);
         if (kind == 'n')
             continue;
         if (kind == 'u' && self->placeholders != NULL) {
-            PyObject *placeholder = PyTuple_GET_ITEM(self->placeholders, read);
+            PyObject *placeholder = PyTuple_GET_ITEM(self->placeholders, *read);
             col->s = PyBytes_AS_STRING(placeholder);
             col->n = PyBytes_GET_SIZE(placeholder);
             col->raw = 1;
             continue;
         }
         if (kind != 't')
-            goto done;
+            return 0;
         for (Py_ssize_t k = 0; k < col->n; k++)
             if (col->s[k] & 0x80) {
                 /* Not ASCII: decoding proves it is UTF-8, and the str's UTF-8 is these bytes. */
                 col->text = PyUnicode_DecodeUTF8(col->s, col->n, NULL);
                 if (col->text == NULL) {
                     PyErr_Clear();
-                    goto done;
+                    return 0;
                 }
                 break;
             }
     }
-    if (td.pos == td.len && !has_json_null(self, cols))
-        rc = emit(self, cols, pieces, numbers, nnumbers, key_only, value, key) < 0 ? -1 : 1;
+    return 1;
+}
+
+/* The record of the pgoutput TupleData at pos in buf[0:len], which must run to the end, read
+   in place (no str per column), into *value and *key: 1; 0 when read_tuple does not take a
+   row (the caller decodes the message, which says what is wrong); -1 with an exception set.
+   With two_rows, pos holds an old row, then 'N' and the new one (an update under REPLICA
+   IDENTITY FULL): the record's before row is the old one, and an unchanged TOAST value of
+   the new row is the old row's value, as the Python path takes it. */
+static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, Py_ssize_t pos,
+                       PyObject *pieces, const unsigned long long *numbers, Py_ssize_t nnumbers,
+                       int key_only, int two_rows, PyObject **value, PyObject **key) {
+    TupleData td = {.buf = buf, .len = len, .pos = pos};
+    int rc = 0;
+    Col small[2][64];
+    Col *old = NULL, *cols = cols_for(self, small[0], 64);
+    Py_ssize_t old_read = 0, read = 0;
+    if (cols == NULL)
+        return -1;
+    if (two_rows) {
+        old = cols_for(self, small[1], 64);
+        if (old == NULL) {
+            rc = -1;
+            goto done;
+        }
+        if (read_tuple(self, &td, old, &old_read) != 1 || td.pos >= td.len || buf[td.pos] != 'N')
+            goto done;
+        td.pos++;
+    }
+    if (read_tuple(self, &td, cols, &read) != 1 || td.pos != td.len)
+        goto done;
+    if (two_rows)
+        for (Py_ssize_t i = 0; i < self->ncols; i++)
+            if (cols[i].raw && old[i].s != NULL && !old[i].raw) {
+                cols[i] = old[i];
+                Py_XINCREF(cols[i].text);
+            }
+    if ((old != NULL && has_json_null(self, old)) || has_json_null(self, cols))
+        goto done;
+    rc = emit(self, old, cols, pieces, numbers, nnumbers, key_only, value, key) < 0 ? -1 : 1;
 done:
     for (Py_ssize_t i = 0; i < read; i++)
         Py_XDECREF(cols[i].text);
-    if (cols != small)
+    for (Py_ssize_t i = 0; i < old_read; i++)
+        Py_XDECREF(old[i].text);
+    if (cols != small[0])
         PyMem_Free(cols);
+    if (old != NULL && old != small[1])
+        PyMem_Free(old);
     return rc;
 }
 
@@ -562,19 +614,23 @@ done:
    an update with an old tuple, a delete without a key): the decoder's path takes it. */
 static PyObject *change_frame(RowPlan *self, PyObject *payload, Py_ssize_t at,
                               const unsigned char relid[4], PyObject *kinds, int *key_only,
-                              int *tombstone) {
+                              int *tombstone, int *two_rows) {
     if (!PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) < at + 5)
         return NULL;
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload);
     if (memcmp(p + at, relid, 4) != 0)
         return NULL;
-    *key_only = *tombstone = 0;
+    *key_only = *tombstone = *two_rows = 0;
     switch (p[0]) {
     case 'I':
         return p[at + 4] == 'N' ? PyTuple_GET_ITEM(kinds, 0) : NULL;
     case 'U':
-        /* With an old key or tuple, the record needs both rows (and may be a key change). */
-        return p[at + 4] == 'N' ? PyTuple_GET_ITEM(kinds, 1) : NULL;
+        if (p[at + 4] == 'N')
+            return PyTuple_GET_ITEM(kinds, 1);
+        /* The whole old row (REPLICA IDENTITY FULL) is the before row; an old key means
+           the key changed, which makes three records: the decoder's path. */
+        *two_rows = 1;
+        return p[at + 4] == 'O' ? PyTuple_GET_ITEM(kinds, 3) : NULL;
     case 'D':
         if (self->nkeys == 0 || (p[at + 4] != 'K' && p[at + 4] != 'O'))
             return NULL;
@@ -605,24 +661,25 @@ static int append_record(PyObject *records, PyObject *topic, PyObject *key, PyOb
     return rc;
 }
 
-/* records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, trailing)
-   -> (records, total, order, leftover): the change records of a run of row changes to one relation,
-   as the builder's loop would make them one by one (numbers lsn, lsn, total + 1, order + 1, then
-   trailing; a delete's record followed by its tombstone), without a Python frame per row. kinds
-   holds the pieces of an insert's, an update's and a delete's record (6 + len(trailing) each). The
-   run starts with (lsn, payload), a change whose relation oid starts at payload[at], and goes on
-   with the items the iterator gives while they are changes to the same relation this reads in place
+/* records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit,
+   trailing) -> (records, total, order, leftover): the change records of a run of row changes to
+   one relation, as the builder's loop would make them one by one (numbers lsn, lsn, total + 1,
+   order + 1, then trailing; a delete's record followed by its tombstone), without a Python frame
+   per row. kinds holds the pieces of an insert's, an update's and a delete's record (6 +
+   len(trailing) each), and of an update's with its old row (one more, between the rows). The run
+   starts with (lsn, payload), a change whose relation oid starts at payload[at], and goes on with
+   the items the iterator gives while they are changes to the same relation this reads in place
    (see change_frame), up to limit records. leftover is the item taken from the iterator that the
-   run stopped at, which the caller handles itself (another message, a row only the decoder reads, a
-   record over max_bytes), or None; with no records, the caller's own (lsn, payload) is what it
+   run stopped at, which the caller handles itself (another message, a row only the decoder reads,
+   a record over max_bytes), or None; with no records, the caller's own (lsn, payload) is what it
    handles. */
 static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
     static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, kinds: "
-                                "tuple of three tuples of 6 + len(trailing) pieces, total: int, "
+                                "tuple of four tuples of 6 + len(trailing) pieces (7 + for the fourth), total: int, "
                                 "order: int, topic: str, headers, max_bytes: int, limit: int, "
                                 "trailing: tuple of ints)";
     if (nargs != 12 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
-        !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 3 || !PyTuple_Check(args[11]) ||
+        !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 4 || !PyTuple_Check(args[11]) ||
         PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 4) {
         PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
@@ -650,13 +707,15 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_ValueError, "records: at must be 1 or more");
         return NULL;
     }
-    for (Py_ssize_t k = 0; k < 3; k++) {
+    for (Py_ssize_t k = 0; k < 4; k++) {
+        /* An update with its old row has that row and a piece more. */
+        Py_ssize_t npieces = nnumbers + (k == 3 ? 3 : 2);
         PyObject *pieces = PyTuple_GET_ITEM(kinds, k);
-        if (!PyTuple_Check(pieces) || PyTuple_GET_SIZE(pieces) != nnumbers + 2) {
+        if (!PyTuple_Check(pieces) || PyTuple_GET_SIZE(pieces) != npieces) {
             PyErr_SetString(PyExc_TypeError, usage);
             return NULL;
         }
-        for (Py_ssize_t j = 0; j < nnumbers + 2; j++)
+        for (Py_ssize_t j = 0; j < npieces; j++)
             if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
                 PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
                 return NULL;
@@ -670,8 +729,9 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
     if (records == NULL)
         return NULL;
     PyObject *item = NULL; /* the item payload came from, once it came from the iterator */
-    int key_only, tombstone;
-    PyObject *pieces = change_frame(self, payload, at, relid, kinds, &key_only, &tombstone);
+    int key_only, tombstone, two_rows;
+    PyObject *pieces =
+        change_frame(self, payload, at, relid, kinds, &key_only, &tombstone, &two_rows);
     while (pieces != NULL) {
         numbers[0] = numbers[1] = lsn;
         numbers[2] = total + 1;
@@ -679,7 +739,7 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
         PyObject *value, *key;
         int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
                                 PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
-                                key_only, &value, &key);
+                                key_only, two_rows, &value, &key);
         if (built < 0)
             goto error;
         if (built == 0 || PyBytes_GET_SIZE(value) > max_bytes) {
@@ -710,7 +770,8 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
         payload = spooled(item, &lsn);
         pieces = payload == NULL
                      ? NULL
-                     : change_frame(self, payload, at, relid, kinds, &key_only, &tombstone);
+                     : change_frame(self, payload, at, relid, kinds, &key_only, &tombstone,
+                                    &two_rows);
     }
     /* item, if any, is the leftover: taken from the iterator but not built. */
     return Py_BuildValue("(NKKN)", records, total, order, item != NULL ? item : Py_NewRef(Py_None));

@@ -24,7 +24,7 @@ class RowPlan:
         lsn: int,
         payload: bytes,
         at: int,
-        kinds: tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]],
+        kinds: tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]],
         total: int,
         order: int,
         topic: str,

@@ -375,7 +375,8 @@ class DebeziumEventBuilder(EventBuilder):
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
         """What the compiled plan puts around the row, the lsn twice, the orders and the
         three processing times (``_run_numbers``) of an insert, of an update without an old
-        tuple and of a delete: ``_envelope``'s bytes, cut at those numbers."""
+        tuple, of a delete and of an update with its old row: ``_envelope``'s bytes, cut at
+        those numbers (and between the two rows)."""
         head, middle = self._templates(txn, info)
         value_head: bytes = info.encoded.value_head
         transaction = _TXN_HEAD % txn.txid
@@ -393,10 +394,13 @@ class DebeziumEventBuilder(EventBuilder):
                 b"}}",
             )
 
+        updated = framed(b"", b"", b"u")
         pieces = txn.row_pieces[info.oid] = (
             framed(b'null,"after":', b"", b"c"),
             framed(b'null,"after":', b"", b"u"),
             framed(b"", b',"after":null', b"d"),
+            # With its old row: the before row, then this piece, then the after row.
+            (updated[0], b',"after":', *updated[1:]),
         )
         return pieces
 

@@ -350,7 +350,7 @@ _CATALOG_TYPES = frozenset(b"RY")
 _RELATION = ord("R")
 _MESSAGE = ord("M")
 _UPDATE = ord("U")
-_NEW_TUPLE = ord("N")
+_OLD_KEY = ord("K")
 # The tag of the assembler's stand-in for a row change too large to publish (see
 # ``oversized_stand_in``). No pgoutput type: the server never sends it.
 _OVERSIZED = ord("!")
@@ -387,15 +387,15 @@ def message_name(payload: bytes) -> str:
     return _NAMES.get(kind, repr(kind))
 
 
-def one_row_change_relation(payload: bytes, streamed: bool) -> int | None:
-    """The relation of a row change whose record needs one row of it (an Insert, a Delete,
-    an Update that sends no old row), which a compiled plan may read in place; None for any
-    other message (an Update with an old key or row: its record compares the two)."""
+def in_place_change_relation(payload: bytes, streamed: bool) -> int | None:
+    """The relation of a row change whose record a compiled plan may read in place (an
+    Insert, a Delete, an Update sending no old row or the whole old one); None for any
+    other message, and for an Update with an old key (the key changed: three records)."""
     kind = payload[0]
     if kind not in _ROW_CHANGE_TYPES:
         return None
     at = change_relid_at(streamed)
-    if kind == _UPDATE and payload[at + 4] != _NEW_TUPLE:
+    if kind == _UPDATE and payload[at + 4] == _OLD_KEY:
         return None
     oid: int = _u32(payload, at)[0]
     return oid

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from services.bridge import messages as m
-from services.bridge.decoder import change_relid_at, one_row_change_relation
+from services.bridge.decoder import change_relid_at, in_place_change_relation
 from services.bridge.values import (
     JSON_NULL,
     TYPE_NAMES,
@@ -331,8 +331,9 @@ class Txn:
 
 
 # What RowPlan.records puts around the row of an insert's, an update's and a delete's
-# record: six pieces each (see ``_VALUE``).
-RowPieces = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]
+# record, six pieces each (see ``_VALUE``), and around the rows of an update's with its old
+# row (REPLICA IDENTITY FULL), seven.
+RowPieces = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,7 +445,7 @@ class EventBuilder:
         by_oid, row_pieces, per_table = self.catalog.by_oid, txn.row_pieces, txn.per_table
         headers, limit, trailing = self.headers, self.max_record_bytes, self._run_numbers()
         while True:
-            oid = one_row_change_relation(payload, streamed)
+            oid = in_place_change_relation(payload, streamed)
             target = by_oid.get(oid) if oid is not None else None
             if target is None or target.plan is None:
                 return lsn, undecoded.decode(payload)
@@ -703,8 +704,9 @@ class EventBuilder:
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
         """What ``RowPlan`` puts around the row, lsn and orders (``_VALUE`` cut at them) of
-        an insert, of an update without an old tuple (no ``before``) and of a delete (its
-        old row or key is the ``before``), made once per relation per transaction."""
+        an insert, of an update without an old tuple (no ``before``), of a delete (its old
+        row or key is the ``before``) and of an update with its old row (the ``before``),
+        made once per relation per transaction."""
         source, sequence = self._pieces(txn, info)
         ops = txn.op_pieces
         if ops is None:  # the same for every relation of the transaction
@@ -715,6 +717,7 @@ class EventBuilder:
             (_NO_BEFORE, source, sequence, ops[0], _ORDER, _END),
             (_NO_BEFORE, source, sequence, ops[1], _ORDER, _END),
             (_BEFORE_FIELD, _NULL_AFTER + source, sequence, ops[2], _ORDER, _END),
+            (_BEFORE_FIELD, _AFTER_FIELD, source, sequence, ops[1], _ORDER, _END),
         )
         return pieces
 

@@ -98,7 +98,8 @@ def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
     """``records`` of one Insert whose TupleData is ``data``: (value, key), or None when the
     plan leaves it to the decoder."""
     message = b"I" + struct.pack("!I", 16_401) + b"N" + data
-    records, *_ = plan.records(iter(()), 0, message, 1, (SIX,) * 3, 0, 0, "t", None, 1 << 30, 1, ())
+    kinds = (SIX, SIX, SIX, (b"",) * 7)
+    records, *_ = plan.records(iter(()), 0, message, 1, kinds, 0, 0, "t", None, 1 << 30, 1, ())
     return (records[0][2], records[0][1]) if records else None
 
 
@@ -494,12 +495,16 @@ def test_updates_and_deletes_are_read_in_place() -> None:
     # RowPlan.records itself builds them (the test above would pass on the decoder alone).
     info = info_of(relation((20, 25, 1184)))
     assert info.plan is not None
-    kinds = ((b"",) * 6, (b"U",) + (b"",) * 5, (b"D",) + (b"",) * 5)
+    kinds = ((b"",) * 6, (b"U",) + (b"",) * 5, (b"D",) + (b"",) * 5, (b"F",) + (b"",) * 6)
     relid = struct.pack("!I", 16_401)
     update = b"U" + relid + b"N" + tuple_data(["7", "x", None])
     delete = b"D" + relid + b"K" + tuple_data(["7", None, None])
+    # REPLICA IDENTITY FULL: the old row, then the new one, whose unchanged TOAST value is
+    # the old row's.
+    full = b"U" + relid + b"O" + tuple_data(["7", "o", None])
+    full += b"N" + tuple_data(["7", m.UNCHANGED_TOAST, "2024-01-02 03:04:05+00"])
     made, total, order, leftover = info.plan.records(
-        iter([(2, delete)]), 1, update, 1, kinds, 0, 0, "t", None, 1 << 30, 10, ()
+        iter([(2, delete), (3, full)]), 1, update, 1, kinds, 0, 0, "t", None, 1 << 30, 10, ()
     )
     key = b'{"c0_bigint":7}'
     # After the row: the lsn twice, total and per-table order (empty pieces between).
@@ -507,8 +512,16 @@ def test_updates_and_deletes_are_read_in_place() -> None:
         ("t", key, b'U{"c0_bigint":7,"c1_text":"x","c2_timestamp with time zone":null}1111', None),
         ("t", key, b"D" + key + b"2222", None),
         ("t", key, None, None),
+        (
+            "t",
+            key,
+            b'F{"c0_bigint":7,"c1_text":"o","c2_timestamp with time zone":null}'
+            b'{"c0_bigint":7,"c1_text":"o","c2_timestamp with time zone":"2024-01-02T03:04:05Z"}'
+            b"3333",
+            None,
+        ),
     ]
-    assert (total, order, leftover) == (2, 2, None)
+    assert (total, order, leftover) == (3, 3, None)
 
 
 @pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
