@@ -15,6 +15,8 @@ the raw records to Parquet. Shapes:
 - ``update``: the current-state and history tables first hold ``--seed-rows`` keys
   (written directly, as if consumed before, in files of a million rows), then every
   change updates a random one of them: few keys per file, where rewriting files hurts most.
+- ``insert-seeded`` (not in the default list): inserts of new, growing keys after the same
+  seeded rows, as a serial key grows: the MERGEs should not read the seeded files.
 
 Fairness:
 
@@ -75,7 +77,8 @@ from spark_consumers.timings import BatchTimings
 
 NUM = ((12 << 16) | 2) + 4
 TABLE = "public.bench"
-SHAPES = ("mix", "insert", "update")
+SHAPES = ("mix", "insert", "update", "insert-seeded")
+SEEDED = ("update", "insert-seeded")
 # Seeded rows are one transaction before every published change (those start at 1000).
 SEED_LSN = 500
 SEED_FILE_ROWS = 1_000_000
@@ -114,8 +117,8 @@ def _ops(shape: str, changes: int, seeded: int) -> Iterator[tuple[str, int]]:
     rng = random.Random(1)
     keys = max(1, changes // 10)
     for n in range(changes):
-        if shape == "insert":
-            yield "c", n
+        if shape.startswith("insert"):
+            yield "c", seeded + n
         elif shape == "update":
             yield "u", rng.randrange(seeded)
         else:
@@ -275,6 +278,7 @@ def append(
 def settings_for(args: argparse.Namespace, prefix: str, root: Path, batch: int) -> ConsumerSettings:
     return ConsumerSettings(
         deletion_vectors=args.deletion_vectors,
+        spark_conf=dict(c.split("=", 1) for c in args.conf),
         kafka_bootstrap=args.bootstrap,
         topic_prefix=prefix,
         warehouse=str(root / "wh"),
@@ -374,7 +378,7 @@ def run_shape(
     spark: SparkSession, args: argparse.Namespace, shape: str, root: Path, run_id: str
 ) -> tuple[Figures, list[str]]:
     prefix = f"{shape}{run_id}"
-    seeded = args.seed_rows if shape == "update" else 0
+    seeded = args.seed_rows if shape in SEEDED else 0
     started = time.monotonic()
     sent = publish(args.bootstrap, prefix, shape, args.changes, seeded)
     print(
@@ -407,13 +411,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES[:3]), help="comma-separated")
     parser.add_argument("--changes", type=int, default=400_000)
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
     parser.add_argument("--seed-rows", type=int, default=10_000_000, help="update shape")
     parser.add_argument("--warmup", type=int, default=20_000, help="changes of the warm-up")
     parser.add_argument(
         "--deletion-vectors", action="store_true", help="the consumer's deletion_vectors"
+    )
+    parser.add_argument(
+        "--conf", action="append", default=[], help="KEY=VALUE: a Spark setting to try"
     )
     args = parser.parse_args()
     shapes = args.shapes.split(",")
