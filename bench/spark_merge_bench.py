@@ -1,80 +1,92 @@
-"""Changes applied per second into current-state tables, next to a plain Kafka->Parquet append.
+"""Changes applied per second into the Delta tables, per phase, next to a plain append.
 
-    .venv/bin/python bench/spark_merge_bench.py --bootstrap HOST:PORT [--changes 1000000]
-                                                [--batch 200000]
+    .venv/bin/python bench/spark_merge_bench.py --bootstrap HOST:PORT
+        [--shapes mix,insert,update] [--changes 400000] [--batch 200000]
+        [--seed-rows 10000000]
 
-Publishes ``--changes`` synthetic changes (inserts, updates, deletes over a key space of a
-tenth of that; a delete also brings its Kafka tombstone) in the bridge's format, then
-times, in one Spark session and on the same Kafka records with the same records per
-trigger (``--batch``): (1) the consumer (history + current-state MERGE) and (2) an append
-of the raw records to Parquet. Prints both rates and their ratio.
+Per shape it publishes ``--changes`` synthetic changes in the bridge's format, then times,
+in one Spark session and on the same Kafka records with the same records per trigger
+(``--batch``): (1) the consumer (history, current state, tombstones) and (2) an append of
+the raw records to Parquet. Shapes:
+
+- ``mix``: inserts, updates and deletes (a tenth) over a key space of a tenth of the
+  changes; a delete also brings its Kafka tombstone.
+- ``insert``: every change inserts a new key.
+- ``update``: the current-state and history tables first hold ``--seed-rows`` keys
+  (written directly, as if consumed before, in files of a million rows), then every
+  change updates a random one of them: few keys per file, where rewriting files hurts most.
+- ``insert-seeded`` (not in the default list): inserts of new, growing keys after the same
+  seeded rows, as a serial key grows: the MERGEs should not read the seeded files.
 
 Fairness:
 
 - Warm-up. The first query of a JVM pays for class loading, JIT compilation, Spark's code
-  generation and the first Kafka/Delta/Parquet setup; whichever pipeline ran first used to
-  pay it alone. Both pipelines first run untimed over a small topic of the same shape
-  (``--warmup`` changes, in its own warehouse), so both timed runs start on a warm JVM.
+  generation and the first Kafka/Delta/Parquet setup. Both pipelines first run untimed over
+  a small ``mix`` topic (``--warmup`` changes, in its own warehouse).
 - Same input, same unit. Both read every record of the topic (tombstones included) under
-  the same trigger cap; the ratio is of records per second. Changes per second (what the
-  consumer is for) are printed too.
+  the same trigger cap; the ratio is of records per second.
 - JVM CPU seconds are printed next to wall seconds: on a shared machine the wall time
   moves with the neighbours' load, the CPU time much less.
 
-Afterwards the results are verified, and the script exits non-zero when they are wrong:
-the current-state table holds exactly the publisher's live keys, each with its last
-change's values; the history holds each published change exactly once and one open
-version per live key; the Parquet copy holds every record; nothing was dead-lettered.
+Per batch it prints the consumer's own phase breakdown (wall seconds of read/parse/survey,
+typing, history, current state and, inside it, tombstones), the JVM CPU seconds of the
+batch, and Delta's operationMetrics of each MERGE (files rewritten and added, rows copied).
 
-Per batch it prints Spark's own timing of the trigger (``durationMs.addBatch``: the
-foreachBatch function, or the Parquet write) and, per Delta table, Delta's MERGE metrics
-(execution, source materialization, scan for touched files, rewrite).
+Afterwards the results are verified, and the script exits non-zero when they are wrong:
+the current-state table holds exactly the live keys, each with its last change's values;
+the history holds each change (seeded rows included) exactly once and one open version
+per live key; the Parquet copy holds every record; nothing was dead-lettered.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from delta.tables import DeltaTable
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from services.common.logs import setup_logging
 from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
 from slotbridge_dev.synthetic import SynthColumn, SynthTable, TransactionalWriter
+from spark_consumers import schema as s
 from spark_consumers.job import build_session, start_query
 from spark_consumers.kafka import kafka_options
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.tables import dead_letter_path, table_paths
+from spark_consumers.tables import (
+    current_struct,
+    dead_letter_path,
+    ensure_table,
+    history_struct,
+    table_paths,
+)
+from spark_consumers.timings import BatchTimings
 
 NUM = ((12 << 16) | 2) + 4
 TABLE = "public.bench"
+SHAPES = ("mix", "insert", "update", "insert-seeded")
+SEEDED = ("update", "insert-seeded")
+# Seeded rows are one transaction before every published change (those start at 1000).
+SEED_LSN = 500
+SEED_FILE_ROWS = 1_000_000
+AT = "2024-05-01T10:00:00.000001Z"
 
 
-@dataclass
-class Published:
-    """What the publisher sent, and the state it leaves: key -> number of its last change."""
-
-    topic: str
-    changes: int = 0
-    records: int = 0
-    live: dict[int, int] = field(default_factory=dict)
-
-
-def publish(bootstrap: str, prefix: str, changes: int) -> Published:
-    table = SynthTable(
+def synth_table(prefix: str) -> SynthTable:
+    return SynthTable(
         prefix,
         "public",
         "bench",
@@ -85,31 +97,49 @@ def publish(bootstrap: str, prefix: str, changes: int) -> Published:
             SynthColumn("at", "timestamp with time zone", 1184),
         ),
     )
+
+
+@dataclass
+class Published:
+    """What the publisher sent, and the state it leaves: key -> number of its last change
+    (seeded keys no change touched are not in ``live``)."""
+
+    topic: str
+    shape: str
+    changes: int
+    seeded: int = 0
+    records: int = 0
+    live: dict[int, int] = field(default_factory=dict)
+
+
+def _ops(shape: str, changes: int, seeded: int) -> Iterator[tuple[str, int]]:
+    """(op, key) of each change; ``live`` decides c/u, so only deletes are chosen here."""
+    rng = random.Random(1)
+    keys = max(1, changes // 10)
+    for n in range(changes):
+        if shape.startswith("insert"):
+            yield "c", seeded + n
+        elif shape == "update":
+            yield "u", rng.randrange(seeded)
+        else:
+            yield ("d" if rng.random() < 0.1 else "w"), rng.randrange(keys)
+
+
+def publish(bootstrap: str, prefix: str, shape: str, changes: int, seeded: int) -> Published:
+    table = synth_table(prefix)
     writer = TransactionalWriter(bootstrap, f"{prefix}-bench")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
     writer.send([table.schema_record()])
-    out = Published(table.topic, changes)
-    rng = random.Random(1)
-    keys = max(1, changes // 10)
+    out = Published(table.topic, shape, changes, seeded)
     batch = []
-    for n in range(changes):
-        key = rng.randrange(keys)
-        if key in out.live and rng.random() < 0.1:
+    for n, (op, key) in enumerate(_ops(shape, changes, seeded)):
+        if op == "d" and key in out.live:
             batch += table.change("d", {"id": key}, 1000 + n, 1, n)
             del out.live[key]
         else:
-            batch += table.change(
-                "u" if key in out.live else "c",
-                {
-                    "id": key,
-                    "name": f"name {n}",
-                    "amount": f"{n % 100000}.50",
-                    "at": "2024-05-01T10:00:00.000001Z",
-                },
-                1000 + n,
-                1,
-                n,
-            )
+            values = {"id": key, "name": f"name {n}", "amount": f"{n % 100000}.50", "at": AT}
+            was = key in out.live or key < seeded
+            batch += table.change("u" if was else "c", values, 1000 + n, 1, n)
             out.live[key] = n
         if len(batch) >= 20_000:
             out.records += writer.send(batch)
@@ -118,43 +148,109 @@ def publish(bootstrap: str, prefix: str, changes: int) -> Published:
     return out
 
 
-def jvm_cpu_s(spark: SparkSession) -> float:
+def _seed_rows(spark: SparkSession, rows: int) -> DataFrame:
+    """The seeded keys as one committed transaction at ``SEED_LSN``, history columns too."""
+    ids = spark.range(rows, numPartitions=max(1, rows // SEED_FILE_ROWS))
+    return ids.select(
+        F.col("id"),
+        F.concat(F.lit("seed "), F.col("id").cast("string")).alias("name"),
+        (F.col("id") % 100000 + 0.25).cast("decimal(12,2)").alias("amount"),
+        F.lit(AT).cast("timestamp").alias("at"),
+        F.lit("c").alias(s.OP),
+        F.lit(SEED_LSN).cast("long").alias(s.COMMIT_LSN),
+        (F.col("id") + 1).alias(s.TOTAL_ORDER),
+        F.lit(SEED_LSN - 8).cast("long").alias(s.LSN),
+        F.lit(1).cast("long").alias(s.TX_ID),
+        F.lit(AT).cast("timestamp").alias(s.COMMIT_TS),
+        F.lit(1).alias(s.SCHEMA_VERSION),
+        F.lit(SEED_LSN).cast("long").alias(s.VALID_FROM),
+        F.lit(None).cast("long").alias(s.VALID_TO),
+    )
+
+
+def seed(spark: SparkSession, settings: ConsumerSettings, prefix: str, rows: int) -> None:
+    """Both tables as the consumer would have left them after ``rows`` inserts."""
+    record = synth_table(prefix).schema_record()[2]
+    assert record is not None
+    table = s.TableSchema.from_record(json.loads(record))
+    paths = table_paths(settings.warehouse, TABLE)
+    frame = _seed_rows(spark, rows)
+    for path, struct in (
+        (paths.current, current_struct(table)),
+        (paths.history, history_struct(table)),
+    ):
+        columns = ensure_table(spark, path, struct, settings.deletion_vectors).fieldNames()
+        frame.select(*columns).write.format("delta").mode("append").save(path)
+
+
+def jvm_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) the driver JVM, which runs local mode's tasks, has used."""
-    pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()  # type: ignore[union-attr]
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def jvm_pid(spark: SparkSession) -> int:
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    return int(jvm.java.lang.ProcessHandle.current().pid())
+
+
+@dataclass
+class BatchSeen:
+    batch_id: int
+    applied: int
+    seconds: float
+    cpu_s: float
+    timings: BatchTimings
+
+
+@dataclass
+class Recorder(Status):
+    """The consumer's status, keeping every batch's breakdown and JVM CPU seconds."""
+
+    pid: int = 0
+    seen: list[BatchSeen] = field(default_factory=list)
+    cpu_mark: float = 0.0
+
+    def record_batch(self, *args: Any, **kwargs: Any) -> None:
+        super().record_batch(*args, **kwargs)
+        cpu = jvm_cpu_s(self.pid)
+        applied = sum(c.applied for c in self.tables.values())
+        assert self.last_batch_id is not None and self.last_batch_seconds is not None
+        self.seen.append(
+            BatchSeen(
+                self.last_batch_id,
+                applied - sum(b.applied for b in self.seen),
+                self.last_batch_seconds,
+                cpu - self.cpu_mark,
+                self.last_batch_timings,
+            )
+        )
+        self.cpu_mark = cpu
 
 
 @dataclass
 class Run:
     wall_s: float
     cpu_s: float
-    batches: list[tuple[int, int, float]]  # batch id, input rows, addBatch seconds
+    batches: list[BatchSeen]
 
 
-def timed(spark: SparkSession, start: Callable[[], StreamingQuery]) -> Run:
-    cpu, started = jvm_cpu_s(spark), time.monotonic()
-    query = start()
+def timed(spark: SparkSession, start: Callable[[Recorder], StreamingQuery]) -> Run:
+    pid = jvm_pid(spark)
+    recorder = Recorder(pid=pid)
+    cpu, started = jvm_cpu_s(pid), time.monotonic()
+    recorder.cpu_mark = cpu
+    query = start(recorder)
     query.awaitTermination()
-    wall, cpu = time.monotonic() - started, jvm_cpu_s(spark) - cpu
+    wall, cpu = time.monotonic() - started, jvm_cpu_s(pid) - cpu
     if query.exception() is not None:
         raise SystemExit(f"query failed: {query.exception()}")
-    batches = [
-        (int(p["batchId"]), int(p["numInputRows"]), int(p["durationMs"].get("addBatch", 0)) / 1000)
-        for p in map(_progress_dict, query.recentProgress)
-        if p["numInputRows"]
-    ]
-    return Run(wall, cpu, batches)
-
-
-def _progress_dict(progress: Any) -> dict[str, Any]:
-    # PySpark 4 returns StreamingQueryProgress objects; older versions plain dicts.
-    json_value = getattr(progress, "jsonValue", None)
-    return dict(json_value()) if callable(json_value) else dict(progress)
+    return Run(wall, cpu, recorder.seen)
 
 
 def consume(spark: SparkSession, settings: ConsumerSettings) -> Run:
-    return timed(spark, lambda: start_query(spark, settings, Status(), once=True))
+    return timed(spark, lambda status: start_query(spark, settings, status, once=True))
 
 
 def append(
@@ -162,7 +258,7 @@ def append(
 ) -> Run:
     return timed(
         spark,
-        lambda: (
+        lambda _: (
             spark.readStream.format("kafka")
             .options(**kafka_options(settings))
             .option("subscribe", topic)
@@ -179,9 +275,11 @@ def append(
     )
 
 
-def settings_for(bootstrap: str, prefix: str, root: Path, batch: int) -> ConsumerSettings:
+def settings_for(args: argparse.Namespace, prefix: str, root: Path, batch: int) -> ConsumerSettings:
     return ConsumerSettings(
-        kafka_bootstrap=bootstrap,
+        deletion_vectors=args.deletion_vectors,
+        spark_conf=dict(c.split("=", 1) for c in args.conf),
+        kafka_bootstrap=args.bootstrap,
         topic_prefix=prefix,
         warehouse=str(root / "wh"),
         checkpoint_dir=str(root / "ck"),
@@ -189,6 +287,7 @@ def settings_for(bootstrap: str, prefix: str, root: Path, batch: int) -> Consume
         jars_dir=jars_dir(cache_dir(), SPARK_SET),
         max_offsets_per_trigger=batch,
         log_format="text",
+        http_port=0,
     )
 
 
@@ -198,31 +297,39 @@ def verify(
     """Everything that is wrong with the tables the two runs left (empty when right)."""
     problems = []
     paths = table_paths(settings.warehouse, TABLE)
-    current = spark.read.format("delta").load(paths.current)
-    expected = spark.createDataFrame(
+    changed = spark.createDataFrame(
         [(k, f"name {n}") for k, n in sent.live.items()], "id bigint, name string"
     )
+    seeded = _seed_rows(spark, sent.seeded).select("id", "name")
+    expected = seeded.join(changed, "id", "left_anti").unionByName(changed)
+    live = expected.count()
+    current = spark.read.format("delta").load(paths.current)
     rows = current.count()
-    if rows != len(sent.live):
-        problems.append(f"current state: {rows} rows, publisher left {len(sent.live)} live keys")
-    stored = current.select("id", "name")
-    wrong = stored.exceptAll(expected).count() + expected.exceptAll(stored).count()
+    if rows != live:
+        problems.append(f"current state: {rows} rows, {live} live keys")
+    wrong = (
+        current.select("id", "name")
+        .join(expected.withColumnRenamed("name", "want"), "id", "full_outer")
+        .where(~F.col("name").eqNullSafe(F.col("want")))
+        .count()
+    )
     if wrong:
-        problems.append(f"current state: {wrong} rows differ from the publisher's last change")
+        problems.append(f"current state: {wrong} rows differ from the last change")
     history = spark.read.format("delta").load(paths.history)
     counts = history.agg(
         F.count("*").alias("rows"),
-        F.count_distinct("_cdc_commit_lsn", "_cdc_total_order", "_cdc_op").alias("distinct"),
-        F.sum(F.col("valid_to_lsn").isNull().cast("int")).alias("open"),
+        F.count_distinct(s.COMMIT_LSN, s.TOTAL_ORDER, s.OP).alias("distinct"),
+        F.sum(F.col(s.VALID_TO).isNull().cast("int")).alias("open"),
     ).first()
     assert counts is not None
-    if counts["rows"] != sent.changes or counts["distinct"] != sent.changes:
+    stored = sent.changes + sent.seeded
+    if counts["rows"] != stored or counts["distinct"] != stored:
         problems.append(
-            f"history: {counts['rows']} rows, {counts['distinct']} distinct "
-            f"changes; {sent.changes} changes were published"
+            f"history: {counts['rows']} rows, {counts['distinct']} distinct changes; "
+            f"{stored} changes were published or seeded"
         )
-    if counts["open"] != len(sent.live):
-        problems.append(f"history: {counts['open']} open versions, {len(sent.live)} live keys")
+    if counts["open"] != live:
+        problems.append(f"history: {counts['open']} open versions, {live} live keys")
     dead = dead_letter_path(settings.warehouse)
     if DeltaTable.isDeltaTable(spark, dead):
         problems.append(f"{spark.read.format('delta').load(dead).count()} dead letters")
@@ -232,31 +339,71 @@ def verify(
     return problems
 
 
-def print_phases(spark: SparkSession, label: str, run: Run, warehouse: str | None) -> None:
+def _merge_line(name: str, m: dict[str, int]) -> str:
+    def sec(metric: str) -> str:
+        return f"{m.get(metric, 0) / 1000:.1f}"
+
+    return (
+        f"    {name} MERGE {sec('executionTimeMs')} s (source {sec('materializeSourceTimeMs')}, "
+        f"scan {sec('scanTimeMs')}, rewrite {sec('rewriteTimeMs')}): files rewritten "
+        f"{m.get('numTargetFilesRemoved', 0)}, added {m.get('numTargetFilesAdded', 0)}, rows "
+        f"copied {m.get('numTargetRowsCopied', 0)}, inserted "
+        f"{m.get('numTargetRowsInserted', 0)}, updated {m.get('numTargetRowsUpdated', 0)}, "
+        f"deletion vectors {m.get('numTargetDeletionVectorsAdded', 0)}"
+    )
+
+
+def print_batches(label: str, run: Run) -> None:
     print(f"{label}: {run.wall_s:.1f} s wall, {run.cpu_s:.1f} s JVM CPU")
-    for batch_id, rows, seconds in run.batches:
-        print(f"  batch {batch_id}: {rows:>7} records, {seconds:5.1f} s in the batch function")
-    if warehouse is None:
-        return
-    paths = table_paths(warehouse, TABLE)
-    # Tombstones are appended, not merged: their time is in the "batch applied" phases.
-    for name, path in (("history", paths.history), ("current", paths.current)):
-        merges = [
-            r["operationMetrics"]
-            for r in spark.sql(f"DESCRIBE HISTORY delta.`{path}`").orderBy("version").collect()
-            if r["operation"] == "MERGE"
-        ]
-
-        def total(metric: str, merges: list[dict[str, str]] = merges) -> float:
-            return sum(int(m.get(metric, 0)) for m in merges) / 1000
-
-        each = " ".join(f"{int(m['executionTimeMs']) / 1000:.1f}" for m in merges)
-        print(
-            f"  {name} MERGE x{len(merges)}: {total('executionTimeMs'):.1f} s "
-            f"(materialize source {total('materializeSourceTimeMs'):.1f}, scan "
-            f"{total('scanTimeMs'):.1f}, rewrite {total('rewriteTimeMs'):.1f}); "
-            f"each: {each}"
+    for b in run.batches:
+        phases = " | ".join(
+            f"{name.removeprefix(TABLE + ' ')} {sec:.1f}" for name, sec in b.timings.phases.items()
         )
+        print(
+            f"  batch {b.batch_id}: {b.applied:>7} changes, {b.seconds:5.1f} s wall, "
+            f"{b.cpu_s:5.1f} s JVM CPU; {phases}"
+        )
+        for name, metrics in b.timings.merges.items():
+            print(_merge_line(name.removeprefix(TABLE + " "), metrics))
+
+
+@dataclass
+class Figures:
+    shape: str
+    changes_s: float
+    ratio: float
+
+
+def run_shape(
+    spark: SparkSession, args: argparse.Namespace, shape: str, root: Path, run_id: str
+) -> tuple[Figures, list[str]]:
+    prefix = f"{shape}{run_id}"
+    seeded = args.seed_rows if shape in SEEDED else 0
+    started = time.monotonic()
+    sent = publish(args.bootstrap, prefix, shape, args.changes, seeded)
+    print(
+        f"\n== {shape}: published {sent.changes} changes ({sent.records} records) in "
+        f"{time.monotonic() - started:.1f} s"
+    )
+    settings = settings_for(args, prefix, root / shape, args.batch)
+    if seeded:
+        started = time.monotonic()
+        seed(spark, settings, prefix, seeded)
+        print(f"seeded {seeded} rows into both tables in {time.monotonic() - started:.1f} s")
+    merged = consume(spark, settings)
+    plain = append(spark, settings, sent.topic, root / shape, args.batch)
+    print_batches("consumer", merged)
+    print(f"parquet append: {plain.wall_s:.1f} s wall, {plain.cpu_s:.1f} s JVM CPU")
+    problems = verify(spark, settings, sent, root / shape / "parquet")
+    merge_rate, append_rate = sent.records / merged.wall_s, sent.records / plain.wall_s
+    figures = Figures(shape, sent.changes / merged.wall_s, merge_rate / append_rate)
+    print(
+        f"{shape}: consumer {figures.changes_s:,.0f} changes/s, {merge_rate:,.0f} records/s "
+        f"({merged.wall_s:.1f} s, {merged.cpu_s:.1f} s JVM CPU); parquet append "
+        f"{append_rate:,.0f} records/s ({plain.wall_s:.1f} s, {plain.cpu_s:.1f} s JVM CPU); "
+        f"ratio {figures.ratio:.3f}"
+    )
+    return figures, [f"{shape}: {p}" for p in problems]
 
 
 def main() -> None:
@@ -264,46 +411,40 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--changes", type=int, default=1_000_000)
+    parser.add_argument("--shapes", default=",".join(SHAPES[:3]), help="comma-separated")
+    parser.add_argument("--changes", type=int, default=400_000)
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
+    parser.add_argument("--seed-rows", type=int, default=10_000_000, help="update shape")
     parser.add_argument("--warmup", type=int, default=20_000, help="changes of the warm-up")
+    parser.add_argument(
+        "--deletion-vectors", action="store_true", help="the consumer's deletion_vectors"
+    )
+    parser.add_argument(
+        "--conf", action="append", default=[], help="KEY=VALUE: a Spark setting to try"
+    )
     args = parser.parse_args()
-    # The consumer's "batch applied" lines carry each batch's phase breakdown.
-    setup_logging("text", "INFO")
+    shapes = args.shapes.split(",")
+    unknown = set(shapes) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
+    setup_logging("text", "WARNING")
     root = Path(tempfile.mkdtemp(prefix="spark-bench-"))
     run_id = uuid.uuid4().hex[:6]
-    started = time.monotonic()
-    warm = publish(args.bootstrap, f"warm{run_id}", args.warmup)
-    sent = publish(args.bootstrap, f"bench{run_id}", args.changes)
-    print(
-        f"published {sent.changes} changes ({sent.records} records, {len(sent.live)} live "
-        f"keys) in {time.monotonic() - started:.1f}s"
-    )
-
-    warm_settings = settings_for(args.bootstrap, f"warm{run_id}", root / "warm", args.batch)
+    warm = publish(args.bootstrap, f"warm{run_id}", "mix", args.warmup, 0)
+    warm_settings = settings_for(args, f"warm{run_id}", root / "warm", args.batch)
     spark = build_session(warm_settings)
     consume(spark, warm_settings)
     append(spark, warm_settings, warm.topic, root / "warm", args.batch)
 
-    settings = settings_for(args.bootstrap, f"bench{run_id}", root, args.batch)
-    merged = consume(spark, settings)
-    plain = append(spark, settings, sent.topic, root, args.batch)
-    print_phases(spark, "delta merge", merged, settings.warehouse)
-    print_phases(spark, "parquet append", plain, None)
-    problems = verify(spark, settings, sent, root / "parquet")
+    results, problems = [], []
+    for shape in shapes:
+        figures, wrong = run_shape(spark, args, shape, root, run_id)
+        results.append(figures)
+        problems += wrong
     spark.stop()
-
-    merge_rate, append_rate = sent.records / merged.wall_s, sent.records / plain.wall_s
-    print(
-        f"delta merge (history + current state): {sent.changes / merged.wall_s:,.0f} "
-        f"changes/s, {merge_rate:,.0f} records/s ({merged.wall_s:.1f}s, "
-        f"{merged.cpu_s:.1f}s JVM CPU)"
-    )
-    print(
-        f"plain kafka -> parquet append:         {append_rate:,.0f} records/s "
-        f"({plain.wall_s:.1f}s, {plain.cpu_s:.1f}s JVM CPU)"
-    )
-    print(f"ratio merge/append (records/s): {merge_rate / append_rate:.3f}")
+    print("\nshape    changes/s  ratio to plain append")
+    for f in results:
+        print(f"{f.shape:<8} {f.changes_s:>9,.0f}  {f.ratio:.3f}")
     if problems:
         print("VERIFICATION FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
         raise SystemExit(1)

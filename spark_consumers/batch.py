@@ -17,8 +17,9 @@ from functools import reduce
 from operator import or_
 
 from pyspark.errors import AnalysisException
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import IntegralType
 
 from services.common.errors import SlotbridgeError
 from services.common.logs import log_event
@@ -39,7 +40,7 @@ from spark_consumers.parse import (
 )
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
-from spark_consumers.tables import dead_letter_path, table_paths
+from spark_consumers.tables import dead_letter_path, quote, table_paths
 from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
@@ -225,7 +226,11 @@ class BatchProcessor:
                 split = {
                     bool(r["good"]): r
                     for r in typed.groupBy(F.col(REASON).isNull().alias("good"))
-                    .agg(F.count("*").alias("n"), F.max(toast).alias("toast"))
+                    .agg(
+                        F.count("*").alias("n"),
+                        F.max(toast).alias("toast"),
+                        *_key_bounds(schema),
+                    )
                     .collect()
                 }
             good_n = int(split[True]["n"]) if True in split else 0
@@ -247,6 +252,7 @@ class BatchProcessor:
                     schema,
                     survey,
                     bool(split[True]["toast"]),
+                    _key_range(split[True]),
                     timings,
                 )
         finally:
@@ -259,12 +265,15 @@ class BatchProcessor:
         schema: s.TableSchema,
         survey: _Survey,
         has_toast: bool,
+        key_range: tuple[int, int] | None,
         timings: BatchTimings,
     ) -> None:
         writer = self.writers.get(schema.name)
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
-            writer = self.writers[schema.name] = TableWriter(self.spark, paths)
+            writer = self.writers[schema.name] = TableWriter(
+                self.spark, paths, self.settings.deletion_vectors
+            )
         # Good rows all have a commit LSN, so the survey found one.
         assert survey.oldest_lsn is not None
         writer.apply(
@@ -275,6 +284,7 @@ class BatchProcessor:
                 has_deletes=survey.deletes,
                 has_toast_markers=has_toast,
                 oldest_lsn=survey.oldest_lsn,
+                key_range=key_range,
             ),
             timings,
         )
@@ -284,6 +294,23 @@ class TableRefused(SlotbridgeError):
     """A table the consumer cannot store as it is; the text says why, in one line."""
 
     retryable = False  # the table stays stopped until the operator acts
+
+
+def _key_bounds(schema: s.TableSchema) -> list[Column]:
+    """The smallest and largest key, for a key of one integer column (else nothing)."""
+    keys = [c for c in schema.columns if c.name in schema.key_columns]
+    if len(keys) != 1 or not isinstance(keys[0].spark_type, IntegralType):
+        return []
+    key = F.col(quote(keys[0].name))
+    return [F.min(key).alias("key_low"), F.max(key).alias("key_high")]
+
+
+def _key_range(good: Row) -> tuple[int, int] | None:
+    """The batch's key range from the good rows' aggregate (None without bounds)."""
+    bounds = good.asDict()
+    if bounds.get("key_low") is None:
+        return None
+    return int(bounds["key_low"]), int(bounds["key_high"])
 
 
 def _with_texts(bad: DataFrame, raw: DataFrame) -> DataFrame:

@@ -56,6 +56,9 @@ class BatchFacts:
     # The smallest commit LSN among the batch's changes: a stored history row before it
     # can only be matched as an open version, so the history MERGE skips the closed ones.
     oldest_lsn: int
+    # The smallest and largest key of the batch's changes when the key is one integer
+    # column: Delta skips the files whose key range lies outside it (serial keys).
+    key_range: tuple[int, int] | None = None
 
 
 def newer(a: str, b: str) -> str:
@@ -80,6 +83,18 @@ def _newer_than(position: Position) -> str:
 
 def _key_match(keys: tuple[str, ...]) -> str:
     return " AND ".join(f"t.{quote(k)} <=> s.{quote(k)}" for k in keys)
+
+
+def _in_key_range(table: s.TableSchema, key_range: tuple[int, int] | None, alias: str = "") -> str:
+    """SQL: the row's key lies within the batch's key range (TRUE without a range).
+
+    Only a condition on the target's own columns lets Delta skip files by their min/max
+    statistics; a join condition on the key does not.
+    """
+    if key_range is None:
+        return "TRUE"
+    low, high = key_range
+    return f"{alias}{quote(table.key_columns[0])} BETWEEN {low} AND {high}"
 
 
 def _align(frame: DataFrame, target: StructType, extra: tuple[str, ...] = ()) -> DataFrame:
@@ -255,9 +270,14 @@ class TableWriter:
     this job writes these tables, so the memory cannot go stale.
     """
 
-    def __init__(self, spark: SparkSession, paths: TablePaths) -> None:
+    def __init__(
+        self, spark: SparkSession, paths: TablePaths, deletion_vectors: bool = False
+    ) -> None:
         self.spark = spark
         self.paths = paths
+        self.deletion_vectors = deletion_vectors
+        # Tables this writer created and has not written yet: nothing to merge with.
+        self._empty: set[str] = set()
         self._schemas: dict[str, tuple[s.TableSchema, StructType]] = {}
         self._floor: Position | None = None
         self._truncates: set[Position] | None = None
@@ -297,7 +317,12 @@ class TableWriter:
     def _target(self, path: str, table: s.TableSchema, wanted: StructType) -> StructType:
         known = self._schemas.get(path)
         if known is None or known[0] != table:
-            known = self._schemas[path] = (table, ensure_table(self.spark, path, wanted))
+            if not DeltaTable.isDeltaTable(self.spark, path):
+                self._empty.add(path)
+            known = self._schemas[path] = (
+                table,
+                ensure_table(self.spark, path, wanted, self.deletion_vectors),
+            )
         return known[1]
 
     def _load_tombstone_state(self, table: s.TableSchema) -> None:
@@ -332,8 +357,13 @@ class TableWriter:
         history = self.history
         fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
         union = fresh
+        # Without a truncate, only stored rows of the batch's keys are reachable.
+        key_range = None if facts.truncates else facts.key_range
+        only_new = False
         if keys or facts.truncates:
-            stored = history.toDF().where(_reachable(facts.oldest_lsn))
+            stored = history.toDF().where(
+                f"{_reachable(facts.oldest_lsn)} AND {_in_key_range(table, key_range)}"
+            )
             if not facts.truncates:
                 # Only a truncate reaches keys the batch does not change.
                 stored = stored.join(
@@ -341,31 +371,50 @@ class TableWriter:
                     list(keys),
                     "left_semi",
                 )
+            # No stored row within reach: nothing to close, no change stored before (a
+            # replay), so the batch only adds rows. Looking stops at the first row found.
+            only_new = stored.isEmpty()
             identity = [*keys, s.OP, s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO]
-            union = fresh.unionByName(
-                _align(stored.select(*[F.col(quote(c)) for c in identity]), target).withColumn(
-                    _STORED, F.lit(True)
+            if not only_new:
+                union = fresh.unionByName(
+                    _align(stored.select(*[F.col(quote(c)) for c in identity]), target).withColumn(
+                        _STORED, F.lit(True)
+                    )
                 )
-            )
         ends = _recompute_ends(union, table, later)
-        # Stored rows whose end did not move and batch rows already stored (a replay) are
-        # left out: a MERGE rewrites every file holding a matched row.
-        ends = ends.where(~F.col(_STORED) | ~F.col(s.VALID_TO).eqNullSafe(F.col(_OLD_END)))
+        if only_new:
+            _align(ends, target).write.format("delta").mode("append").save(self.paths.history)
+        else:
+            # Stored rows whose end did not move and batch rows already stored (a replay)
+            # are left out: a MERGE rewrites every file holding a matched row.
+            moved = ~F.col(_STORED) | ~F.col(s.VALID_TO).eqNullSafe(F.col(_OLD_END))
+            self._close_and_insert(
+                history, ends.where(moved), target, _in_key_range(table, key_range, "t."), facts
+            )
+        self._truncates = truncates
+
+    @staticmethod
+    def _close_and_insert(
+        history: DeltaTable, ends: DataFrame, target: StructType, in_range: str, facts: BatchFacts
+    ) -> None:
+        """One MERGE: move the ends of stored rows and insert the new rows."""
         same_change = " AND ".join(
             f"t.{quote(c)} = s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP)
         )
-        # The stored side of the join is narrowed by the same predicate that chose the
-        # reachable rows, so Spark filters the history's rows before joining.
+        # The stored side of the join is narrowed by the same predicates that chose the
+        # reachable rows, so Delta skips files and Spark filters rows before joining.
         (
             history.alias("t")
-            .merge(ends.alias("s"), f"{same_change} AND {_reachable(facts.oldest_lsn, 't.')}")
+            .merge(
+                ends.alias("s"),
+                f"{same_change} AND {_reachable(facts.oldest_lsn, 't.')} AND {in_range}",
+            )
             .whenMatchedUpdate(
                 condition=f"s.{_STORED}", set={quote(s.VALID_TO): f"s.{quote(s.VALID_TO)}"}
             )
             .whenNotMatchedInsert(condition=f"NOT s.{_STORED}", values=_assign(target))
             .execute()
         )
-        self._truncates = truncates
 
     @property
     def history(self) -> DeltaTable:
@@ -418,16 +467,28 @@ class TableWriter:
                 .drop("_d")
             )
         latest = latest.persist()
+        in_range = _in_key_range(table, facts.key_range, "t.")
         try:
-            (
-                current.alias("t")
-                .merge(_align(latest, target, (s.OP,)).alias("s"), _key_match(table.key_columns))
-                .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
-                .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
-                .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'", values=_assign(target))
-                .execute()
-            )
-            timings.merged(f"{table.name} current", current)
+            if self.paths.current in self._empty:
+                # What the MERGE would insert into a table without rows, without its join.
+                live = latest.where(F.col(s.OP) != "d")
+                _align(live, target).write.format("delta").mode("append").save(self.paths.current)
+                self._empty.discard(self.paths.current)
+            else:
+                (
+                    current.alias("t")
+                    .merge(
+                        _align(latest, target, (s.OP,)).alias("s"),
+                        f"{_key_match(table.key_columns)} AND {in_range}",
+                    )
+                    .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
+                    .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
+                    .whenNotMatchedInsert(
+                        condition=f"s.{quote(s.OP)} <> 'd'", values=_assign(target)
+                    )
+                    .execute()
+                )
+                timings.merged(f"{table.name} current", current)
             if facts.has_deletes and tombstones is not None:
                 with timings.phase(f"{table.name} tombstones"):
                     _append_tombstones(latest, tombstones, self.paths.tombstones)

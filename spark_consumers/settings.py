@@ -86,6 +86,12 @@ class ConsumerSettings(ServiceSettings):
         "finish; then it is abandoned (and replayed on the next start). The Helm chart "
         "gives the pod this plus 30 s to stop the JVM",
     )
+    deletion_vectors: bool = Field(
+        default=False,
+        description="MERGE marks the rows it replaces in deletion vectors instead of "
+        "rewriting their files (much cheaper updates of big tables); every reader must "
+        "then apply deletion vectors (Spark, delta-rs), a plain Parquet reader cannot",
+    )
     housekeeping_interval_s: float = Field(
         default=3600.0,
         ge=0,

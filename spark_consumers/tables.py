@@ -113,22 +113,30 @@ _COLUMN_MAPPING = {
     "delta.minWriterVersion": "5",
 }
 
+_DV_KEY = "delta.enableDeletionVectors"
+_DV = {_DV_KEY: "true"}
+
 
 def needs_column_mapping(struct: StructType) -> bool:
     """A PostgreSQL column name (``"Mixed Case"``, ``"a=b"``) Delta only stores mapped."""
     return any(_UNMAPPED_INVALID & set(f.name) for f in struct.fields)
 
 
-def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructType:
+def ensure_table(
+    spark: SparkSession, path: str, wanted: StructType, deletion_vectors: bool = False
+) -> StructType:
     """Create the Delta table or add the columns it lacks; returns its schema afterwards.
 
     Only a table that needs it gets column mapping: its Parquet files then hold
     physical column names, which readers without Delta support cannot interpret.
+    ``deletion_vectors`` turns them on (also on an existing table): a MERGE then marks
+    the rows it replaces instead of rewriting their files, and readers must apply them.
     """
     mapped = needs_column_mapping(wanted)
+    properties = {**(_COLUMN_MAPPING if mapped else {}), **(_DV if deletion_vectors else {})}
     if not DeltaTable.isDeltaTable(spark, path):
         builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(wanted)
-        for key, value in _COLUMN_MAPPING.items() if mapped else ():
+        for key, value in properties.items():
             builder = builder.property(key, value)
         builder.execute()
         log_event(
@@ -147,6 +155,9 @@ def ensure_table(spark: SparkSession, path: str, wanted: StructType) -> StructTy
         settings = ", ".join(f"'{k}' = '{v}'" for k, v in _COLUMN_MAPPING.items())
         spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({settings})")
         log_event(log, logging.INFO, "column mapping enabled", path=path)
+    if deletion_vectors and detail["properties"].get(_DV_KEY) != "true":
+        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('{_DV_KEY}' = 'true')")
+        log_event(log, logging.INFO, "deletion vectors enabled", path=path)
     existing = table.toDF().schema
     have = {f.name: f.dataType for f in existing.fields}
     missing = [f for f in wanted.fields if f.name not in have]

@@ -25,8 +25,10 @@ _MERGE_METRICS = (
     "numTargetRowsInserted",
     "numTargetRowsUpdated",
     "numTargetRowsDeleted",
+    "numTargetRowsCopied",
     "numTargetFilesAdded",
     "numTargetFilesRemoved",
+    "numTargetDeletionVectorsAdded",
 )
 
 

@@ -31,6 +31,7 @@ NAMES = frozenset(
         "before_kafka_commit",
         "before_watermark",
         "consume_after_history",
+        "consume_in_housekeeping",
         "consume_after_status",
         "promote_after_disable",
     }

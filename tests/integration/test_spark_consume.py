@@ -187,6 +187,15 @@ def assert_every_reader_agrees(spark: SparkSession, warehouse: str) -> set[str]:
 # -- synthetic records through real Kafka: crash, restart, aborted transactions -------------
 
 
+# The columns of the crash tests' table.
+ITEM_COLUMNS = (
+    SynthColumn("id", "integer", 23, key=True),
+    SynthColumn("name", "text", 25),
+    SynthColumn("amount", "numeric(10,2)", 1700, NUM),
+    SynthColumn("at", "timestamp with time zone", 1184),
+)
+
+
 def _workload(
     table: SynthTable, seed: int, transactions: int, lsn0: int
 ) -> tuple[list[list[Record]], dict[int, dict[str, Any]], int]:
@@ -233,13 +242,7 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     stack: Stack, spark: SparkSession, tmp_path: Path
 ) -> None:
     prefix = f"sp{uuid.uuid4().hex[:8]}"
-    columns = (
-        SynthColumn("id", "integer", 23, key=True),
-        SynthColumn("name", "text", 25),
-        SynthColumn("amount", "numeric(10,2)", 1700, NUM),
-        SynthColumn("at", "timestamp with time zone", 1184),
-    )
-    table = SynthTable(prefix, "public", "items", columns)
+    table = SynthTable(prefix, "public", "items", ITEM_COLUMNS)
     writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
     txs, state, changes = _workload(table, 1, 120, 1_000)
@@ -349,6 +352,63 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
         "history/public.items",
         "_tombstones/public.items",
         "_dead_letter",
+    }
+
+
+def test_kill_inside_housekeeping_then_restart(
+    stack: Stack, spark: SparkSession, tmp_path: Path
+) -> None:
+    """Killed between two tables' compaction: the restart replays the batch, and every
+    reader still reads the same rows as Spark."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    table = SynthTable(prefix, "public", "kept", ITEM_COLUMNS)
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
+    txs, state, changes = _workload(table, 7, 30, 1_000)
+    writer.send([table.schema_record()])
+    for records in txs:
+        writer.send(records)
+    settings = consumer_settings(stack, prefix, tmp_path, tables=["public.kept"])
+    env = {
+        **_consumer_env(settings),
+        "SLOTBRIDGE_TABLES": '["public.kept"]',
+        "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "25",
+        # Two files per write (Spark would coalesce them), so that the first compaction
+        # has files to merge and commits.
+        "SLOTBRIDGE_SHUFFLE_PARTITIONS": "2",
+        "SLOTBRIDGE_SPARK_CONF": '{"spark.sql.adaptive.coalescePartitions.enabled": "false"}',
+    }
+    # Housekeeping is due from the second batch on; the job dies after compacting the
+    # current-state table, before the history.
+    code, output = run_cli(
+        "consume",
+        "--once",
+        env={
+            **env,
+            "SLOTBRIDGE_HOUSEKEEPING_INTERVAL_S": "0.001",
+            "SLOTBRIDGE_FAILPOINTS": "consume_in_housekeeping=kill",
+        },
+        timeout=300,
+    )
+    assert code == -signal.SIGKILL, output[-3000:]
+    paths = table_paths(settings.warehouse, "public.kept")
+
+    def optimized(path: str) -> int:
+        operations = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").select("operation")
+        return operations.where("operation = 'OPTIMIZE'").count()
+
+    assert (optimized(paths.current), optimized(paths.history)) == (1, 0)
+    code, output = run_cli("consume", "--once", env=env, timeout=300)
+    assert code == 0, output[-3000:]
+    assert _current(spark, paths.current) == _expected(state)
+    history = delta_rows(spark, paths.history)
+    changed = {(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
+    assert len(changed) == len(history) == changes
+    assert sum(r["valid_to_lsn"] is None for r in history) == len(state)
+    assert assert_every_reader_agrees(spark, settings.warehouse) == {
+        "current/public.kept",
+        "history/public.kept",
+        "_tombstones/public.kept",
     }
 
 

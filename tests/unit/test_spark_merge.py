@@ -15,8 +15,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from delta.tables import DeltaTable
+from deltalake import DeltaTable as DeltaLakeTable
+from deltalake import QueryBuilder
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import (
     ArrayType,
@@ -98,13 +101,14 @@ def _comparable(values: dict[str, Any]) -> dict[str, Any]:
 class Harness:
     """A warehouse, a processor with a known registry, and a Kafka-offset counter."""
 
-    def __init__(self, spark: SparkSession, root: Path, *tables: SynthTable) -> None:
+    def __init__(self, spark: SparkSession, root: Path, *tables: SynthTable, **extra: Any) -> None:
         self.spark = spark
         self.settings = ConsumerSettings(
             kafka_bootstrap="unused:9",
             topic_prefix="p",
             warehouse=str(root / "wh"),
             checkpoint_dir=str(root / "ck"),
+            **extra,
         )
         self.registry = SchemaRegistry()
         self.announce(*tables)
@@ -380,6 +384,39 @@ def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
         ]
     )
     assert split.current() == whole.current()
+
+
+def test_deletion_vectors_give_every_delta_reader_the_same_tables(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """With ``deletion_vectors`` the MERGEs mark rows instead of rewriting files; the
+    tables are those written without them, and delta-rs applies the vectors as Spark does."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    batches = [
+        [r for k in range(1, 7) for r in t.change("c", row(k), 100, k, 1)],
+        [*t.change("u", row(2, "b"), 200, 1, 2), *t.change("d", {"id": 3}, 200, 2, 2)],
+        [*t.change("u", row(2, "c"), 300, 1, 3), *t.change("c", row(3, "again"), 300, 2, 3)],
+    ]
+    plain = Harness(spark, tmp_path / "plain", t)
+    marked = Harness(spark, tmp_path / "marked", t, deletion_vectors=True)
+    for h in (plain, marked):
+        for batch in batches:
+            h.run(batch)
+    assert marked.current() == plain.current()
+    assert marked.history() == plain.history()
+    for kind in ("current", "history"):
+        path = getattr(table_paths(marked.settings.warehouse, "public.t"), kind)
+        commits = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()
+        assert sum(
+            int(c["operationMetrics"].get("numTargetDeletionVectorsAdded", 0)) for c in commits
+        ), f"{kind}: no MERGE used a deletion vector"
+        by_spark = spark.read.format("delta").load(path).toArrow().sort_by("_cdc_commit_lsn")
+        by_delta_rs = (
+            QueryBuilder().register("t", DeltaLakeTable(path)).execute("SELECT * FROM t").read_all()
+        )
+        assert sorted(by_spark.to_pylist(), key=repr) == sorted(
+            pa.table(by_delta_rs).to_pylist(), key=repr
+        ), kind
 
 
 def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path) -> None:
