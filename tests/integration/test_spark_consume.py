@@ -364,7 +364,7 @@ def test_kill_inside_housekeeping_then_restart(
     table = SynthTable(prefix, "public", "kept", ITEM_COLUMNS)
     writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
-    txs, state, changes = _workload(table, 7, 30, 1_000)
+    txs, state, changes = _workload(table, 7, 20, 1_000)
     writer.send([table.schema_record()])
     for records in txs:
         writer.send(records)
@@ -372,19 +372,19 @@ def test_kill_inside_housekeeping_then_restart(
     env = {
         **_consumer_env(settings),
         "SLOTBRIDGE_TABLES": '["public.kept"]',
-        "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "25",
         # Two files per write (Spark would coalesce them), so that the first compaction
         # has files to merge and commits.
         "SLOTBRIDGE_SHUFFLE_PARTITIONS": "2",
         "SLOTBRIDGE_SPARK_CONF": '{"spark.sql.adaptive.coalescePartitions.enabled": "false"}',
     }
     # Housekeeping is due from the second batch on; the job dies after compacting the
-    # current-state table, before the history.
+    # current-state table, before the history. The restart takes the rest in one batch.
     code, output = run_cli(
         "consume",
         "--once",
         env={
             **env,
+            "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "20",
             "SLOTBRIDGE_HOUSEKEEPING_INTERVAL_S": "0.001",
             "SLOTBRIDGE_FAILPOINTS": "consume_in_housekeeping=kill",
         },
