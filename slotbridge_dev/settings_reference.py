@@ -58,6 +58,8 @@ def type_name(annotation: Any) -> str:
     """A reader's name for a field's type: ``int``, ``list[str] | None``, ``"a" | "b"``."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a discriminated union: its members say what it takes
+        return type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(f'"{a}"' for a in args)
     if origin in (typing.Union, types.UnionType):

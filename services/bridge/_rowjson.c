@@ -19,6 +19,7 @@ column's Python converter (which also raises the converter's errors), as do the 
 #define K_TIMESTAMPTZ 'z' /* ... and a +00 offset becomes a Z */
 #define K_PYTHON 'p'      /* the converter, then dumps */
 #define K_JSON 'j'        /* json/jsonb text, written as it is (a JSON null: see json_null) */
+#define K_DROPPED 'x'     /* left out of the row (a transform drops it; never a key column) */
 
 typedef struct {
     char *data;
@@ -317,10 +318,14 @@ static int write_row(RowPlan *self, Buf *b, const Col *cols, int key_only,
     if (buf_byte(b, '{') < 0)
         return -1;
     Py_ssize_t nwritten = key_only ? self->nkeys : self->ncols;
+    int first = 1;
     for (Py_ssize_t j = 0; j < nwritten; j++) {
         Py_ssize_t i = key_only ? self->key_idx[j] : j;
-        if ((j > 0 && buf_byte(b, ',') < 0) || buf_put(b, self->names[i], self->name_lens[i]) < 0)
+        if (self->kinds[i] == K_DROPPED)
+            continue;
+        if ((!first && buf_byte(b, ',') < 0) || buf_put(b, self->names[i], self->name_lens[i]) < 0)
             return -1;
+        first = 0;
         if (spans != NULL)
             spans[i][0] = b->len;
         if (put_value(self, b, i, &cols[i]) < 0)

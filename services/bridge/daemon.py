@@ -50,6 +50,7 @@ from services.bridge.events import (
 from services.bridge.feedback import StreamPosition
 from services.bridge.highwater import high_water
 from services.bridge.kafka_reader import read_kafka_progress, read_topic
+from services.bridge.masking import Masking
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
 from services.bridge.origin import OriginStore
 from services.bridge.poller import POLL_OPTIONS, CatalogPoller
@@ -68,6 +69,7 @@ from services.bridge.sink import (
 )
 from services.bridge.snapshot import ChunkReader, SnapshotBook
 from services.bridge.source import (
+    check_masking,
     check_slot,
     ensure_publication,
     preflight,
@@ -330,6 +332,8 @@ class Bridge:
         sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
         with self._racing_for_slot(sql):
             self._ensure_slot(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
+        if builder.catalog.masking is not None:
+            check_masking(sql, s.publication_name, builder.catalog.masking)
         warn_keyless_tables(sql, s.publication_name)
         book = self._book = self._snapshots(sql, kafka_progress, mark)
 
@@ -392,6 +396,9 @@ class Bridge:
             s.topic_prefix,
             lambda oid: table_facts(sql, oid),
             self._known_versions(schema_topic(s.topic_prefix)),
+            masking=Masking(s.transforms, s.pii_columns, s.masking_key())
+            if s.transforms or s.pii_columns
+            else None,
         )
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.

@@ -50,6 +50,7 @@ from services.bridge.events import (
     status_value,
     whole_row,
 )
+from services.bridge.masking import OUTPUT_TYPE_OID
 from services.bridge.values import JsonValue
 from services.contract.records import VERSION
 
@@ -215,7 +216,7 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
     converters = []
     placeholders = []
     columns = []
-    for c in rel.columns:
+    for c, mask in zip(rel.columns, info.masks, strict=True):
         fact = facts.columns.get(c.name) if facts is not None else None
         kind = ColumnType(
             c.type_oid,
@@ -223,10 +224,15 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
             fact.enum_labels if fact is not None else None,
             fact.enum_array if fact is not None else False,
         )
+        if mask is not None:
+            # A transform's output is text, whatever the column's type.
+            kind = ColumnType(OUTPUT_TYPE_OID, -1)
         schema, convert = column_encoding(kind)
-        converters.append(convert)
+        converters.append(convert if mask is None else mask.convert)
         placeholders.append(placeholder(kind))
-        columns.append((c.name, schema, fact.nullable if fact is not None else True))
+        if mask is None or not mask.drops:
+            nullable = fact.nullable if fact is not None else True
+            columns.append((c.name, schema, nullable or (mask is not None and mask.nulls)))
     key_schema, envelope = connect_schemas(info.topic, columns, info.key_names)
     info.converters = tuple(converters)
     info.placeholders = tuple(placeholders)
@@ -469,8 +475,8 @@ class DebeziumEventBuilder(EventBuilder):
         row gets nulls for the others."""
         if row is None:
             return b"null"
-        if len(row) != len(info.names):
-            row = {n: row.get(n) for n in info.names}
+        if len(row) != len(info.published_names):
+            row = {n: row.get(n) for n in info.published_names}
         return _dumps(row)
 
     def snapshot_rows(

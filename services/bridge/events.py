@@ -21,6 +21,15 @@ import orjson
 
 from services.bridge import messages as m
 from services.bridge.decoder import change_relid_at, in_place_change_relation
+from services.bridge.masking import (
+    OUTPUT_TYPE,
+    OUTPUT_TYPE_OID,
+    ColumnMask,
+    Masking,
+    MaskingRefused,
+    PublishedColumn,
+    drop_column,
+)
 from services.bridge.values import (
     JSON_NULL,
     TYPE_NAMES,
@@ -110,6 +119,10 @@ class RelationInfo:
     placeholders: tuple[JsonValue, ...]
     # The json and jsonb columns: a JSON null in them is named in ``json_nulls``.
     json_names: tuple[str, ...] = ()
+    # Each column's transform (see masking.py), None where it is published as it is.
+    masks: tuple[ColumnMask | None, ...] = ()
+    # The columns the records hold: all but the dropped ones.
+    published_names: tuple[str, ...] = ()
     published: bool = False
     # The record format's own per-version pieces (the Debezium format's Connect schemas).
     encoded: Any = None
@@ -137,11 +150,22 @@ class RelationCatalog:
     known: dict[tuple[str, str], KnownVersion] = field(default_factory=dict)
     by_oid: dict[int, RelationInfo] = field(default_factory=dict)
     encoder: RelationEncoder | None = None
+    masking: Masking | None = None
+
+    def _masks(self, rel: m.Relation) -> tuple[ColumnMask | None, ...]:
+        if self.masking is None:
+            return (None,) * len(rel.columns)
+        return tuple(self.masking.mask(rel.namespace, rel.name, c.name) for c in rel.columns)
 
     def apply(self, rel: m.Relation) -> RelationInfo:
+        masks = self._masks(rel)
         fingerprint = _fingerprint(
             rel.replica_identity,
-            ((c.name, c.type_oid, c.type_modifier, c.is_key) for c in rel.columns),
+            (
+                (c.name, c.type_oid, c.type_modifier, c.is_key, mask.spec if mask else None)
+                for c, mask in zip(rel.columns, masks, strict=True)
+                if mask is None or not mask.drops
+            ),
         )
         name = (rel.namespace, rel.name)
         known = self.known.get(name)
@@ -158,13 +182,15 @@ class RelationCatalog:
         else:
             version = known.version + 1 if known is not None else 1
             published = False
-        info = self._build(rel, version)
+        info = self._build(rel, version, masks)
         info.published = published
         self.known[name] = KnownVersion(version, fingerprint)
         self.by_oid[rel.oid] = info
         return info
 
-    def _build(self, rel: m.Relation, version: int) -> RelationInfo:
+    def _build(
+        self, rel: m.Relation, version: int, masks: tuple[ColumnMask | None, ...]
+    ) -> RelationInfo:
         facts = self.lookup(rel.oid)
         names = tuple(c.name for c in rel.columns)
         flagged = tuple(i for i, c in enumerate(rel.columns) if c.is_key)
@@ -173,21 +199,57 @@ class RelationCatalog:
             # With REPLICA IDENTITY FULL every column is flagged; the primary key is the
             # key consumers expect (and the one Debezium uses).
             key_idx = tuple(i for i, n in enumerate(names) if n in facts.primary_key)
+        type_names = tuple(
+            fact.type_name
+            if facts is not None and (fact := facts.columns.get(c.name)) is not None
+            else TYPE_NAMES.get(c.type_oid, "text")
+            for c in rel.columns
+        )
+        if self.masking is not None:
+            # Checked per version, so a column added mid-stream stops the bridge before
+            # any record of it is built.
+            refusal = self.masking.refusal(
+                rel.namespace,
+                rel.name,
+                [
+                    PublishedColumn(c.name, t, i in key_idx)
+                    for i, (c, t) in enumerate(zip(rel.columns, type_names, strict=True))
+                ],
+            )
+            if refusal is not None:
+                raise MaskingRefused(refusal)
         columns = []
-        for c in rel.columns:
+        for i, (c, type_name, mask) in enumerate(zip(rel.columns, type_names, masks, strict=True)):
             fact = facts.columns.get(c.name) if facts is not None else None
-            column = {
+            if mask is not None and mask.drops:
+                continue
+            column: dict[str, Any] = {
                 "name": c.name,
-                "type": fact.type_name if fact else TYPE_NAMES.get(c.type_oid, "text"),
+                "type": type_name,
                 "type_oid": c.type_oid,
                 "type_modifier": c.type_modifier,
                 "nullable": fact.nullable if fact else True,
-                "key": c.is_key
-                if rel.replica_identity != "f"
-                else c.name in [names[i] for i in key_idx],
+                "key": c.is_key if rel.replica_identity != "f" else i in key_idx,
             }
             if fact is not None and fact.dimensions > 1:
                 column["dimensions"] = fact.dimensions
+            if mask is not None:
+                # Consumers type the column by what the transform outputs; the source
+                # type stays for the version's identity (and the curious).
+                column["transform"] = {
+                    "kind": mask.kind,
+                    "spec": mask.spec,
+                    "source_type": type_name,
+                    "source_type_oid": c.type_oid,
+                    "source_type_modifier": c.type_modifier,
+                }
+                column.pop("dimensions", None)
+                column.update(
+                    type=OUTPUT_TYPE,
+                    type_oid=OUTPUT_TYPE_OID,
+                    type_modifier=-1,
+                    nullable=column["nullable"] or mask.nulls,
+                )
             columns.append(column)
         record = {
             "schema": rel.namespace,
@@ -206,14 +268,23 @@ class RelationCatalog:
             topic=table_topic(self.topic_prefix, rel.namespace, rel.name),
             version=version,
             names=names,
-            converters=tuple(converter_for(c.type_oid) for c in rel.columns),
+            converters=tuple(
+                mask.convert if mask is not None else converter_for(c.type_oid)
+                for c, mask in zip(rel.columns, masks, strict=True)
+            ),
             key_idx=key_idx,
             key_names=tuple(names[i] for i in key_idx),
             replica_identity=rel.replica_identity,
             schema_record=record,
             placeholders=(TOAST_PLACEHOLDER,) * len(names),
             json_names=tuple(
-                n for n, c in zip(names, rel.columns, strict=True) if c.type_oid in _JSON_OIDS
+                n
+                for n, c, mask in zip(names, rel.columns, masks, strict=True)
+                if c.type_oid in _JSON_OIDS and mask is None
+            ),
+            masks=masks,
+            published_names=tuple(
+                n for n, mask in zip(names, masks, strict=True) if mask is None or not mask.drops
             ),
         )
         if self.encoder is not None:
@@ -234,6 +305,8 @@ _KINDS: dict[Callable[[str], JsonValue], bytes] = {
     # Written as it is; a row with a JSON null, which the record names (``json_nulls``),
     # is left to the Python path.
     raw_json: b"j",
+    # Left out of the row (a transform's other converters are called: 'p').
+    drop_column: b"x",
 }
 
 
@@ -259,10 +332,34 @@ def row_plan(
     )
 
 
-def _fingerprint(identity: str, columns: Iterable[tuple[str, int, int, bool]]) -> tuple[Any, ...]:
-    """What makes a table version: its replica identity and (name, type, typmod, key flag)
-    per column, as a Relation message gives them."""
+Column = tuple[str, int, int, bool, str | None]
+
+
+def _fingerprint(identity: str, columns: Iterable[Column]) -> tuple[Any, ...]:
+    """What makes a table version: its replica identity and (name, type, typmod, key flag,
+    transform) per published column, as a Relation message gives them."""
     return (identity, *columns)
+
+
+def _column_identity(identity: str, column: dict[str, Any]) -> Column:
+    """A schema record column's part of the fingerprint: a transformed column's record
+    names its output type, so the source type comes from the transform."""
+    transform = column.get("transform")
+    if transform is None:
+        return (
+            column["name"],
+            column["type_oid"],
+            column["type_modifier"],
+            identity == "f" or column["key"],
+            None,
+        )
+    return (
+        column["name"],
+        transform["source_type_oid"],
+        transform["source_type_modifier"],
+        identity == "f" or column["key"],
+        transform["spec"],
+    )
 
 
 def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, str], KnownVersion]:
@@ -272,13 +369,7 @@ def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, 
         ident = rec["replica_identity"]
         # A Relation message flags every column as key under REPLICA IDENTITY FULL; the
         # record flags the primary key instead.
-        fingerprint = _fingerprint(
-            ident,
-            (
-                (c["name"], c["type_oid"], c["type_modifier"], ident == "f" or c["key"])
-                for c in rec["columns"]
-            ),
-        )
+        fingerprint = _fingerprint(ident, (_column_identity(ident, c) for c in rec["columns"]))
         name = (rec["schema"], rec["table"])
         if name not in known or known[name].version < rec["version"]:
             known[name] = KnownVersion(rec["version"], fingerprint)
@@ -867,6 +958,7 @@ def whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, Jso
     return {
         name: None if v is None else conv(v)
         for name, conv, v in zip(info.names, info.converters, values, strict=False)
+        if conv is not drop_column
     }
 
 
@@ -878,6 +970,8 @@ def _row(
 ) -> dict[str, JsonValue]:
     row: dict[str, JsonValue] = {}
     for i, (name, conv, value) in enumerate(zip(info.names, info.converters, tup, strict=False)):
+        if conv is drop_column:
+            continue
         if value is None:
             row[name] = None
         elif value.__class__ is str:

@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
+from services.bridge.masking import HashRule, TransformRule
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,
@@ -20,6 +21,11 @@ from services.common.settings import (
     string_values,
 )
 from services.contract.topics import MAX_PREFIX
+
+# Where the hash transforms' key comes from when masking_key_file is not set.
+MASKING_KEY_ENV = "SLOTBRIDGE_MASKING_KEY"
+# An HMAC key shorter than this is guessable by brute force over likely values.
+_MIN_KEY_BYTES = 16
 
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -220,6 +226,25 @@ class BridgeSettings(ServiceSettings):
         description="a change record larger than this stops the bridge with a clear error;"
         " topics the bridge creates accept records this large (max.message.bytes)",
     )
+    transforms: list[TransformRule] = Field(
+        default_factory=list,
+        description="column transforms applied to every record, key and snapshot row "
+        "(docs/masking.md): each has tables and columns (names or patterns) and a transform: "
+        "hash (encoding hex|base64), redact (replacement, null when unset), truncate "
+        "(length), mask (keep_last, mask_char) or drop",
+    )
+    pii_columns: list[str] = Field(
+        default_factory=list,
+        description="column names or patterns (email, *_ssn) that must have a transform: "
+        "the bridge refuses to start, and stops mid-stream, while a published table has "
+        "one without",
+    )
+    masking_key_file: Path | None = Field(
+        default=None,
+        description=f"file holding the hash transforms' key (at least {_MIN_KEY_BYTES} "
+        f"bytes); or set {MASKING_KEY_ENV}; the key is never taken from this file and "
+        "never logged",
+    )
 
     http_host: str = HTTP_HOST
     http_port: int = Field(default=9187, ge=0, le=65535, description="0 disables the server")
@@ -267,6 +292,36 @@ class BridgeSettings(ServiceSettings):
                 "tables, or list schema.table names"
             )
         return value
+
+    @model_validator(mode="after")
+    def _hash_key_at_hand(self) -> BridgeSettings:
+        if any(isinstance(rule, HashRule) for rule in self.transforms):
+            self.masking_key()  # refused at load, not when the first row is masked
+        return self
+
+    def masking_key(self) -> bytes | None:
+        """The hash transforms' key: the environment's, else masking_key_file's (its
+        trailing newline dropped); None when neither is set."""
+        key: bytes | None = None
+        if os.environ.get(MASKING_KEY_ENV):
+            key = os.environ[MASKING_KEY_ENV].encode()
+        elif self.masking_key_file is not None:
+            try:
+                key = self.masking_key_file.read_bytes().rstrip(b"\r\n")
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot read masking_key_file {self.masking_key_file}: {exc.strerror}"
+                ) from None
+        elif any(isinstance(rule, HashRule) for rule in self.transforms):
+            raise ValueError(
+                f"a hash transform needs a key: set {MASKING_KEY_ENV} or masking_key_file"
+            )
+        if key is not None and len(key) < _MIN_KEY_BYTES:
+            raise ValueError(
+                f"the masking key has {len(key)} bytes; use at least {_MIN_KEY_BYTES} random "
+                "bytes (openssl rand -hex 32)"
+            )
+        return key
 
     @property
     def origin_name(self) -> str:

@@ -14,6 +14,7 @@ import psycopg
 from psycopg import sql
 
 from services.bridge.events import ColumnFacts, TableFacts
+from services.bridge.masking import Masking, MaskingRefused, PublishedColumn
 from services.bridge.settings import BridgeSettings
 from services.common.logs import log_event
 from services.common.pg import SourceError, SourceRefused
@@ -232,6 +233,40 @@ def published_tables(conn: Conn, publication: str) -> list[PublishedTable]:
         )
         for schema, table, columns, row_filter in rows
     ]
+
+
+def published_columns(conn: Conn, publication: str) -> dict[tuple[str, str], list[PublishedColumn]]:
+    """Each published table's published columns, with their type and whether they are
+    part of its key (primary key or replica identity index), for the transform check."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT p.schemaname, p.tablename, a.attname, format_type(a.atttypid, a.atttypmod),"
+            " EXISTS (SELECT FROM pg_index i WHERE i.indrelid = a.attrelid"
+            "  AND (i.indisprimary OR i.indisreplident) AND a.attnum = ANY(i.indkey))"
+            " FROM pg_publication_tables p"
+            " JOIN pg_attribute a ON a.attrelid = format('%%I.%%I', p.schemaname, p.tablename)"
+            "  ::regclass AND a.attname = ANY(p.attnames)"
+            " WHERE p.pubname = %s ORDER BY 1, 2, a.attnum",
+            (publication,),
+        )
+        tables: dict[tuple[str, str], list[PublishedColumn]] = {}
+        for schema, table, column, type_name, key in cur:
+            tables.setdefault((str(schema), str(table)), []).append(
+                PublishedColumn(str(column), str(type_name), bool(key))
+            )
+    return tables
+
+
+def check_masking(conn: Conn, publication: str, masking: Masking) -> None:
+    """Refuse, in one line, transform settings that do not fit the published tables: a
+    rule matching nothing, a transform that does not fit its column, a PII column
+    without one."""
+    tables = published_columns(conn, publication)
+    problem = masking.unmatched(tables)
+    for (schema, table), columns in tables.items():
+        problem = problem or masking.refusal(schema, table, columns)
+    if problem is not None:
+        raise MaskingRefused(problem)
 
 
 def publishes_all_tables(conn: Conn, publication: str) -> bool:

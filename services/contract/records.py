@@ -143,6 +143,19 @@ class MessageRecord(StrictModel):
     ts_ms: int = Field(description="commit time of the source transaction, ms since epoch")
 
 
+class ColumnTransform(StrictModel):
+    """A transform the bridge applies to a column's values (its settings' ``transforms``):
+    the column's ``type`` is then what the transform outputs (text)."""
+
+    kind: Literal["hash", "redact", "truncate", "mask"]
+    spec: str = Field(
+        description="the transform's parameters; a new spec (or hash key) is a new version"
+    )
+    source_type: str = Field(description="the column's PostgreSQL type, as format_type() prints it")
+    source_type_oid: int
+    source_type_modifier: int
+
+
 class ColumnSchema(StrictModel):
     name: str
     type: str = Field(description="PostgreSQL type as format_type() prints it")
@@ -154,6 +167,9 @@ class ColumnSchema(StrictModel):
         default=None,
         description="an array column's declared dimensions (int[][]: 2), when "
         "more than one; PostgreSQL does not enforce them",
+    )
+    transform: ColumnTransform | None = Field(
+        default=None, description="how the bridge transforms the column's values, if it does"
     )
 
 

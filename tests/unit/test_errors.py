@@ -18,6 +18,7 @@ from services.bridge.decoder import DecodeError
 from services.bridge.events import RowTooLarge
 from services.bridge.highwater import IdentityError
 from services.bridge.kafka_reader import TopicReadError, _scan
+from services.bridge.masking import MaskingRefused
 from services.bridge.progress_record import ProgressRecordError
 from services.bridge.publisher import GapError
 from services.bridge.settings import BridgeSettings
@@ -51,6 +52,7 @@ RETRYABLE: dict[type[SlotbridgeError], bool] = {
     ProgressRecordError: False,
     PromoteError: False,
     RowTooLarge: False,
+    MaskingRefused: False,
     SettingsError: False,
     SinkError: True,
     SlotBusy: True,
