@@ -385,7 +385,7 @@ class Run:
         self.tables = [f"{self.schema}.{t}" for t in workload.tables]
         self.publication = f"pub_{tag}"
         self.ceiling_slot = f"ceil_{tag}"
-        self.bridge_slots = {f: f"{f[:3]}_{tag}" for f in formats}
+        self.bridge_slots = {f: f"{_short(f)}_{tag}" for f in formats}
         self.prefix = f"bench.{tag}"
         self.spool_dir = spool_dir
         self.verify = verify
@@ -414,8 +414,8 @@ class Run:
             "ceiling": ceiling,
         }
 
-    def format_prefix(self, value_format: str) -> str:
-        return f"{self.prefix}.{value_format[:3]}"
+    def format_prefix(self, variant: str) -> str:
+        return f"{self.prefix}.{_short(variant)}"
 
     @contextlib.contextmanager
     def prepared(self, keep: bool) -> Iterator[tuple[float, dict[str, Any]]]:
@@ -547,9 +547,11 @@ class Run:
 
     # -- end to end --------------------------------------------------------------------
 
-    def e2e(self, value_format: str, end_lsn: int, log_path: Path) -> dict[str, Any]:
-        """The daemon in ``value_format`` through the backlog on its own slot."""
-        slot, prefix = self.bridge_slots[value_format], self.format_prefix(value_format)
+    def e2e(self, variant: str, end_lsn: int, log_path: Path) -> dict[str, Any]:
+        """The daemon of ``variant`` (see ``variant_of``) through the backlog on its own
+        slot."""
+        slot, prefix = self.bridge_slots[variant], self.format_prefix(variant)
+        value_format, hashed = variant_of(variant)
         env = daemon_env(
             self.dsn,
             self.bootstrap,
@@ -560,6 +562,17 @@ class Run:
             self.spool_dir,
             value_format,
         )
+        if hashed:
+            env["SLOTBRIDGE_TRANSFORMS"] = json.dumps(
+                [
+                    {
+                        "tables": self.tables,
+                        "columns": [f"s{i}" for i in range(hashed)],
+                        "transform": "hash",
+                    }
+                ]
+            )
+            env["SLOTBRIDGE_MASKING_KEY"] = "bench masking key, 32 bytes long"
         # Its /metrics, read when it has caught up: how many Kafka transactions the backlog
         # took, and how long their commits held the publisher.
         http_port = free_port()
@@ -589,7 +602,7 @@ class Run:
                 "--format",
                 "raw",
                 "-o",
-                str(self.py_spy / f"{self.tag}-{value_format}.txt"),
+                str(self.py_spy / f"{self.tag}-{variant}.txt"),
                 "--",
                 *command,
             ]
@@ -619,7 +632,7 @@ class Run:
             if proc.poll() is not None:
                 raise RuntimeError(f"bridge exited with {proc.returncode}; see {log_path}")
 
-        what = f"{self.tag}: bridge ({value_format})"
+        what = f"{self.tag}: bridge ({variant})"
         try:
             result = catch_up(bridge_pid, spawned, mark, reached, alive, self.plan.changes, what)
             result.update(kafka_transactions(http_port))
@@ -635,20 +648,20 @@ class Run:
             stop_process(proc, bridge_pid)
             mark.join(1)
         if self.verify:
-            self.check_records(value_format, result)
+            self.check_records(variant, result)
         return result
 
-    def check_records(self, value_format: str, result: dict[str, Any]) -> None:
+    def check_records(self, variant: str, result: dict[str, Any]) -> None:
         """Read the change and transaction topics back: the change records must be exactly
         what the workload's changes make; ``result`` gets the counts."""
-        prefix = self.format_prefix(value_format)
+        prefix = self.format_prefix(variant)
         changes = sum(self.count(f"{prefix}.{table}") for table in self.tables)
         result["change_records"] = changes
         result["transaction_records"] = self.count(f"{prefix}.transaction")
-        expected = self.workload.expected_records(value_format, self.plan)
+        expected = self.workload.expected_records(variant_of(variant)[0], self.plan)
         if changes != expected:
             raise RuntimeError(
-                f"{self.tag} ({value_format}): the change topics hold {changes} records,"
+                f"{self.tag} ({variant}): the change topics hold {changes} records,"
                 f" expected {expected}"
             )
 
@@ -717,29 +730,50 @@ def _one(
         tag,
         work / "spool",
         args.verify,
-        FORMATS[args.format],
+        variants(args),
         args.py_spy,
     )
     run.broker_pid = broker_pid(args.stack_dir)
     results = []
     with run.prepared(args.keep) as (load_s, ceiling):
         say(f"{tag}: ceiling {ceiling['changes_per_s']:,.0f} changes/s")
-        for value_format in FORMATS[args.format]:
-            e2e = run.e2e(value_format, ceiling["end_lsn"], work / f"{tag}-{value_format}.log")
+        for variant in variants(args):
+            e2e = run.e2e(variant, ceiling["end_lsn"], work / f"{tag}-{variant}.log")
             say(
-                f"{tag}: {value_format} end to end {e2e['changes_per_s']:,.0f} changes/s, "
+                f"{tag}: {variant} end to end {e2e['changes_per_s']:,.0f} changes/s, "
                 f"peak RSS {e2e['peak_rss_mb']:.0f} MB"
             )
             results.append(
                 {
                     **run.facts(load_s, ceiling),
-                    "format": value_format,
+                    "format": variant,
                     "e2e": e2e,
                     "ratio": e2e["changes_per_s"] / ceiling["changes_per_s"],
                     "cpu_budget": cpu_budget(run.plan, ceiling, e2e),
                 }
             )
     return results
+
+
+def variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """The daemons of a run: one per record format of --format, and with
+    --hashed-columns N a second one of each hashing N text columns (``<format>-hN``)."""
+    formats = FORMATS[args.format]
+    if not args.hashed_columns:
+        return formats
+    return formats + tuple(f"{f}-h{args.hashed_columns}" for f in formats)
+
+
+def variant_of(variant: str) -> tuple[str, int]:
+    """A daemon variant's record format and how many columns it hashes."""
+    value_format, _, hashed = variant.partition("-h")
+    return value_format, int(hashed or 0)
+
+
+def _short(variant: str) -> str:
+    """A variant's part of slot and topic names."""
+    value_format, hashed = variant_of(variant)
+    return value_format[:3] + (f"h{hashed}" if hashed else "")
 
 
 GOAL_RATIO = 0.8  # the end-to-end goal of issues #14 and #33, as a share of the ceiling
@@ -904,13 +938,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def print_table(summary: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'workload':12} {'shape':20} {'format':10} {'ceiling/s':>10} {'e2e/s':>9}"
+        f"\n{'workload':12} {'shape':20} {'format':13} {'ceiling/s':>10} {'e2e/s':>9}"
         f" {'e2e/ceil':>8} {'bridge us':>9} {'walsnd us':>9} {'broker us':>9}"
         f" {'us/txn':>8} {'rec/txn':>7} {'txn/ktx':>7} {'commit':>6} {'RSS MB':>6}"
     )
     for s in summary:
         print(
-            f"{s['workload']:12} {s['shape']:20} {s['format']:10}"
+            f"{s['workload']:12} {s['shape']:20} {s['format']:13}"
             f" {s['ceiling_changes_per_s']:10,.0f} {s['e2e_changes_per_s']:9,.0f}"
             f" {s['ratio']:8.2f} {_fmt(s['bridge_us'], '9.2f')} {_fmt(s['walsender_us'], '9.2f')}"
             f" {_fmt(s['broker_us'], '9.2f')} {_fmt(s['bridge_us_per_txn'], '8.1f')}"
@@ -935,9 +969,21 @@ def main() -> None:
         metavar="DIR",
         help="run the daemon under py-spy, raw stacks into DIR (skews figures)",
     )
+    parser.add_argument(
+        "--hashed-columns",
+        type=int,
+        default=0,
+        metavar="N",
+        help="wide only: also run each format's daemon with a hash transform on N of the "
+        "table's 8 text columns, over the same WAL (the cost of masking)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     chosen = workloads(parser, args)
+    if args.hashed_columns and (
+        [w.name for w in chosen] != ["wide"] or not 0 < args.hashed_columns <= 8
+    ):
+        parser.error("--hashed-columns takes 1 to 8, with --workload wide alone")
 
     with bench_stack(args) as stack:
         work = args.stack_dir / "bridge-bench"

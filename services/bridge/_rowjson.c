@@ -592,12 +592,21 @@ static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, 
     }
     if (read_tuple(self, &td, cols, &read) != 1 || td.pos != td.len)
         goto done;
-    if (two_rows)
+    if (two_rows) {
         for (Py_ssize_t i = 0; i < self->ncols; i++)
             if (cols[i].raw && old[i].s != NULL && !old[i].raw) {
                 cols[i] = old[i];
                 Py_XINCREF(cols[i].text);
             }
+        /* A changed key makes three records (delete, tombstone, update): the decoder's
+           path, which compares the keys' JSON. */
+        for (Py_ssize_t k = 0; k < self->nkeys; k++) {
+            const Col *a = &old[self->key_idx[k]], *b = &cols[self->key_idx[k]];
+            if ((a->s == NULL) != (b->s == NULL) ||
+                (a->s != NULL && (a->n != b->n || memcmp(a->s, b->s, a->n) != 0)))
+                goto done;
+        }
+    }
     if ((old != NULL && has_json_null(self, old)) || has_json_null(self, cols))
         goto done;
     rc = emit(self, old, cols, pieces, numbers, nnumbers, key_only, value, key) < 0 ? -1 : 1;
@@ -632,8 +641,9 @@ static PyObject *change_frame(RowPlan *self, PyObject *payload, Py_ssize_t at,
     case 'U':
         if (p[at + 4] == 'N')
             return PyTuple_GET_ITEM(kinds, 1);
-        /* The whole old row (REPLICA IDENTITY FULL) is the before row; an old key means
-           the key changed, which makes three records: the decoder's path. */
+        /* The whole old row (REPLICA IDENTITY FULL) is the before row (unless the key
+           changed: see build_tuple); an old key means the key changed, which makes three
+           records: the decoder's path. */
         *two_rows = 1;
         return p[at + 4] == 'O' ? PyTuple_GET_ITEM(kinds, 3) : NULL;
     case 'D':

@@ -197,6 +197,7 @@ class Bridge:
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
         self._sessions_streamed = 0
+        self._masking: Masking | None = None
         self._dsn = with_password(
             settings.source_dsn,
             settings.source_password.get_secret_value() if settings.source_password else None,
@@ -222,6 +223,7 @@ class Bridge:
                     self.metrics.registry,
                     {"/snapshot": lambda: self._book.report()},
                 ).start()
+            self._masking = self.settings.masking()  # a missing key: one line, at once
             self._sessions()
             return 0
         except (SourceError, HttpServerError) as exc:
@@ -396,9 +398,7 @@ class Bridge:
             s.topic_prefix,
             lambda oid: table_facts(sql, oid),
             self._known_versions(schema_topic(s.topic_prefix)),
-            masking=Masking(s.transforms, s.pii_columns, s.masking_key())
-            if s.transforms or s.pii_columns
-            else None,
+            masking=self._masking,
         )
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.

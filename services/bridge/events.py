@@ -598,7 +598,9 @@ class EventBuilder:
             )
         after = _row(info, msg.new, None if msg.old_is_key_only else msg.old, info.placeholders)
         key = self._key_of(info, key_row(info, msg.new))
-        if msg.old is not None and msg.old_is_key_only:
+        if msg.old is not None:
+            # An old key is sent when the replica identity changed; the whole old row
+            # (REPLICA IDENTITY FULL) with every update, the key changed or not.
             old_key = self._key_of(info, key_row(info, msg.old))
             if old_key != key:
                 return self._key_change(txn, lsn, info, msg, before, after, old_key, key)

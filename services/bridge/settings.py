@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 
-from services.bridge.masking import HashRule, TransformRule
+from services.bridge.masking import HashRule, Masking, MaskingRefused, TransformRule
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,
@@ -293,15 +293,16 @@ class BridgeSettings(ServiceSettings):
             )
         return value
 
-    @model_validator(mode="after")
-    def _hash_key_at_hand(self) -> BridgeSettings:
-        if any(isinstance(rule, HashRule) for rule in self.transforms):
-            self.masking_key()  # refused at load, not when the first row is masked
-        return self
+    def masking(self) -> Masking | None:
+        """The transform settings resolved (the hash key read), None without any; read
+        when the daemon starts, so commands that never build a record need no key."""
+        if not self.transforms and not self.pii_columns:
+            return None
+        return Masking(self.transforms, self.pii_columns, self.masking_key())
 
     def masking_key(self) -> bytes | None:
         """The hash transforms' key: the environment's, else masking_key_file's (its
-        trailing newline dropped); None when neither is set."""
+        trailing newline dropped); None when neither is set and no hash needs one."""
         key: bytes | None = None
         if os.environ.get(MASKING_KEY_ENV):
             key = os.environ[MASKING_KEY_ENV].encode()
@@ -309,15 +310,15 @@ class BridgeSettings(ServiceSettings):
             try:
                 key = self.masking_key_file.read_bytes().rstrip(b"\r\n")
             except OSError as exc:
-                raise ValueError(
+                raise MaskingRefused(
                     f"cannot read masking_key_file {self.masking_key_file}: {exc.strerror}"
                 ) from None
         elif any(isinstance(rule, HashRule) for rule in self.transforms):
-            raise ValueError(
+            raise MaskingRefused(
                 f"a hash transform needs a key: set {MASKING_KEY_ENV} or masking_key_file"
             )
         if key is not None and len(key) < _MIN_KEY_BYTES:
-            raise ValueError(
+            raise MaskingRefused(
                 f"the masking key has {len(key)} bytes; use at least {_MIN_KEY_BYTES} random "
                 "bytes (openssl rand -hex 32)"
             )

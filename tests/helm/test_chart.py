@@ -475,7 +475,8 @@ def _env(c: Manifest) -> dict[str, str]:
     """The container's environment as the process would see it (Secrets: a stand-in)."""
     out: dict[str, str] = {}
     for env in c.get("env", []):
-        out[env["name"]] = env.get("value", "from-a-secret")
+        # As long as a masking key must be.
+        out[env["name"]] = env.get("value", "from-a-secret-of-32-bytes-at-least")
     return out
 
 
@@ -533,6 +534,13 @@ def test_secrets_reach_the_settings(
     assert bridge.slot_name == "billing_events" and bridge.snapshot_mode == "never"
     assert bridge.source_password is not None and bridge.kafka_sasl_password is not None
     assert bridge.topic_prefix == "app"  # shared config under the slot's own
+    orders = loaded["slotbridge-orders"]
+    assert isinstance(orders, BridgeSettings) and orders.transforms
+    (container,) = [c for where, c in _configured(all_manifests) if "slotbridge-orders" in where]
+    with monkeypatch.context() as m:  # the key is read from the environment at start
+        for name, value in _env(container).items():
+            m.setenv(name, value)
+        assert orders.masking_key() == b"from-a-secret-of-32-bytes-at-least"
     watch = loaded["slotbridge-failover-watch"]
     assert isinstance(watch, FailoverSettings)
     assert watch.primary.password is not None

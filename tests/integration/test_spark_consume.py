@@ -965,3 +965,67 @@ def test_end_to_end_with_bridge(stack: Stack, spark: SparkSession, tmp_path: Pat
         pipeline.cleanup()
         for table in tables:
             sql(dsn, f"DROP TABLE IF EXISTS {table}")
+
+
+def test_masked_columns_reach_delta_masked(
+    stack: Stack, spark: SparkSession, tmp_path: Path
+) -> None:
+    # The consumer types a transformed column by what the bridge outputs (text), and no
+    # file it writes (Parquet, Delta log statistics, checkpoints) holds a raw value.
+    dsn = stack.primary_dsn
+    secret = uuid.uuid4().hex[:10]
+    table = f"public.spark_masked_{uuid.uuid4().hex[:6]}"
+    sql(
+        dsn,
+        f"CREATE TABLE {table} (id bigint PRIMARY KEY, email text, salary numeric(10,2),"
+        " notes text, label text)",
+    )
+    transforms = [
+        {"tables": [table], "columns": ["email", "phone*"], "transform": "hash"},
+        {"tables": [table], "columns": ["salary"], "transform": "mask", "keep_last": 2},
+        {"tables": [table], "columns": ["notes"], "transform": "drop"},
+    ]
+    insert = f"INSERT INTO {table} VALUES (%s, %s, %s, %s, %s)"
+    for n in range(1, 4):  # snapshot rows
+        sql(dsn, insert, (n, f"{secret}-{n}@example.com", 1000 + n, f"{secret} note", "a"))
+    pipeline = Pipeline(
+        stack,
+        [table],
+        tmp_path,
+        extra={
+            "SLOTBRIDGE_TRANSFORMS": json.dumps(transforms),
+            "SLOTBRIDGE_MASKING_KEY": "spark masking test key 0123456789",
+        },
+    )
+    try:
+        pipeline.start()
+        for n in range(4, 8):
+            sql(dsn, insert, (n, f"{secret}-{n}@example.com", 2000 + n, f"{secret} n", "b"))
+        sql(dsn, f"UPDATE {table} SET email = %s, label = 'c' WHERE id = 4", (f"{secret}-x",))
+        sql(dsn, f"DELETE FROM {table} WHERE id = 5")
+        sql(dsn, f"ALTER TABLE {table} ADD COLUMN phone text")
+        sql(dsn, f"INSERT INTO {table} VALUES (9, 'e9', 9, 'n9', 'd', %s)", (f"{secret}-tel",))
+        pipeline.wait_caught_up()
+        settings = consumer_settings(stack, pipeline.prefix, tmp_path, tables=[table])
+        consume_once(spark, settings)
+        paths = table_paths(settings.warehouse, table)
+        current = spark.read.format("delta").load(paths.current)
+        types = {f.name: f.dataType for f in current.schema.fields}
+        assert types["salary"] == StringType() and types["email"] == StringType()
+        assert "notes" not in types
+        rows = {r["id"]: r.asDict() for r in current.collect()}
+        assert sorted(rows) == [1, 2, 3, 4, 6, 7, 9]
+        assert rows[1]["salary"] == "*****00" and rows[9]["salary"] == "**00"
+        assert rows[4]["label"] == "c" and len(rows[4]["email"]) == 64
+        history = delta_rows(spark, paths.history)
+        cells = repr([rows, history])
+        assert secret not in cells
+        assert rows[9]["phone"] != f"{secret}-tel" and len(rows[9]["phone"]) == 64
+        for root in (Path(settings.warehouse), Path(settings.checkpoint_dir)):
+            for path in root.rglob("*"):
+                if path.is_file():
+                    assert secret.encode() not in path.read_bytes(), path
+        assert_every_reader_agrees(spark, settings.warehouse)
+    finally:
+        pipeline.cleanup()
+        sql(dsn, f"DROP TABLE IF EXISTS {table}")

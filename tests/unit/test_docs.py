@@ -74,6 +74,8 @@ def test_yaml_block_in_the_pages_loads(
     page: str, kind: str, text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _without_environment(monkeypatch)
+    # The hash transforms' key comes from the environment only (docs/masking.md).
+    monkeypatch.setenv("SLOTBRIDGE_MASKING_KEY", "a key of the docs' examples, 32 bytes")
     path = tmp_path / f"{kind}.yaml"
     path.write_text(text)
     assert isinstance(load_settings(MODELS[kind], path), BaseModel), page

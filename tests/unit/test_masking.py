@@ -312,18 +312,21 @@ def test_the_hash_key_comes_from_the_environment_or_a_file_and_never_the_setting
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(MASKING_KEY_ENV, raising=False)
-    with pytest.raises(SettingsError, match="a hash transform needs a key: set SLOTBRIDGE_"):
-        load_settings(BridgeSettings, settings_file(tmp_path, ""))
+    # Commands that build no record (status) load the settings without the key.
+    keyless = load_settings(BridgeSettings, settings_file(tmp_path, ""))
+    with pytest.raises(MaskingRefused, match="a hash transform needs a key: set SLOTBRIDGE_"):
+        keyless.masking()
     with pytest.raises(SettingsError, match="masking_key: unknown setting"):
         load_settings(BridgeSettings, settings_file(tmp_path, "masking_key: x\n"))
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY + b"\n")
-    loaded = load_settings(
-        BridgeSettings, settings_file(tmp_path, f"masking_key_file: {key_file}\n")
-    )
-    assert loaded.masking_key() == KEY
+    from_file = settings_file(tmp_path, f"masking_key_file: {key_file}\n")
+    assert load_settings(BridgeSettings, from_file).masking_key() == KEY
+    missing = settings_file(tmp_path, f"masking_key_file: {tmp_path / 'none'}\n")
+    with pytest.raises(MaskingRefused, match="cannot read masking_key_file"):
+        load_settings(BridgeSettings, missing).masking()
     monkeypatch.setenv(MASKING_KEY_ENV, "short")
-    with pytest.raises(SettingsError, match="the masking key has 5 bytes; use at least 16"):
-        load_settings(BridgeSettings, settings_file(tmp_path, ""))
+    with pytest.raises(MaskingRefused, match="the masking key has 5 bytes; use at least 16"):
+        load_settings(BridgeSettings, settings_file(tmp_path, "")).masking()
     monkeypatch.setenv(MASKING_KEY_ENV, "k" * 40)
     assert load_settings(BridgeSettings, settings_file(tmp_path, "")).masking_key() == b"k" * 40

@@ -590,3 +590,37 @@ def test_json_columns_read_in_place_equal_the_python_path(
     assert compiled == list(python.transaction(700, 0x200, 785_000_000_123_456, iter(given)))
     nulls = [json.loads(v)["json_nulls"] for _, _, v, _ in compiled if v and b"json_nulls" in v]
     assert nulls == [{"after": ["c1_jsonb", "c2_json"]}] * 4
+
+
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_key_change_under_replica_identity_full_forgets_the_old_key(
+    monkeypatch: pytest.MonkeyPatch, streamed: bool, value_format: str
+) -> None:
+    # The whole old row comes with every update under REPLICA IDENTITY FULL, the key changed
+    # or not: a changed key must still make the old key's delete and tombstone, or a
+    # compacted topic (and a consumer's current state) keeps the old row for ever.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    xid = 700 if streamed else None
+    full = m.Relation(xid, 16_402, "public", "full", "f", relation((20, 25)).columns)
+    changes: list[tuple[int, m.Message]] = [
+        (0x100, full),
+        (0x101, m.Update(xid, full.oid, ["1", "a"], False, ["2", "a"])),
+        (0x102, m.Update(xid, full.oid, ["2", "a"], False, ["2", "b"])),
+    ]
+    compiled, _ = transaction_records(value_format, changes, streamed, True)
+    assert compiled == transaction_records(value_format, changes, streamed, False)[0]
+    rows = [
+        (json.loads(k)["payload"] if value_format == "debezium" else json.loads(k), v is None)
+        for t, k, v, _ in compiled
+        if t == "app.public.full" and k is not None
+    ]
+    # The key change: the old key's delete and tombstone, the new key's record; then an
+    # update that keeps its key: one record.
+    assert rows == [
+        ({"c0_bigint": 1}, False),
+        ({"c0_bigint": 1}, True),
+        ({"c0_bigint": 2}, False),
+        ({"c0_bigint": 2}, False),
+    ]
