@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import orjson
 import pytest
 from pydantic import TypeAdapter
 
-from services.bridge import events
 from services.bridge import messages as m
 from services.bridge.debezium import DebeziumEventBuilder, context_headers
 from services.bridge.decoder import PgOutputDecoder
@@ -159,14 +157,6 @@ def every_byte(made: Sequence[Record]) -> bytes:
         )
         for topic, key, value, headers in made
     )
-
-
-@pytest.fixture
-def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Processing times and run numbers fixed, so two builds of the records agree."""
-    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
-    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
-    monkeypatch.setattr(events, "_RUN", 5)
 
 
 @pytest.mark.usefixtures("fixed_clock")
