@@ -70,6 +70,7 @@ from services.bridge.sink import (
 from services.bridge.snapshot import ChunkReader, SnapshotBook
 from services.bridge.source import (
     check_masking,
+    check_routing,
     check_slot,
     ensure_publication,
     preflight,
@@ -336,6 +337,8 @@ class Bridge:
             self._ensure_slot(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
         if builder.catalog.masking is not None:
             check_masking(sql, s.publication_name, builder.catalog.masking)
+        if builder.catalog.routing is not None:
+            check_routing(sql, s.publication_name, builder.catalog.routing)
         warn_keyless_tables(sql, s.publication_name)
         book = self._book = self._snapshots(sql, kafka_progress, mark)
 
@@ -399,6 +402,7 @@ class Bridge:
             lambda oid: table_facts(sql, oid),
             self._known_versions(schema_topic(s.topic_prefix)),
             masking=self._masking,
+            routing=s.routing(),
         )
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.

@@ -30,6 +30,7 @@ from services.bridge.masking import (
     PublishedColumn,
     drop_column,
 )
+from services.bridge.routing import Routing, RoutingRefused, TableShape
 from services.bridge.values import (
     JSON_NULL,
     TYPE_NAMES,
@@ -92,6 +93,8 @@ class ColumnFacts:
 class TableFacts:
     columns: dict[str, ColumnFacts]
     primary_key: tuple[str, ...]
+    # Each unique index of NOT NULL columns, its columns in order (for a chosen key).
+    unique_keys: tuple[tuple[str, ...], ...] = ()
 
 
 CatalogLookup = Callable[[int], TableFacts | None]
@@ -151,6 +154,18 @@ class RelationCatalog:
     by_oid: dict[int, RelationInfo] = field(default_factory=dict)
     encoder: RelationEncoder | None = None
     masking: Masking | None = None
+    routing: Routing | None = None
+    # The routed tables' shapes so far, for the key check of tables sharing a topic.
+    _routed: dict[tuple[str, str], TableShape] = field(default_factory=dict)
+
+    def _routing_of(self, schema: str, table: str) -> dict[str, Any] | None:
+        """The schema record's ``routing``: the route and key choice of the table."""
+        if self.routing is None:
+            return None
+        topic, key = self.routing.topic(schema, table), self.routing.key(schema, table)
+        if topic is None and key is None:
+            return None
+        return {"topic": topic, "key_columns": list(key) if key is not None else None}
 
     def _masks(self, rel: m.Relation) -> tuple[ColumnMask | None, ...]:
         if self.masking is None:
@@ -166,6 +181,7 @@ class RelationCatalog:
                 for c, mask in zip(rel.columns, masks, strict=True)
                 if mask is None or not mask.drops
             ),
+            self._routing_of(rel.namespace, rel.name),
         )
         name = (rel.namespace, rel.name)
         known = self.known.get(name)
@@ -188,6 +204,28 @@ class RelationCatalog:
         self.by_oid[rel.oid] = info
         return info
 
+    def _routed_key(
+        self, rel: m.Relation, facts: TableFacts | None, key_idx: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The key columns of a routed or re-keyed table version (``key_idx``: its replica
+        identity's), checked as at start: a table added to the publication, or a table
+        altered, mid-stream stops the bridge before a record of it is built."""
+        assert self.routing is not None
+        names = tuple(c.name for c in rel.columns)
+        shape = TableShape(
+            rel.namespace,
+            rel.name,
+            names,
+            rel.replica_identity,
+            tuple(names[i] for i in key_idx),
+            facts.unique_keys if facts is not None else (),
+        )
+        self._routed[(rel.namespace, rel.name)] = shape
+        refusal = self.routing.refusal(shape) or self.routing.collision(self._routed.values())
+        if refusal is not None:
+            raise RoutingRefused(refusal)
+        return tuple(names.index(c) for c in self.routing.key_of(shape))
+
     def _build(
         self, rel: m.Relation, version: int, masks: tuple[ColumnMask | None, ...]
     ) -> RelationInfo:
@@ -199,6 +237,9 @@ class RelationCatalog:
             # With REPLICA IDENTITY FULL every column is flagged; the primary key is the
             # key consumers expect (and the one Debezium uses).
             key_idx = tuple(i for i, n in enumerate(names) if n in facts.primary_key)
+        routing = self._routing_of(rel.namespace, rel.name)
+        if routing is not None:
+            key_idx = self._routed_key(rel, facts, key_idx)
         type_names = tuple(
             fact.type_name
             if facts is not None and (fact := facts.columns.get(c.name)) is not None
@@ -261,11 +302,14 @@ class RelationCatalog:
             "key_columns": [names[i] for i in key_idx],
             "ts_ms": int(time.time() * 1000),
         }
+        if routing is not None:
+            record["routing"] = routing
         info = RelationInfo(
             oid=rel.oid,
             schema=rel.namespace,
             table=rel.name,
-            topic=table_topic(self.topic_prefix, rel.namespace, rel.name),
+            topic=(routing or {}).get("topic")
+            or table_topic(self.topic_prefix, rel.namespace, rel.name),
             version=version,
             names=names,
             converters=tuple(
@@ -335,10 +379,14 @@ def row_plan(
 Column = tuple[str, int, int, bool, str | None]
 
 
-def _fingerprint(identity: str, columns: Iterable[Column]) -> tuple[Any, ...]:
-    """What makes a table version: its replica identity and (name, type, typmod, key flag,
-    transform) per published column, as a Relation message gives them."""
-    return (identity, *columns)
+def _fingerprint(
+    identity: str, columns: Iterable[Column], routing: dict[str, Any] | None
+) -> tuple[Any, ...]:
+    """What makes a table version: its replica identity, (name, type, typmod, key flag,
+    transform) per published column, as a Relation message gives them, and the route and
+    key chosen for it."""
+    route = (routing["topic"], tuple(routing["key_columns"] or ())) if routing else None
+    return (identity, route, *columns)
 
 
 def _column_identity(identity: str, column: dict[str, Any]) -> Column:
@@ -369,7 +417,9 @@ def known_versions(schema_records: Iterable[dict[str, Any]]) -> dict[tuple[str, 
         ident = rec["replica_identity"]
         # A Relation message flags every column as key under REPLICA IDENTITY FULL; the
         # record flags the primary key instead.
-        fingerprint = _fingerprint(ident, (_column_identity(ident, c) for c in rec["columns"]))
+        fingerprint = _fingerprint(
+            ident, (_column_identity(ident, c) for c in rec["columns"]), rec.get("routing")
+        )
         name = (rec["schema"], rec["table"])
         if name not in known or known[name].version < rec["version"]:
             known[name] = KnownVersion(rec["version"], fingerprint)

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 
 from services.bridge.masking import HashRule, Masking, MaskingRefused, TransformRule
+from services.bridge.routing import KeyChoice, Route, Routing
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,
@@ -245,6 +246,20 @@ class BridgeSettings(ServiceSettings):
         f"bytes); or set {MASKING_KEY_ENV}; the key is never taken from this file and "
         "never logged",
     )
+    routes: list[Route] = Field(
+        default_factory=list,
+        description="tables (names or patterns) whose change records go to one topic "
+        "instead of each its own: {tables: [public.orders_2025_*], topic: app.public.orders}; "
+        "the source block names each record's table; tables sharing a topic must share "
+        "their key columns",
+    )
+    keys: list[KeyChoice] = Field(
+        default_factory=list,
+        description="the message key columns of tables (names or patterns): {tables: [...], "
+        "columns: [...]}; other than the replica identity's only under REPLICA IDENTITY "
+        "FULL, and the columns of a unique index of NOT NULL columns (any columns for a "
+        "table without one)",
+    )
 
     http_host: str = HTTP_HOST
     http_port: int = Field(default=9187, ge=0, le=65535, description="0 disables the server")
@@ -292,6 +307,10 @@ class BridgeSettings(ServiceSettings):
                 "tables, or list schema.table names"
             )
         return value
+
+    def routing(self) -> Routing | None:
+        """The routes and key choices, None without any."""
+        return Routing(self.routes, self.keys) if self.routes or self.keys else None
 
     def masking(self) -> Masking | None:
         """The transform settings resolved (the hash key read), None without any; read

@@ -15,6 +15,7 @@ from psycopg import sql
 
 from services.bridge.events import ColumnFacts, TableFacts
 from services.bridge.masking import Masking, MaskingRefused, PublishedColumn
+from services.bridge.routing import Routing, RoutingRefused, TableShape
 from services.bridge.settings import BridgeSettings
 from services.common.logs import log_event
 from services.common.pg import SourceError, SourceRefused
@@ -269,6 +270,60 @@ def check_masking(conn: Conn, publication: str, masking: Masking) -> None:
         raise MaskingRefused(problem)
 
 
+# The unique indexes of a relation that can key its records: NOT NULL columns only (NULLs
+# are never equal, so such an index lets duplicates through), no expression, no predicate;
+# each as a JSON array of its column names in index order.
+_UNIQUE_KEYS = (
+    "(SELECT json_agg(ARRAY(SELECT a.attname::text FROM unnest(i.indkey::int2[])"
+    " WITH ORDINALITY k(attnum, n) JOIN pg_attribute a ON a.attrelid = i.indrelid"
+    " AND a.attnum = k.attnum ORDER BY k.n)) FROM pg_index i WHERE i.indrelid = {relation}"
+    " AND i.indisunique AND i.indexprs IS NULL AND i.indpred IS NULL AND NOT EXISTS"
+    " (SELECT FROM pg_attribute a WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)"
+    " AND NOT a.attnotnull))"
+)
+
+
+def _unique_keys(found: object) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(columns) for columns in cast(list[list[str]], found or []))
+
+
+def published_shapes(conn: Conn, publication: str) -> dict[tuple[str, str], TableShape]:
+    """Each published table's columns, replica identity, default key and unique keys (of
+    NOT NULL columns, without expressions or a predicate), for the routing check."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT p.schemaname, p.tablename, p.attnames, c.relreplident,"
+            " (SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[],"
+            "   a.attnum)) FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
+            "   AND a.attnum = ANY(i.indkey) WHERE i.indrelid = c.oid AND"
+            "   (i.indisreplident OR (i.indisprimary AND c.relreplident IN ('d', 'f')))),"
+            f" {_UNIQUE_KEYS.format(relation='c.oid')}"
+            " FROM pg_publication_tables p"
+            " JOIN pg_class c ON c.oid = format('%%I.%%I', p.schemaname, p.tablename)::regclass"
+            " WHERE p.pubname = %s",
+            (publication,),
+        )
+        rows = cur.fetchall()
+    return {
+        (str(schema), str(table)): TableShape(
+            str(schema),
+            str(table),
+            tuple(cast(list[str], columns)),
+            str(identity),
+            tuple(cast(list[str], key or [])),
+            _unique_keys(unique),
+        )
+        for schema, table, columns, identity, key, unique in rows
+    }
+
+
+def check_routing(conn: Conn, publication: str, routing: Routing) -> None:
+    """Refuse, in one line, routes and keys that do not fit the published tables."""
+    problem = routing.check(published_shapes(conn, publication))
+    if problem is not None:
+        raise RoutingRefused(problem)
+
+
 def publishes_all_tables(conn: Conn, publication: str) -> bool:
     with conn.cursor() as cur:
         cur.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (publication,))
@@ -361,6 +416,8 @@ def table_facts(conn: Conn, relation_oid: int) -> TableFacts | None:
             (relation_oid,),
         )
         primary_key = tuple(str(r[0]) for r in cur)
+        cur.execute(f"SELECT {_UNIQUE_KEYS.format(relation='%s')}", (relation_oid,))
+        unique = cur.fetchone()
     if not columns:
         return None
-    return TableFacts(columns, primary_key)
+    return TableFacts(columns, primary_key, _unique_keys(unique[0] if unique else None))

@@ -173,6 +173,17 @@ class ColumnSchema(StrictModel):
     )
 
 
+class TableRouting(StrictModel):
+    """A route or key choice of the bridge's settings that applies to the table."""
+
+    topic: str | None = Field(
+        description="the topic a route sends its change records to (None: its own)"
+    )
+    key_columns: list[str] | None = Field(
+        description="the key columns chosen in the settings (None: the replica identity's)"
+    )
+
+
 class TableSchemaRecord(StrictModel):
     """Value on the compacted ``{prefix}.schema`` topic, keyed by schema, table and version.
 
@@ -188,6 +199,9 @@ class TableSchemaRecord(StrictModel):
     columns: list[ColumnSchema]
     key_columns: list[str]
     ts_ms: int
+    routing: TableRouting | None = Field(
+        default=None, description="set when a route or a key choice applies to the table"
+    )
 
 
 class TableSnapshot(StrictModel):

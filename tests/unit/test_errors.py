@@ -21,6 +21,7 @@ from services.bridge.kafka_reader import TopicReadError, _scan
 from services.bridge.masking import MaskingRefused
 from services.bridge.progress_record import ProgressRecordError
 from services.bridge.publisher import GapError
+from services.bridge.routing import RoutingRefused
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import FencedError, KafkaRefused, SinkError, TopicReplaced
 from services.bridge.spool import SpoolError
@@ -53,6 +54,7 @@ RETRYABLE: dict[type[SlotbridgeError], bool] = {
     PromoteError: False,
     RowTooLarge: False,
     MaskingRefused: False,
+    RoutingRefused: False,
     SettingsError: False,
     SinkError: True,
     SlotBusy: True,
