@@ -13,16 +13,16 @@ Pure: the keyed hash's key is handed in; reading it is the caller's business.
 from __future__ import annotations
 
 import base64
-import fnmatch
 import hashlib
 import hmac
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.errors import SlotbridgeError
+from services.common.settings import is_pattern, matches_any
 
 JsonText = str | None
 
@@ -206,10 +206,6 @@ def column_mask(rule: Rule, key: bytes | None) -> ColumnMask:
     return ColumnMask("drop", "", drop_column)
 
 
-def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 class Masking:
     """The transform settings, resolved per column by name.
 
@@ -230,7 +226,7 @@ class Masking:
         return [
             i
             for i, r in enumerate(self.rules)
-            if _matches(qualified, r.tables) and _matches(column, r.columns)
+            if matches_any(qualified, r.tables) and matches_any(column, r.columns)
         ]
 
     def mask(self, schema: str, table: str, column: str) -> ColumnMask | None:
@@ -253,7 +249,7 @@ class Masking:
                     "make only one of them match it"
                 )
             if not found:
-                if _matches(c.name, self.pii_columns):
+                if matches_any(c.name, self.pii_columns):
                     return (
                         f"column {where} matches pii_columns but no transform: add a transform "
                         f"for it (or drop it from the publication)"
@@ -275,16 +271,23 @@ class Masking:
         return None
 
     def unmatched(self, tables: Mapping[tuple[str, str], Sequence[PublishedColumn]]) -> str | None:
-        """A rule that matches no published column (a typo, most likely), as one line."""
+        """A name in a rule that is not published (a typo, most likely), as one line: a
+        table named without a pattern, a column named without one in none of the rule's
+        tables, or a rule matching no column at all."""
+        published = {f"{schema}.{table}": columns for (schema, table), columns in tables.items()}
         for i, rule in enumerate(self.rules):
-            if not any(
-                i in self._rules_of(schema, table, c.name)
-                for (schema, table), columns in tables.items()
-                for c in columns
-            ):
+            where = f"transform {i + 1} ({rule.transform} of {', '.join(rule.columns)})"
+            missing = [t for t in rule.tables if not is_pattern(t) and t not in published]
+            if missing:
+                return f"{where} names {', '.join(missing)}, which the publication does not publish"
+            columns = {
+                c.name for t, cs in published.items() if matches_any(t, rule.tables) for c in cs
+            }
+            absent = [c for c in rule.columns if not is_pattern(c) and c not in columns]
+            if absent or not any(matches_any(c, rule.columns) for c in columns):
                 return (
-                    f"transform {i + 1} ({rule.transform} of {', '.join(rule.columns)} in "
-                    f"{', '.join(rule.tables)}) matches no column of the publication; fix "
-                    f"its tables or columns"
+                    f"{where} matches no published column"
+                    f"{' ' + ', '.join(absent) if absent else ''} in {', '.join(rule.tables)}; "
+                    "fix its tables or columns"
                 )
         return None

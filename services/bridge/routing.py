@@ -17,14 +17,13 @@ Pure: the table facts are handed in.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.errors import SlotbridgeError
-from services.common.settings import kafka_topic_name
+from services.common.settings import is_pattern, kafka_topic_name, matches_any
 
 
 class RoutingRefused(SlotbridgeError):
@@ -80,10 +79,6 @@ class TableShape:
         return f"{self.schema}.{self.table}"
 
 
-def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 class Routing:
     """The routes and key choices of the settings, resolved per table."""
 
@@ -93,19 +88,19 @@ class Routing:
 
     def topic(self, schema: str, table: str) -> str | None:
         """The topic a route sends the table to, or None for its own."""
-        found = [r for r in self.routes if _matches(f"{schema}.{table}", r.tables)]
+        found = [r for r in self.routes if matches_any(f"{schema}.{table}", r.tables)]
         return found[0].topic if found else None
 
     def key(self, schema: str, table: str) -> tuple[str, ...] | None:
         """The key columns chosen for the table, or None for its replica identity's."""
-        found = [k for k in self.keys if _matches(f"{schema}.{table}", k.tables)]
+        found = [k for k in self.keys if matches_any(f"{schema}.{table}", k.tables)]
         return tuple(found[0].columns) if found else None
 
     def refusal(self, shape: TableShape) -> str | None:
         """Why the table's route or key cannot work, in one line, or None."""
         name = shape.name
-        routes = [i + 1 for i, r in enumerate(self.routes) if _matches(name, r.tables)]
-        keys = [i + 1 for i, k in enumerate(self.keys) if _matches(name, k.tables)]
+        routes = [i + 1 for i, r in enumerate(self.routes) if matches_any(name, r.tables)]
+        keys = [i + 1 for i, k in enumerate(self.keys) if matches_any(name, k.tables)]
         for what, found in (("routes", routes), ("keys", keys)):
             if len(found) > 1:
                 numbers = " and ".join(map(str, found))
@@ -158,7 +153,13 @@ class Routing:
         patterns = [("route", i, r.tables) for i, r in enumerate(self.routes)]
         patterns += [("key", i, k.tables) for i, k in enumerate(self.keys)]
         for kind, i, tables in patterns:
-            if not any(_matches(n, tables) for n in published):
+            missing = [t for t in tables if not is_pattern(t) and t not in published]
+            if missing:
+                return (
+                    f"{kind} {i + 1} names {', '.join(missing)}, which the publication does "
+                    "not publish"
+                )
+            if not any(matches_any(n, tables) for n in published):
                 return (
                     f"{kind} {i + 1} ({', '.join(tables)}) matches no table of the "
                     f"publication; fix its tables"

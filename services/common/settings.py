@@ -9,8 +9,10 @@ wants "source_dsn: Field required", not a traceback.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,6 +86,17 @@ def qualified_tables(value: list[str] | None) -> list[str] | None:
             if name.count(".") != 1:
                 raise ValueError(f"table {name!r} must be written schema.table")
     return value
+
+
+def matches_any(name: str, patterns: Iterable[str]) -> bool:
+    """Whether ``name`` matches one of the settings' fnmatch ``patterns`` (case matters:
+    PostgreSQL names are case-sensitive once quoted)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def is_pattern(name: str) -> bool:
+    """Whether a name in the settings is a pattern, not a name: a name must exist."""
+    return any(c in name for c in "*?[")
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:

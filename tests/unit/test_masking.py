@@ -278,7 +278,23 @@ def test_a_rule_matching_no_published_column_is_refused() -> None:
     tables = {("public", "t"): published(("email", "text", False))}
     assert Masking([rule(columns=["email"], transform="drop")], [], None).unmatched(tables) is None
     typo = Masking([rule(columns=["emial"], transform="drop")], [], None).unmatched(tables)
-    assert typo is not None and "transform 1 (drop of emial in public.*) matches no column" in typo
+    assert typo == (
+        "transform 1 (drop of emial) matches no published column emial in public.*; "
+        "fix its tables or columns"
+    )
+    # A name without a pattern must be there; a pattern must match something.
+    some = Masking([rule(columns=["email", "emial"], transform="drop")], [], None)
+    assert "no published column emial" in str(some.unmatched(tables))
+    assert Masking([rule(columns=["e*"], transform="drop")], [], None).unmatched(tables) is None
+    assert "no published column in" in str(
+        Masking([rule(columns=["x*"], transform="drop")], [], None).unmatched(tables)
+    )
+    table = _RULE.validate_python(
+        {"tables": ["public.tt"], "columns": ["email"], "transform": "drop"}
+    )
+    assert Masking([table], [], None).unmatched(tables) == (
+        "transform 1 (drop of email) names public.tt, which the publication does not publish"
+    )
 
 
 def test_a_pii_column_added_mid_stream_stops_the_bridge_before_its_records() -> None:

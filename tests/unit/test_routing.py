@@ -140,6 +140,10 @@ def test_tables_with_different_keys_on_one_topic_are_refused() -> None:
     assert rules.check({("public", "x"): shape("x")}) == (
         "route 1 (public.orders_*) matches no table of the publication; fix its tables"
     )
+    named = routing([route("public.x", "public.orders_us")])
+    assert named.check({("public", "x"): shape("x")}) == (
+        "route 1 names public.orders_us, which the publication does not publish"
+    )
 
 
 def test_a_table_altered_mid_stream_into_a_collision_stops_before_its_records() -> None:
