@@ -14,7 +14,7 @@ setup(
         Extension(
             f"services.bridge.{name}",
             [f"services/bridge/{name}.c"],
-            depends=["services/bridge/_tupledata.h"],
+            depends=["services/bridge/_tupledata.h", "services/bridge/_hmac.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         )

@@ -8,6 +8,7 @@ tests/unit/test_rowjson.py holds it to. Each column has a kind saying how its te
 JSON; the common kinds are handled here, any text a kind does not recognise goes to the
 column's Python converter (which also raises the converter's errors), as do the rare types.
 */
+#include "_hmac.h"
 #include "_tupledata.h"
 #include <string.h>
 
@@ -20,6 +21,8 @@ column's Python converter (which also raises the converter's errors), as do the 
 #define K_PYTHON 'p'      /* the converter, then dumps */
 #define K_JSON 'j'        /* json/jsonb text, written as it is (a JSON null: see json_null) */
 #define K_DROPPED 'x'     /* left out of the row (a transform drops it; never a key column) */
+#define K_HASH_HEX 'h'    /* the hash transform: HMAC-SHA-256 of the text, in hex */
+#define K_HASH_BASE64 'H' /* ... in base64 */
 
 typedef struct {
     char *data;
@@ -137,6 +140,8 @@ typedef struct {
     int whole_old_key; /* an old key tuple's row is every column (the others null) */
     PyObject *converters; /* tuple of callables */
     PyObject *dumps;
+    HmacKey hash_key; /* of the hash kinds, when has_hash_key */
+    int has_hash_key;
 } RowPlan;
 
 static void plan_dealloc(RowPlan *self) {
@@ -159,15 +164,25 @@ static void plan_dealloc(RowPlan *self) {
    whole_old_key, a delete's old key tuple is written with every column (pgoutput sends the
    others as nulls), else with its key columns alone; placeholders, a tuple of bytes per
    column, is the JSON written for an unchanged TOAST value (without it such a row is left
-   to the caller). */
+   to the caller); hash_key, the key of the columns of the hash kinds (without it their
+   converters are called). */
 static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     PyObject *names, *kinds, *key_idx, *converters, *dumps;
-    PyObject *key_head = NULL, *key_tail = NULL, *placeholders = Py_None;
+    PyObject *key_head = NULL, *key_tail = NULL, *placeholders = Py_None, *hash_key = Py_None;
     int whole_old_key = 0;
-    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSpO:RowPlan", &PyTuple_Type, &names, &kinds,
+    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSpOO:RowPlan", &PyTuple_Type, &names, &kinds,
                           &PyTuple_Type, &key_idx, &PyTuple_Type, &converters, &dumps, &key_head,
-                          &key_tail, &whole_old_key, &placeholders))
+                          &key_tail, &whole_old_key, &placeholders, &hash_key))
         return -1;
+    if (hash_key != Py_None) {
+        if (!PyBytes_Check(hash_key)) {
+            PyErr_SetString(PyExc_TypeError, "hash_key must be bytes or None");
+            return -1;
+        }
+        hmac_key(&self->hash_key, (const unsigned char *)PyBytes_AS_STRING(hash_key),
+                 (size_t)PyBytes_GET_SIZE(hash_key));
+        self->has_hash_key = 1;
+    }
     Py_ssize_t n = PyTuple_GET_SIZE(names);
     if (PyBytes_GET_SIZE(kinds) != n || PyTuple_GET_SIZE(converters) != n) {
         PyErr_SetString(PyExc_ValueError, "names, kinds and converters differ in length");
@@ -248,6 +263,40 @@ typedef struct {
     int raw;
 } Col;
 
+/* The hash transform's JSON string of text s[0:n]: its HMAC-SHA-256 in hex, or in base64
+   (the standard alphabet, padded), as masking.py writes it. */
+static int put_hash(Buf *b, const HmacKey *key, const char *s, Py_ssize_t n, int base64) {
+    static const char B64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    unsigned char mac[32];
+    hmac_sha256(key, (const unsigned char *)s, (size_t)n, mac);
+    if (buf_grow(b, 66) < 0)
+        return -1;
+    char *out = b->data + b->len;
+    *out++ = '"';
+    if (base64) {
+        for (int i = 0; i < 30; i += 3) {
+            unsigned v = (unsigned)mac[i] << 16 | (unsigned)mac[i + 1] << 8 | mac[i + 2];
+            *out++ = B64[v >> 18];
+            *out++ = B64[(v >> 12) & 63];
+            *out++ = B64[(v >> 6) & 63];
+            *out++ = B64[v & 63];
+        }
+        unsigned v = (unsigned)mac[30] << 16 | (unsigned)mac[31] << 8;
+        *out++ = B64[v >> 18];
+        *out++ = B64[(v >> 12) & 63];
+        *out++ = B64[(v >> 6) & 63];
+        *out++ = '=';
+    } else {
+        for (int i = 0; i < 32; i++) {
+            *out++ = HEX[mac[i] >> 4];
+            *out++ = HEX[mac[i] & 15];
+        }
+    }
+    *out++ = '"';
+    b->len = out - b->data;
+    return 0;
+}
+
 /* The value of column i: its JSON text appended to b. */
 static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     const char *s = col->s;
@@ -276,6 +325,11 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     case K_TIMESTAMPTZ:
         if (n >= 3 && memcmp(s + n - 3, "+00", 3) == 0)
             return put_string(b, s, n - 3, 1, "Z");
+        break;
+    case K_HASH_HEX:
+    case K_HASH_BASE64:
+        if (self->has_hash_key)
+            return put_hash(b, &self->hash_key, s, n, self->kinds[i] == K_HASH_BASE64);
         break;
     }
     PyObject *text = col->text;

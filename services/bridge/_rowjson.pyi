@@ -13,6 +13,7 @@ class RowPlan:
         key_tail: bytes = ...,
         whole_old_key: bool = ...,
         placeholders: tuple[bytes, ...] | None = ...,
+        hash_key: bytes | None = ...,
         /,
     ) -> None: ...
     def record(

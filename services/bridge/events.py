@@ -364,15 +364,21 @@ def row_plan(
     written as a whole row (its other columns null). None without the extension."""
     if RowPlan is None:
         return None
+    masks = info.masks or (None,) * len(info.names)
     return RowPlan(
         tuple(_dumps(name) + b":" for name in info.names),
-        b"".join(_KINDS.get(conv, b"p") for conv in info.converters),
+        b"".join(
+            mask.compiled if mask is not None and mask.compiled else _KINDS.get(conv, b"p")
+            for conv, mask in zip(info.converters, masks, strict=True)
+        ),
         info.key_idx,
         info.converters,
         _dumps,
         *key_frame,
         whole_old_key,
         tuple(_dumps(placeholder) for placeholder in info.placeholders),
+        # Every hash transform of a plan has the settings' one key.
+        next((mask.key for mask in masks if mask is not None and mask.key), None),
     )
 
 

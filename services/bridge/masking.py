@@ -127,6 +127,10 @@ class ColumnMask:
     convert: Callable[[str], JsonText]
     # Whether the output can be null where the column is not (redact to null).
     nulls: bool = False
+    # The compiled row builder's own kind for it (see _rowjson.c), and the hash key it
+    # needs; None: the builder calls ``convert``.
+    compiled: bytes | None = None
+    key: bytes | None = None
 
     @property
     def drops(self) -> bool:
@@ -184,7 +188,11 @@ def column_mask(rule: Rule, key: bytes | None) -> ColumnMask:
                 "a hash transform needs a key: set SLOTBRIDGE_MASKING_KEY or masking_key_file"
             )
         return ColumnMask(
-            "hash", f"hmac-sha256 {rule.encoding} key {key_id(key)}", _hasher(key, rule.encoding)
+            "hash",
+            f"hmac-sha256 {rule.encoding} key {key_id(key)}",
+            _hasher(key, rule.encoding),
+            compiled=b"h" if rule.encoding == "hex" else b"H",
+            key=key,
         )
     if isinstance(rule, RedactRule):
         replacement = rule.replacement

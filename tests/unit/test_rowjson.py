@@ -7,13 +7,16 @@ including the texts a kind does not recognise and hands back to the column's con
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import itertools
 import json
+import random
 import re
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import orjson
 import pytest
@@ -33,6 +36,7 @@ from services.bridge.events import (
     Undecoded,
     whole_row,
 )
+from services.bridge.masking import HashRule, column_mask
 from services.bridge.values import TYPE_NAMES
 from services.contract.records import TOAST_PLACEHOLDER
 from tests.unit.pgoutput_builder import encode, tuple_data
@@ -623,3 +627,61 @@ def test_a_key_change_under_replica_identity_full_forgets_the_old_key(
         ({"c0_bigint": 2}, False),
         ({"c0_bigint": 2}, False),
     ]
+
+
+# RFC 4231's HMAC-SHA-256 cases 1, 2, 4 and 6 (a key longer than a block): key, data, MAC.
+RFC_4231 = [
+    (b"\x0b" * 20, b"Hi There", "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"),
+    (
+        b"Jefe",
+        b"what do ya want for nothing?",
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843",
+    ),
+    (
+        bytes(range(1, 26)),
+        b"\xcd" * 50,
+        "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b",
+    ),
+    (
+        b"\xaa" * 131,
+        b"Test Using Larger Than Block-Size Key - Hash Key First",
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54",
+    ),
+]
+
+
+@pytest.mark.parametrize("encoding", ["hex", "base64"])
+def test_the_compiled_hash_transform_writes_what_python_hmac_does(
+    encoding: Literal["hex", "base64"],
+) -> None:
+    # The compiled builder's own HMAC-SHA-256 (_hmac.h) against the RFC's vectors and, over
+    # texts of every length around the block boundaries and beyond, against the transform
+    # the Python path runs (OpenSSL's HMAC).
+    rule = HashRule(tables=["public.t"], columns=["c"], transform="hash", encoding=encoding)
+
+    def plans(key: bytes) -> tuple[RowPlan, Callable[[str], Any]]:
+        mask = column_mask(rule, key)
+        assert mask.compiled is not None
+        plan = RowPlan(
+            (b'"c":',), mask.compiled, (), (mask.convert,), orjson.dumps, b"", b"", False, None, key
+        )
+        return plan, mask.convert
+
+    for key, data, mac in RFC_4231:
+        plan, convert = plans(key)
+        digest = bytes.fromhex(mac)
+        expected = mac if encoding == "hex" else base64.b64encode(digest).decode()
+        text = data.decode("latin-1")  # the RFC's bytes as UTF-8 text's bytes where ASCII
+        if data.isascii():
+            assert built(plan, [text]) == (b'{"c":"%s"}' % expected.encode(), None)
+            assert convert(text) == expected
+    rng = random.Random(4231)
+    alphabet = 'aZ09 .@-_é中😀\n"'
+    for key_length in (16, 32, 64, 65, 200):
+        plan, convert = plans(bytes(rng.randrange(256) for _ in range(key_length)))
+        for length in [*range(0, 130), 1000, 5000]:
+            text = "".join(rng.choice(alphabet) for _ in range(length))
+            assert built(plan, [text])[0] == orjson.dumps({"c": convert(text)})
+    # Without a key the plan calls the transform itself, which writes the same.
+    keyless = RowPlan((b'"c":',), b"h", (), (plans(b"k" * 32)[1],), orjson.dumps)
+    assert built(keyless, ["x"])[0] == orjson.dumps({"c": plans(b"k" * 32)[1]("x")})
