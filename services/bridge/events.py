@@ -156,7 +156,7 @@ class RelationCatalog:
     masking: Masking | None = None
     routing: Routing | None = None
     # The routed tables' shapes so far, for the key check of tables sharing a topic.
-    _routed: dict[tuple[str, str], TableShape] = field(default_factory=dict)
+    _routed: dict[tuple[str, str], TableShape] = field(default_factory=dict, init=False)
 
     def _routing_of(self, schema: str, table: str) -> dict[str, Any] | None:
         """The schema record's ``routing``: the route and key choice of the table."""
