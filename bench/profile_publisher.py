@@ -26,15 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.bridge.assembler import Transaction
+from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
 from services.bridge.confirm import ConfirmTracker
 from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import (
-    ColumnFacts,
-    EventBuilder,
-    Record,
-    RelationCatalog,
-    TableFacts,
-)
+from services.bridge.events import EventBuilder, Record
 from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.publisher import Publisher, TxnQueue

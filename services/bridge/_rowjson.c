@@ -1,6 +1,6 @@
 /* A row's text values -> its JSON object and key object, in one pass without dicts.
 
-The hot path of the default record format (see events.RowPlan): the values come as the
+The hot path of the default record format (see catalog.row_plan): the values come as the
 snapshot reader gives them (a list or tuple of str or None), or as the stream's pgoutput
 TupleData, read in place (records: no str per column), and the output
 must be byte for byte what orjson.dumps({name: converter(text)}) writes, which
@@ -12,7 +12,7 @@ column's Python converter (which also raises the converter's errors), as do the 
 #include "_tupledata.h"
 #include <string.h>
 
-/* Column kinds, as events.RowPlan spells them in its kinds bytes. */
+/* Column kinds, as catalog.row_plan spells them in its kinds bytes. */
 #define K_INT 'i'         /* integer text: a JSON number as printed */
 #define K_TEXT 's'        /* a JSON string of the text */
 #define K_BOOL 'b'        /* t / f */
@@ -866,7 +866,7 @@ static PyTypeObject RowPlanType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.bridge._rowjson.RowPlan",
     .tp_basicsize = sizeof(RowPlan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "How one relation version's rows become JSON (see events.RowPlan)",
+    .tp_doc = "How one relation version's rows become JSON (see catalog.row_plan)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)plan_init,
     .tp_dealloc = (destructor)plan_dealloc,

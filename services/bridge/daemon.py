@@ -34,19 +34,14 @@ from types import FrameType
 import psycopg
 from psycopg.errors import DuplicateObject, ObjectInUse, UndefinedObject
 
-from services.bridge import decoder, events
+from services.bridge import catalog, decoder
 from services.bridge import messages as m
 from services.bridge.assembler import Assembler
+from services.bridge.catalog import KnownVersion, RelationCatalog, known_versions
 from services.bridge.confirm import ConfirmTracker
 from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import (
-    EventBuilder,
-    KnownVersion,
-    RelationCatalog,
-    known_versions,
-    max_change_bytes,
-)
+from services.bridge.events import EventBuilder, max_change_bytes
 from services.bridge.feedback import StreamPosition
 from services.bridge.highwater import high_water
 from services.bridge.kafka_reader import read_kafka_progress, read_topic
@@ -384,7 +379,7 @@ class Bridge:
             system=identity.system_identifier,
             timeline=identity.timeline,
             high_water=format_lsn(mark),
-            compiled_hot_path=decoder.COMPILED and events.COMPILED,
+            compiled_hot_path=decoder.COMPILED and catalog.COMPILED,
             snapshots=[
                 f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
             ],

@@ -34,19 +34,16 @@ from dataclasses import dataclass
 import orjson
 
 from services.bridge import messages as m
+from services.bridge.catalog import RelationCatalog, RelationInfo, TableFacts, row_plan
 from services.bridge.connect_values import ColumnType, Schema, column_encoding, placeholder
 from services.bridge.events import (
     EventBuilder,
     Headers,
     Record,
-    RelationCatalog,
-    RelationInfo,
     RowPieces,
-    TableFacts,
     Txn,
     Undecoded,
     key_row,
-    row_plan,
     status_value,
     whole_row,
 )

@@ -32,10 +32,11 @@ from typing import Protocol
 
 from services.bridge import messages as m
 from services.bridge.assembler import Transaction
+from services.bridge.catalog import RelationInfo
 from services.bridge.chunks import StreamWatch, TableName
 from services.bridge.confirm import ConfirmTracker
 from services.bridge.decoder import is_logical_message, is_relation, streamed_xid
-from services.bridge.events import EventBuilder, Record, RelationInfo, Undecoded
+from services.bridge.events import EventBuilder, Record, Undecoded
 from services.bridge.highwater import ServerIdentity
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress_record import progress_key, progress_value

@@ -671,7 +671,7 @@ def _shape(conn: psycopg.Connection[tuple[object, ...]], published: PublishedTab
     first = rows[0]
     rel_oid, ident, kind = int(str(first[6])), str(first[7]), str(first[8])
     estimate, pages, snapshot = int(str(first[9])), int(str(first[10])), str(first[11])
-    # The key records carry (the catalogue's rule in events.py): the replica identity's
+    # The key records carry (the catalogue's rule in catalog.py): the replica identity's
     # columns, or the primary key under REPLICA IDENTITY FULL. Without one, heap pages.
     if ident == "f":
         key = [(str(r[0]), str(r[5])) for r in rows if r[4]]

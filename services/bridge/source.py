@@ -13,7 +13,7 @@ from typing import cast
 import psycopg
 from psycopg import sql
 
-from services.bridge.events import ColumnFacts, TableFacts
+from services.bridge.catalog import ColumnFacts, TableFacts
 from services.bridge.masking import Masking, MaskingRefused, PublishedColumn
 from services.bridge.routing import Routing, RoutingRefused, TableShape
 from services.bridge.settings import BridgeSettings

@@ -14,9 +14,9 @@ import pytest
 
 from services.bridge import connect_values
 from services.bridge import messages as m
+from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
 from services.bridge.connect_values import ColumnType, column_encoding, placeholder
 from services.bridge.debezium import DebeziumEventBuilder, run_id
-from services.bridge.events import ColumnFacts, RelationCatalog, TableFacts
 
 NUMERIC_10_2 = ((10 << 16) | 2) + 4
 NUMERIC_7 = (7 << 16) + 4

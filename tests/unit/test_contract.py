@@ -21,9 +21,10 @@ from pgoutput_builder import encode
 from pydantic import BaseModel
 
 from services.bridge import messages as m
+from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
 from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import ColumnFacts, EventBuilder, RelationCatalog, TableFacts
+from services.bridge.events import EventBuilder
 from services.bridge.highwater import ServerIdentity
 from services.bridge.progress_record import ProgressRecordError, parse_progress, progress_value
 from services.contract.debezium import DebeziumChangeValue, DebeziumKey, DebeziumTransactionValue

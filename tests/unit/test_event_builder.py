@@ -10,15 +10,8 @@ import orjson
 import pytest
 
 from services.bridge import messages as m
-from services.bridge.events import (
-    EventBuilder,
-    Record,
-    RelationCatalog,
-    RowTooLarge,
-    begin_value,
-    end_value,
-    known_versions,
-)
+from services.bridge.catalog import RelationCatalog, known_versions
+from services.bridge.events import EventBuilder, Record, RowTooLarge, begin_value, end_value
 from services.contract.records import TOAST_PLACEHOLDER
 
 TS = 785_000_000_123_456

@@ -67,7 +67,7 @@ _PIPELINE = (
     ("stream",),
     ("decoder",),
     ("assembler", "spool"),
-    ("events", "debezium", "connect_values", "values"),
+    ("events", "catalog", "masking", "routing", "debezium", "connect_values", "values"),
     ("sink", "partitioner"),
     ("publisher",),
 )

@@ -13,15 +13,10 @@ import pytest
 from pydantic import TypeAdapter
 
 from services.bridge import messages as m
+from services.bridge.catalog import RelationCatalog, known_versions
 from services.bridge.debezium import DebeziumEventBuilder, context_headers
 from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import (
-    EventBuilder,
-    Record,
-    RelationCatalog,
-    Undecoded,
-    known_versions,
-)
+from services.bridge.events import EventBuilder, Record, Undecoded
 from services.bridge.masking import (
     Masking,
     MaskingRefused,

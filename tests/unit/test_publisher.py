@@ -27,10 +27,11 @@ import pytest
 from services.bridge import messages as m
 from services.bridge import publisher as publisher_module
 from services.bridge.assembler import Transaction
+from services.bridge.catalog import RelationCatalog
 from services.bridge.chunks import TableName, XidSnapshot
 from services.bridge.confirm import ConfirmTracker
 from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import EventBuilder, RelationCatalog
+from services.bridge.events import EventBuilder
 from services.bridge.highwater import ServerIdentity, high_water
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.publisher import GapError, Publisher, TxnQueue

@@ -6,13 +6,8 @@ import orjson
 import pytest
 
 from services.bridge import messages as m
-from services.bridge.events import (
-    ColumnFacts,
-    EventBuilder,
-    RelationCatalog,
-    TableFacts,
-    known_versions,
-)
+from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts, known_versions
+from services.bridge.events import EventBuilder
 from services.bridge.routing import KeyChoice, Route, Routing, RoutingRefused, TableShape
 
 ORDERS = (

@@ -1,6 +1,6 @@
 """The compiled row builder writes the very bytes the Python path writes, for every type.
 
-``events.row_plan`` turns a row's text values into its JSON object and key in C; the Python
+``catalog.row_plan`` turns a row's text values into its JSON object and key in C; the Python
 path (``whole_row`` then orjson) is the reference it is held to here, value by value,
 including the texts a kind does not recognise and hands back to the column's converter.
 """
@@ -24,18 +24,10 @@ import pytest
 from services.bridge import events
 from services.bridge import messages as m
 from services.bridge._rowjson import RowPlan
+from services.bridge.catalog import ColumnFacts, RelationCatalog, RelationInfo, TableFacts, row_plan
 from services.bridge.debezium import DebeziumEventBuilder, context_headers
 from services.bridge.decoder import DecodeError, PgOutputDecoder
-from services.bridge.events import (
-    ColumnFacts,
-    EventBuilder,
-    Record,
-    RelationCatalog,
-    RelationInfo,
-    TableFacts,
-    Undecoded,
-    whole_row,
-)
+from services.bridge.events import EventBuilder, Record, Undecoded, whole_row
 from services.bridge.masking import HashRule, column_mask
 from services.bridge.values import TYPE_NAMES
 from services.contract.records import TOAST_PLACEHOLDER
@@ -132,7 +124,7 @@ def test_the_compiled_builder_is_built() -> None:
     # CI installs with a C compiler: without the extension the benches would measure the
     # slow path while everything else passed.
     assert importlib.util.find_spec("services.bridge._rowjson") is not None
-    assert events.row_plan(info_of(relation((20,)))) is not None
+    assert row_plan(info_of(relation((20,)))) is not None
 
 
 @pytest.mark.parametrize("oid", sorted(SAMPLES))
