@@ -64,8 +64,7 @@ from services.bridge.sink import (
 )
 from services.bridge.snapshot import ChunkReader, SnapshotBook
 from services.bridge.source import (
-    check_masking,
-    check_routing,
+    check_published,
     check_slot,
     ensure_publication,
     preflight,
@@ -330,10 +329,7 @@ class Bridge:
         sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
         with self._racing_for_slot(sql):
             self._ensure_slot(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
-        if builder.catalog.masking is not None:
-            check_masking(sql, s.publication_name, builder.catalog.masking)
-        if builder.catalog.routing is not None:
-            check_routing(sql, s.publication_name, builder.catalog.routing)
+        check_published(sql, s.publication_name, builder.catalog.masking, builder.catalog.routing)
         warn_keyless_tables(sql, s.publication_name)
         book = self._book = self._snapshots(sql, kafka_progress, mark)
 

@@ -17,7 +17,7 @@ Pure: the table facts are handed in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -73,6 +73,7 @@ class TableShape:
     identity_key: tuple[str, ...]  # the key the bridge uses by default
     # Each unique index of NOT NULL columns (the primary key too), its columns in order.
     unique_keys: tuple[tuple[str, ...], ...]
+    types: tuple[str, ...] = ()  # the columns' format_type(), when known
 
     @property
     def name(self) -> str:
@@ -166,9 +167,9 @@ class Routing:
                 )
         return None
 
-    def check(self, shapes: Mapping[tuple[str, str], TableShape]) -> str | None:
+    def check(self, shapes: Sequence[TableShape]) -> str | None:
         """Everything above for the published tables at start, the first problem found."""
-        problem = self.unmatched(s.name for s in shapes.values())
-        for shape in shapes.values():
+        problem = self.unmatched(s.name for s in shapes)
+        for shape in shapes:
             problem = problem or self.refusal(shape)
-        return problem or self.collision(shapes.values())
+        return problem or self.collision(shapes)

@@ -236,40 +236,6 @@ def published_tables(conn: Conn, publication: str) -> list[PublishedTable]:
     ]
 
 
-def published_columns(conn: Conn, publication: str) -> dict[tuple[str, str], list[PublishedColumn]]:
-    """Each published table's published columns, with their type and whether they are
-    part of its key (primary key or replica identity index), for the transform check."""
-    with conn.cursor() as cur:
-        cur.execute(
-            "SELECT p.schemaname, p.tablename, a.attname, format_type(a.atttypid, a.atttypmod),"
-            " EXISTS (SELECT FROM pg_index i WHERE i.indrelid = a.attrelid"
-            "  AND (i.indisprimary OR i.indisreplident) AND a.attnum = ANY(i.indkey))"
-            " FROM pg_publication_tables p"
-            " JOIN pg_attribute a ON a.attrelid = format('%%I.%%I', p.schemaname, p.tablename)"
-            "  ::regclass AND a.attname = ANY(p.attnames)"
-            " WHERE p.pubname = %s ORDER BY 1, 2, a.attnum",
-            (publication,),
-        )
-        tables: dict[tuple[str, str], list[PublishedColumn]] = {}
-        for schema, table, column, type_name, key in cur:
-            tables.setdefault((str(schema), str(table)), []).append(
-                PublishedColumn(str(column), str(type_name), bool(key))
-            )
-    return tables
-
-
-def check_masking(conn: Conn, publication: str, masking: Masking) -> None:
-    """Refuse, in one line, transform settings that do not fit the published tables: a
-    rule matching nothing, a transform that does not fit its column, a PII column
-    without one."""
-    tables = published_columns(conn, publication)
-    problem = masking.unmatched(tables)
-    for (schema, table), columns in tables.items():
-        problem = problem or masking.refusal(schema, table, columns)
-    if problem is not None:
-        raise MaskingRefused(problem)
-
-
 # The unique indexes of a relation that can key its records: NOT NULL columns only (NULLs
 # are never equal, so such an index lets duplicates through), no expression, no predicate;
 # each as a JSON array of its column names in index order.
@@ -287,41 +253,76 @@ def _unique_keys(found: object) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(columns) for columns in cast(list[list[str]], found or []))
 
 
-def published_shapes(conn: Conn, publication: str) -> dict[tuple[str, str], TableShape]:
-    """Each published table's columns, replica identity, default key and unique keys (of
-    NOT NULL columns, without expressions or a predicate), for the routing check."""
+def published_shapes(conn: Conn, publication: str) -> list[TableShape]:
+    """Each published table as the record builder will see it: its published columns and
+    their types, replica identity, the key its records get by default (the catalogue's
+    rule: the replica identity's columns, the primary key under REPLICA IDENTITY FULL, or
+    every column of a FULL table without one) and its unique keys."""
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT p.schemaname, p.tablename, p.attnames, c.relreplident,"
-            " (SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[],"
-            "   a.attnum)) FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid"
-            "   AND a.attnum = ANY(i.indkey) WHERE i.indrelid = c.oid AND"
-            "   (i.indisreplident OR (i.indisprimary AND c.relreplident IN ('d', 'f')))),"
-            f" {_UNIQUE_KEYS.format(relation='c.oid')}"
+            "SELECT p.schemaname, p.tablename, c.relreplident,"
+            " array_agg(a.attname::text ORDER BY a.attnum),"
+            " array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY a.attnum),"
+            " (SELECT array_agg(k.attname::text ORDER BY array_position(i.indkey::int2[],"
+            "   k.attnum)) FROM pg_index i JOIN pg_attribute k ON k.attrelid = i.indrelid"
+            "   AND k.attnum = ANY(i.indkey) WHERE i.indrelid = c.oid AND CASE c.relreplident"
+            "   WHEN 'i' THEN i.indisreplident WHEN 'n' THEN false ELSE i.indisprimary END)"
+            f", {_UNIQUE_KEYS.format(relation='c.oid')}"
             " FROM pg_publication_tables p"
             " JOIN pg_class c ON c.oid = format('%%I.%%I', p.schemaname, p.tablename)::regclass"
-            " WHERE p.pubname = %s",
+            " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = ANY(p.attnames)"
+            " WHERE p.pubname = %s GROUP BY 1, 2, 3, c.oid ORDER BY 1, 2",
             (publication,),
         )
         rows = cur.fetchall()
-    return {
-        (str(schema), str(table)): TableShape(
-            str(schema),
-            str(table),
-            tuple(cast(list[str], columns)),
-            str(identity),
-            tuple(cast(list[str], key or [])),
-            _unique_keys(unique),
+    shapes = []
+    for schema, table, identity, names, types, key, unique in rows:
+        columns = tuple(cast(list[str], names))
+        if identity == "f" and not key:
+            key = columns  # pgoutput flags every column of a FULL table as its key
+        shapes.append(
+            TableShape(
+                str(schema),
+                str(table),
+                columns,
+                str(identity),
+                tuple(cast(list[str], key or [])),
+                _unique_keys(unique),
+                tuple(cast(list[str], types)),
+            )
         )
-        for schema, table, columns, identity, key, unique in rows
-    }
+    return shapes
 
 
-def check_routing(conn: Conn, publication: str, routing: Routing) -> None:
-    """Refuse, in one line, routes and keys that do not fit the published tables."""
-    problem = routing.check(published_shapes(conn, publication))
+def check_published(
+    conn: Conn, publication: str, masking: Masking | None, routing: Routing | None
+) -> None:
+    """Refuse, in one line, transforms, routes and keys that do not fit the published
+    tables, as the record builder would refuse them at their first change: a name that is
+    not published, a transform that does not fit its column (or its record key), a PII
+    column without one, a key that could lose rows, tables sharing a topic with different
+    keys."""
+    if masking is None and routing is None:
+        return
+    shapes = published_shapes(conn, publication)
+    problem = routing.check(shapes) if routing is not None else None
     if problem is not None:
         raise RoutingRefused(problem)
+    if masking is None:
+        return
+    tables = {
+        (shape.schema, shape.table): [
+            PublishedColumn(name, type_name, name in key)
+            for name, type_name in zip(shape.columns, shape.types, strict=True)
+        ]
+        for shape in shapes
+        for key in [routing.key_of(shape) if routing is not None else shape.identity_key]
+    }
+    problem = masking.unmatched(tables)
+    for (schema, table), columns in tables.items():
+        problem = problem or masking.refusal(schema, table, columns)
+    if problem is not None:
+        raise MaskingRefused(problem)
 
 
 def publishes_all_tables(conn: Conn, publication: str) -> bool:
