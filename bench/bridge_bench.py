@@ -249,13 +249,17 @@ def free_port() -> int:
         return port
 
 
+def metrics_text(http_port: int) -> str:
+    """A daemon's /metrics, as Prometheus reads it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
+
+
 def kafka_transactions(http_port: int) -> dict[str, float]:
     """The Kafka transactions a daemon committed and the seconds their commits took, from
     its ``slotbridge_kafka_transaction_seconds`` histogram."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
     found = {}
-    for line in text.splitlines():
+    for line in metrics_text(http_port).splitlines():
         name, _, number = line.partition(" ")
         if name.startswith("slotbridge_kafka_transaction_seconds_count"):
             found["kafka_txns"] = float(number)
