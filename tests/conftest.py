@@ -85,15 +85,16 @@ def stack() -> Iterator[Stack]:
 
 
 @pytest.fixture
-def fresh_stack() -> Iterator[Callable[[], Stack]]:
-    """Factory of dedicated stacks for destructive tests; each is purged afterwards."""
+def fresh_stack() -> Iterator[Callable[..., Stack]]:
+    """Factory of dedicated stacks for destructive tests (of the tests' PostgreSQL major
+    version, or the one given); each is purged afterwards."""
     made: list[Stack] = []
 
-    def make() -> Stack:
+    def make(pg_major: str = TEST_PG) -> Stack:
         # Under /tmp rather than pytest's tmp_path: /tmp/pytest-of-root is mode 0700, which
         # the unprivileged PostgreSQL user cannot traverse.
         state_dir = Path(tempfile.mkdtemp(prefix="slotbridge-stack-"))
-        made.append(Stack(state_dir, TEST_PG))
+        made.append(Stack(state_dir, pg_major))
         return _up(made[-1], made[-1].down)
 
     yield make

@@ -86,36 +86,83 @@ def test_slot_reserve_is_exported_and_an_invalidated_slot_is_named(
         assert f"slot {pipe.name} is invalidated (wal_removed)" in line, line
         assert "Kafka misses every change since" in line and "slotbridge resync" in line, line
 
-        # Resync: every published table again, into the same topics, while writes go on.
-        code, out = run_cli("resync", env=pipe.env())
-        assert code == 0 and "start the bridge" in out, out
-        pipe.start(
-            SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS="2000", SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.3"
-        )
-        # The first run streamed too; the refused one did not.
-        wait_for(lambda: pipe.output().count("INFO    streaming") == 2, 60, "the new slot")
-        sql(dsn, "UPDATE filler SET pad = 'updated' WHERE id % 7 = 0")
-        sql(dsn, "DELETE FROM filler WHERE id % 11 = 0")
-        sql(dsn, "INSERT INTO filler (pad) SELECT 'after' FROM generate_series(1, 500)")
-        pipe.wait_caught_up()
-        assert pipe.stop() == 0
-        # A consumer converges on the table: for every key its last record is the row.
-        last: dict[int, Any] = {}
-        for record in pipe.changes("public.filler"):
-            last[record.key["id"]] = record.value
-        rows = {k: v["after"]["pad"] for k, v in last.items() if v["op"] != "d"}
-        assert rows == dict(sql(dsn, "SELECT id, pad FROM filler"))
-        assert {r.value["op"] for r in pipe.changes("public.filler")} >= {"r", "u", "d", "c"}
-        gaps = [
-            json.loads(value)
-            for key, value in read_topic(
-                {"bootstrap.servers": pipe.kafka.bootstrap}, pipe.progress_topic
-            )
-            if key is not None and b"gap_after_lsn" in key and value is not None
-        ]
-        assert [(g["slot"], g["tables"], g["reason"]) for g in gaps] == [
-            (pipe.name, ["public.filler"], "slot invalidated (wal_removed)")
-        ]
-        pipe.audit()
+        _resync_and_converge(pipe, dsn, "wal_removed")
     finally:
         pipe.kill()
+
+
+def test_an_idle_slot_invalidated_by_postgresql_18_is_named_and_resynced(
+    fresh_stack: Callable[..., Stack], tmp_path: Path
+) -> None:
+    # PostgreSQL 18 also drops what a slot holds once it is idle past
+    # idle_replication_slot_timeout (checked at checkpoints): a bridge down that long finds
+    # its slot invalidated although the WAL may still be there.
+    stack = fresh_stack("18")
+    dsn = stack.primary_dsn
+    sql(dsn, "CREATE TABLE filler (id bigserial PRIMARY KEY, pad text)")
+    sql(dsn, "INSERT INTO filler (pad) SELECT 'before' FROM generate_series(1, 3000)")
+    pipe = Pipeline(stack, ["public.filler"], tmp_path)
+    pipe.start()
+    try:
+        pipe.wait_caught_up()
+        assert pipe.stop() == 0
+        sql(dsn, "ALTER SYSTEM SET idle_replication_slot_timeout = '1s'")
+        sql(dsn, "SELECT pg_reload_conf()")
+
+        def invalidated() -> list[tuple[Any, ...]]:
+            sql(dsn, "CHECKPOINT")
+            return sql(
+                dsn,
+                "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = %s"
+                " AND invalidation_reason IS NOT NULL",
+                (pipe.name,),
+            )
+
+        assert wait_for(invalidated, 60, "the idle slot's invalidation") == [("idle_timeout",)]
+        # The other slots of the stack must not go the same way while the test goes on.
+        sql(dsn, "ALTER SYSTEM RESET idle_replication_slot_timeout")
+        sql(dsn, "SELECT pg_reload_conf()")
+        code, output = pipe.run_to_exit(120)
+        assert code != 0
+        line = one_line_error(output)
+        assert f"slot {pipe.name} is invalidated (idle_timeout)" in line, line
+        _resync_and_converge(pipe, dsn, "idle_timeout")
+    finally:
+        pipe.kill()
+
+
+def _resync_and_converge(pipe: Pipeline, dsn: str, reason: str) -> None:
+    """``slotbridge resync`` after the slot was invalidated for ``reason``; the bridge then
+    snapshots the table again while writes go on, and a consumer of the topic converges on
+    the table, the gap on record and the broker's log clean."""
+    # Resync: every published table again, into the same topics, while writes go on.
+    code, out = run_cli("resync", env=pipe.env())
+    assert code == 0 and "start the bridge" in out, out
+    pipe.start(
+        SLOTBRIDGE_SNAPSHOT_CHUNK_ROWS="2000", SLOTBRIDGE_FAILPOINTS="before_watermark=sleep0.3"
+    )
+    # The first run streamed too; the refused one did not.
+    wait_for(lambda: pipe.output().count("INFO    streaming") == 2, 60, "the new slot")
+    sql(dsn, "UPDATE filler SET pad = 'updated' WHERE id % 7 = 0")
+    sql(dsn, "DELETE FROM filler WHERE id % 11 = 0")
+    sql(dsn, "INSERT INTO filler (pad) SELECT 'after' FROM generate_series(1, 500)")
+    pipe.wait_caught_up()
+    assert pipe.stop() == 0
+    # A consumer converges on the table: for every key its last record is the row.
+    last: dict[int, Any] = {}
+    for record in pipe.changes("public.filler"):
+        last[record.key["id"]] = record.value
+    rows = {k: v["after"]["pad"] for k, v in last.items() if v["op"] != "d"}
+    assert rows == dict(sql(dsn, "SELECT id, pad FROM filler"))
+    assert {r.value["op"] for r in pipe.changes("public.filler")} >= {"r", "u", "d", "c"}
+    gaps = [
+        json.loads(value)
+        for key, value in read_topic(
+            {"bootstrap.servers": pipe.kafka.bootstrap}, pipe.progress_topic
+        )
+        if key is not None and b"gap_after_lsn" in key and value is not None
+    ]
+    assert [(g["slot"], g["tables"], g["reason"]) for g in gaps] == [
+        (pipe.name, ["public.filler"], f"slot invalidated ({reason})")
+    ]
+    pipe.audit()
