@@ -624,8 +624,9 @@ def end_value(txid: bytes, ts_ms: int, total: int, per_table: dict[str, int]) ->
 
 @functools.lru_cache(maxsize=4096)
 def _collection_name(topic: str) -> bytes:
-    """The ``data_collection`` of a change topic: its name less the topic prefix, as JSON."""
-    return _dumps(topic.split(".", 1)[1])
+    """The ``data_collection`` of a change topic: its name less the topic prefix (less its
+    first part: a route may name a topic of one part, or under another prefix), as JSON."""
+    return _dumps(topic.split(".", 1)[-1])
 
 
 _BEGIN_VALUE = b'{"status":"BEGIN","id":"%b","event_count":null,"data_collections":null,"ts_ms":%d}'

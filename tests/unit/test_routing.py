@@ -66,6 +66,20 @@ def test_routed_tables_share_a_topic_and_the_source_names_each() -> None:
     assert record["routing"] == {"topic": "app.public.orders", "key_columns": None}
 
 
+def test_a_topic_of_one_part_names_the_data_collection_of_the_end_record() -> None:
+    b = builder(routing([route("public.orders_*", topic="orders")]))
+    rel = m.Relation(None, 1, "public", "orders_eu", "d", ORDERS)
+    made = list(
+        b.transaction(
+            9, 0x200, 0, iter([(0x100, rel), (0x101, m.Insert(None, 1, ["1", "eu", "a"]))])
+        )
+    )
+    assert [t for t, _, _, _ in made].count("orders") == 1
+    end = orjson.loads(made[-1][2] or b"")
+    assert end["status"] == "END"
+    assert end["data_collections"] == [{"data_collection": "orders", "event_count": 1}]
+
+
 def test_a_chosen_key_under_replica_identity_full_keys_the_records() -> None:
     b = builder(routing(keys=[key("region", "ref")]))
     rel = m.Relation(
