@@ -329,7 +329,12 @@ class Bridge:
         sink.ensure_topics({builder.schema_topic: True, builder.transaction_topic: False})
         with self._racing_for_slot(sql):
             self._ensure_slot(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
-        check_published(sql, s.publication_name, builder.catalog.masking, builder.catalog.routing)
+        shaped = check_published(
+            sql, s.publication_name, builder.catalog.masking, builder.catalog.routing
+        )
+        if shaped:
+            # Which columns leave masked and where records go: names only, never a value.
+            log_event(log, logging.INFO, "transforms, routes and keys", tables=shaped)
         warn_keyless_tables(sql, s.publication_name)
         book = self._book = self._snapshots(sql, kafka_progress, mark)
 

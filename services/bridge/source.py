@@ -296,20 +296,40 @@ def published_shapes(conn: Conn, publication: str) -> list[TableShape]:
 
 def check_published(
     conn: Conn, publication: str, masking: Masking | None, routing: Routing | None
-) -> None:
+) -> list[str]:
     """Refuse, in one line, transforms, routes and keys that do not fit the published
     tables, as the record builder would refuse them at their first change: a name that is
     not published, a transform that does not fit its column (or its record key), a PII
     column without one, a key that could lose rows, tables sharing a topic with different
-    keys."""
+    keys. Returns what they do to each table they touch, a line each, for the log."""
     if masking is None and routing is None:
-        return
+        return []
     shapes = published_shapes(conn, publication)
     problem = routing.check(shapes) if routing is not None else None
     if problem is not None:
         raise RoutingRefused(problem)
-    if masking is None:
-        return
+    if masking is not None:
+        _check_masking(shapes, masking, routing)
+    return [line for shape in shapes if (line := _shaped(shape, masking, routing))]
+
+
+def _shaped(shape: TableShape, masking: Masking | None, routing: Routing | None) -> str:
+    """What the settings do to a table's records (names only, never a value), or ""."""
+    parts = []
+    if masking is not None:
+        masks = [(c, masking.mask(shape.schema, shape.table, c)) for c in shape.columns]
+        parts += [f"{c} {mask.kind}" for c, mask in masks if mask is not None]
+    if routing is not None:
+        if (topic := routing.topic(shape.schema, shape.table)) is not None:
+            parts.append(f"topic {topic}")
+        if (key := routing.key(shape.schema, shape.table)) is not None:
+            parts.append(f"key ({', '.join(key)})")
+    return f"{shape.name}: {', '.join(parts)}" if parts else ""
+
+
+def _check_masking(shapes: list[TableShape], masking: Masking, routing: Routing | None) -> None:
+    """The transform checks, each column a key column where the record key (chosen or the
+    replica identity's) holds it."""
     tables = {
         (shape.schema, shape.table): [
             PublishedColumn(name, type_name, name in key)

@@ -181,6 +181,10 @@ def test_no_masked_value_leaves_the_bridge(stack: Stack, tmp_path: Path, value_f
         assert b"************0003" in written  # card of row 3, a snapshot row
         assert b'"bio":"bio"' in written  # truncated to 3 characters
         assert b'"notes"' not in written
+        # The operator is told which columns leave transformed (names only).
+        assert f"{table}: email hash, ssn redact, card mask, notes drop, bio truncate" in (
+            pipe.output()
+        )
         pipe.audit()
     finally:
         pipe.cleanup()
