@@ -69,6 +69,76 @@ static void sha256_block(uint32_t h[8], const unsigned char *p) {
     h[7] += k;
 }
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#define SHA256_HAS_NI 1
+
+/* One block with the x86 SHA extensions (SHA-NI: Intel since Goldmont/Ice Lake, AMD since
+   Zen), about ten times the portable block's speed: the state is kept as the instructions
+   want it (ABEF and CDGH), each sha256rnds2 does two rounds, and the message schedule is
+   sha256msg1/msg2. */
+__attribute__((target("sha,sse4.1,ssse3"))) static void sha256_block_ni(uint32_t h[8],
+                                                                        const unsigned char *p) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[0]), 0xB1); /* CDAB */
+    __m128i state1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[4]), 0x1B); /* EFGH */
+    __m128i state0 = _mm_alignr_epi8(tmp, state1, 8);  /* ABEF */
+    state1 = _mm_blend_epi16(state1, tmp, 0xF0);       /* CDGH */
+    const __m128i abef = state0, cdgh = state1;
+    __m128i msg[4];
+    for (int i = 0; i < 16; i++) {
+        __m128i w;
+        if (i < 4) {
+            w = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * i)), bswap);
+        } else {
+            /* W[t-16] + s0(W[t-15]), + W[t-7], then + s1(W[t-2]) */
+            w = _mm_sha256msg1_epu32(msg[i & 3], msg[(i + 1) & 3]);
+            w = _mm_add_epi32(w, _mm_alignr_epi8(msg[(i + 3) & 3], msg[(i + 2) & 3], 4));
+            w = _mm_sha256msg2_epu32(w, msg[(i + 3) & 3]);
+        }
+        msg[i & 3] = w;
+        __m128i k = _mm_add_epi32(w, _mm_loadu_si128((const __m128i *)&SHA256_K[4 * i]));
+        state1 = _mm_sha256rnds2_epu32(state1, state0, k);
+        state0 = _mm_sha256rnds2_epu32(state0, state1, _mm_shuffle_epi32(k, 0x0E));
+    }
+    state0 = _mm_add_epi32(state0, abef);
+    state1 = _mm_add_epi32(state1, cdgh);
+    tmp = _mm_shuffle_epi32(state0, 0x1B);          /* FEBA */
+    state1 = _mm_shuffle_epi32(state1, 0xB1);       /* DCHG */
+    state0 = _mm_blend_epi16(tmp, state1, 0xF0);    /* DCBA */
+    state1 = _mm_alignr_epi8(state1, tmp, 8);       /* HGFE */
+    _mm_storeu_si128((__m128i *)&h[0], state0);
+    _mm_storeu_si128((__m128i *)&h[4], state1);
+}
+
+/* Whether this CPU has the SHA extensions and the SSE levels their code uses. */
+static int sha256_ni_supported(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSSE3) || !(c & bit_SSE4_1))
+        return 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & bit_SHA);
+}
+#else
+#define SHA256_HAS_NI 0
+#endif
+
+/* The block function in use: the portable one until sha256_accelerate() picks another. */
+static void (*sha256_compress)(uint32_t h[8], const unsigned char *p) = sha256_block;
+
+/* Use the SHA extensions where the CPU has them (on), or the portable code (off, for the
+   tests that hold both to the reference); returns whether the extensions are in use. */
+static int sha256_accelerate(int on) {
+#if SHA256_HAS_NI
+    if (on && sha256_ni_supported()) {
+        sha256_compress = sha256_block_ni;
+        return 1;
+    }
+#endif
+    sha256_compress = sha256_block;
+    return 0;
+}
+
 static void sha256_init(Sha256 *s) {
     static const uint32_t IV[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
@@ -87,11 +157,11 @@ static void sha256_update(Sha256 *s, const unsigned char *p, size_t n) {
         n -= take;
         if (s->n < 64)
             return;
-        sha256_block(s->h, s->buf);
+        sha256_compress(s->h, s->buf);
         s->n = 0;
     }
     for (; n >= 64; p += 64, n -= 64)
-        sha256_block(s->h, p);
+        sha256_compress(s->h, p);
     memcpy(s->buf, p, n);
     s->n = n;
 }
@@ -102,13 +172,13 @@ static void sha256_final(Sha256 *s, unsigned char out[32]) {
     s->buf[n++] = 0x80;
     if (n > 56) {
         memset(s->buf + n, 0, 64 - n);
-        sha256_block(s->h, s->buf);
+        sha256_compress(s->h, s->buf);
         n = 0;
     }
     memset(s->buf + n, 0, 56 - n);
     for (int i = 0; i < 8; i++)
         s->buf[56 + i] = (unsigned char)(bits >> (56 - 8 * i));
-    sha256_block(s->h, s->buf);
+    sha256_compress(s->h, s->buf);
     for (int i = 0; i < 8; i++) {
         out[4 * i] = (unsigned char)(s->h[i] >> 24);
         out[4 * i + 1] = (unsigned char)(s->h[i] >> 16);

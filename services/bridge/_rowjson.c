@@ -873,14 +873,32 @@ static PyTypeObject RowPlanType = {
     .tp_methods = plan_methods,
 };
 
+/* accelerate_sha256(on: bool) -> bool: the hash kinds' SHA-256 with the CPU's SHA
+   extensions (the default where it has them) or with the portable code; whether the
+   extensions are now in use. For the tests, which hold both to Python's hmac. */
+static PyObject *accelerate_sha256(PyObject *module, PyObject *on) {
+    int flag = PyObject_IsTrue(on);
+    if (flag < 0)
+        return NULL;
+    return PyBool_FromLong(sha256_accelerate(flag));
+}
+
+static PyMethodDef module_methods[] = {
+    {"accelerate_sha256", (PyCFunction)accelerate_sha256, METH_O,
+     "accelerate_sha256(on) -> whether the CPU's SHA extensions are in use"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "services.bridge._rowjson",
     .m_doc = "Rows' text values to JSON, compiled: the default record format's hot path",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__rowjson(void) {
+    sha256_accelerate(1);
     if (PyType_Ready(&RowPlanType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

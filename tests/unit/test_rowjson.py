@@ -15,13 +15,13 @@ import random
 import re
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import orjson
 import pytest
 
-from services.bridge import events
+from services.bridge import _rowjson, events
 from services.bridge import messages as m
 from services.bridge._rowjson import RowPlan
 from services.bridge.catalog import ColumnFacts, RelationCatalog, RelationInfo, TableFacts, row_plan
@@ -642,6 +642,17 @@ RFC_4231 = [
 ]
 
 
+@pytest.fixture(params=[False, True], ids=["portable", "sha-extensions"])
+def sha256_path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each SHA-256 of the compiled builder in turn: the portable code, and the CPU's SHA
+    extensions (skipped where the CPU has none); the default is put back afterwards."""
+    if not _rowjson.accelerate_sha256(request.param) and request.param:
+        pytest.skip("this CPU has no SHA extensions")
+    yield
+    _rowjson.accelerate_sha256(True)
+
+
+@pytest.mark.usefixtures("sha256_path")
 @pytest.mark.parametrize("encoding", ["hex", "base64"])
 def test_the_compiled_hash_transform_writes_what_python_hmac_does(
     encoding: Literal["hex", "base64"],
