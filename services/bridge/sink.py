@@ -63,6 +63,14 @@ class TopicReplaced(SinkError):
     retryable = False  # what was published there is gone: only the operator can decide
 
 
+class ProducerFailed(SinkError):
+    """The producer hit a fatal error other than being fenced (librdkafka: INVALID_TXN_STATE
+    from an abort, a lost authorization): it can commit nothing more, nor tell whether a
+    successor fenced it, which the daemon must know before it starts a new session."""
+
+    retryable = False
+
+
 class KafkaRefused(SinkError):
     """Kafka refuses what the bridge must do (a topic, a record's size, a setting) and will
     refuse it again in every new session: only the operator can change that."""
@@ -98,6 +106,9 @@ _NOT_ABOUT_TOPICS = frozenset(
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _REACH_S = 10.0
+# How long an abort waits for the coordinator before the session goes on ending; an abort
+# that did not finish is called again before the next transaction.
+_ABORT_S = 10.0
 # How long a flush waits before the sink checks that its topics still exist (one
 # DescribeTopics request): a deleted topic is noticed within about this.
 _FLUSH_CHECK_S = 1.0
@@ -340,6 +351,9 @@ class KafkaSink:
         self._failed_record: tuple[str, int] | None = None  # topic, bytes
         self._in_txn = False
         self._began = 0.0  # monotonic time the open transaction began
+        # A commit_transaction or abort_transaction that timed out: librdkafka refuses every
+        # other transactional call (_CONFLICT) until this one is called again and finishes.
+        self._unfinished: str | None = None
         self._fence_group: Consumer | None = None  # made by the first prove_not_fenced
 
     @property
@@ -557,6 +571,7 @@ class KafkaSink:
     def begin(self) -> None:
         self._failure = None
         self._first.renew_if_old()
+        self._finish_unfinished()
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
@@ -684,7 +699,7 @@ class KafkaSink:
             # After every record is acknowledged: a topic deleted while they were on their
             # way got them (or some of them) in its new incarnation.
             self._check_topic_ids()
-            self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
+            self._end_transaction("commit_transaction")
         except (KafkaException, SystemError) as exc:
             err = cause(exc)
             known = (
@@ -707,9 +722,41 @@ class KafkaSink:
         self._in_txn = False
         self._first.forget()
         try:
-            self._producer.abort_transaction(10)
-        except KafkaException as exc:
-            log_event(log, logging.WARNING, "abort of Kafka transaction failed", error=explain(exc))
+            if self._unfinished is None:
+                self._end_transaction("abort_transaction", _ABORT_S)
+            else:
+                self._finish_unfinished(_ABORT_S)
+        except (KafkaException, SystemError, SinkError) as exc:
+            log_event(
+                log,
+                logging.WARNING,
+                "abort of Kafka transaction failed",
+                error=explain(exc),
+                called_again_before_the_next_transaction=self._unfinished,
+            )
+
+    def _end_transaction(self, call: str, timeout_s: float | None = None) -> None:
+        """``commit_transaction`` or ``abort_transaction``; one that times out (Kafka away)
+        is remembered, to be called again before anything else."""
+        if timeout_s is None:
+            timeout_s = self._settings.kafka_transaction_timeout_ms / 1000
+        try:
+            getattr(self._producer, call)(timeout_s)
+        except (KafkaException, SystemError) as exc:
+            err = cause(exc)
+            resumable = isinstance(err, KafkaError) and err.retriable() and not err.fatal()
+            self._unfinished = call if resumable else None
+            raise
+        self._unfinished = None
+
+    def _finish_unfinished(self, timeout_s: float | None = None) -> None:
+        """Call again the commit or abort that timed out. A commit that lands now was not
+        confirmed to PostgreSQL: its progress record makes the next session skip it."""
+        if self._unfinished is not None:
+            try:
+                self._end_transaction(self._unfinished, timeout_s)
+            except (KafkaException, SystemError) as exc:
+                raise self._classify(exc) from None
 
     def prove_not_fenced(self) -> None:
         """Commit a transaction that holds only a consumer-group offset; FencedError if a
@@ -820,4 +867,17 @@ class KafkaSink:
                 f"another bridge took over slot {self._settings.slot_name} "
                 f"(transactional id {self._settings.transactional_id}); this one stops"
             )
+        if isinstance(err, KafkaError) and err.fatal():
+            return producer_failed(err, self._settings.transactional_id)
         return SinkError(f"{what}{explain(err)}")
+
+
+def producer_failed(err: KafkaError, transactional_id: str) -> ProducerFailed:
+    """The one line for a fatal producer error that is not fencing (checked first)."""
+    return ProducerFailed(
+        f"Kafka: the transactional producer failed for good ({explain(err)}): it can commit "
+        "nothing more and cannot tell whether another bridge took the slot over, so this "
+        f"bridge stops; start it again once the cause is fixed: its new producer registers "
+        f"transactional id {transactional_id} afresh, and what was not confirmed is published "
+        "again, once"
+    )
