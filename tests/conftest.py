@@ -103,6 +103,32 @@ def fresh_stack() -> Iterator[Callable[[], Stack]]:
 
 
 @pytest.fixture
+def kafka_pair() -> Iterator[tuple[Kafka, Kafka]]:
+    """Two brokers of the stack's Kafka version (node 1 is also the controller), every new
+    topic on both: a follower to lose. Stopped and purged after."""
+    root = Path(tempfile.mkdtemp(prefix="slotbridge-kafka2-"))
+    os.chmod(root, 0o755)  # readable by anyone looking into a failure, as the stacks' folders
+    port, controller_port, port2 = free_ports(3)
+    jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_SET)
+    cluster = new_cluster_id()
+    first = Kafka(root, port, controller_port, jars, cluster, replicas=2)
+    second = Kafka(root, port2, 0, jars, cluster, controller=first, replicas=2)
+    try:
+        try:
+            for broker in (first, second):
+                broker.start()
+            for broker in (first, second):
+                broker.wait_ready()
+        except StackError as exc:
+            pytest.fail(f"two-broker Kafka: {exc}", pytrace=False)
+        yield first, second
+    finally:
+        second.stop()
+        first.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
 def oldest_kafka() -> Iterator[Kafka]:
     """A dedicated broker of the oldest Kafka version we support, stopped and purged after."""
     # Under /tmp and world-traversable like the stacks' folders, so its log and segments

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,6 +189,16 @@ def _read_once(
         return out, behind
     finally:
         consumer.close()
+
+
+def metric(port: int, name: str) -> dict[str, float]:
+    """A metric of the process serving /metrics on ``port``: its labels' text -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        labels: float(value)
+        for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
+    }
 
 
 @dataclass
