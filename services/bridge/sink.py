@@ -104,6 +104,16 @@ _NOT_ABOUT_TOPICS = frozenset(
     }
 )
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+# A right of the bridge's principal that an ACL no longer grants: every new session would
+# be refused the same way, so the bridge stops (librdkafka takes some of them as fatal).
+_NOT_AUTHORIZED = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+    }
+)
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _REACH_S = 10.0
 # How long an abort waits for the coordinator before the session goes on ending; an abort
@@ -906,6 +916,21 @@ class KafkaSink:
         failure = self._failure
         if failure is not None and failure.code() not in _PURGED:
             return self._classify(failure, "Kafka delivery failed: ")
+        why = self._transaction_error()
+        if why is not None and why.code() != err.code():
+            return self._classify(why)
+        return None
+
+    def _transaction_error(self) -> KafkaError | None:
+        """The error the open transaction failed with where no record's report has it (a
+        partition the coordinator would not add to it: TOPIC_AUTHORIZATION_FAILED): in a
+        failed transaction begin_transaction does nothing but answer it."""
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as exc:
+            err = cause(exc)
+            if isinstance(err, KafkaError) and err.txn_requires_abort():
+                return err
         return None
 
     def _classify(
@@ -961,6 +986,14 @@ class KafkaSink:
             return FencedError(
                 f"another bridge took over slot {self._settings.slot_name} "
                 f"(transactional id {self._settings.transactional_id}); this one stops"
+            )
+        if isinstance(err, KafkaError) and err.code() in _NOT_AUTHORIZED:
+            user = self._settings.kafka_config.get("sasl.username")
+            principal = f"principal User:{user}" if user else "bridge's principal"
+            return KafkaRefused(
+                f"{what}{explain(err)} (the {principal}, transactional id "
+                f"{self._settings.transactional_id}, topics {self._settings.topic_prefix}.*); "
+                "start the bridge again once granted: what was not confirmed is published then"
             )
         if isinstance(err, KafkaError) and err.fatal():
             return producer_failed(err, self._settings.transactional_id)

@@ -121,10 +121,17 @@ class Kafka:
         *,
         controller: Kafka | None = None,
         replicas: int = 1,
+        sasl_port: int = 0,
+        sasl_users: dict[str, str] | None = None,
     ) -> None:
         """``controller``: the node whose controller this broker-only node 2 joins (its own
         ``controller_port`` is then unused); ``replicas``: the brokers there will be, the
-        replication factor of new and internal topics."""
+        replication factor of new and internal topics. ``sasl_port``: a second listener,
+        SASL/PLAIN for ``sasl_users`` (name -> password), with ACLs enforced there by the
+        StandardAuthorizer; the plain listener stays open to anyone as a super user (the
+        tests' own reads and the broker's own requests)."""
+        self.sasl_port = sasl_port
+        self.sasl_users = sasl_users or {}
         self.port = port
         self.controller_port = controller_port
         self.jars = jars
@@ -150,6 +157,10 @@ class Kafka:
             self.controller_port if self._controller is None else self._controller.controller_port
         )
         replicas = str(self._replicas)
+        protocols = "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
+        if self.sasl_port:
+            listeners += f",SASL_PLAINTEXT://127.0.0.1:{self.sasl_port}"
+            protocols += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
         settings = {
             "process.roles": "broker,controller" if self._controller is None else "broker",
             "node.id": "1" if self._controller is None else "2",
@@ -160,7 +171,7 @@ class Kafka:
             "advertised.listeners": listeners,
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "listener.security.protocol.map": protocols,
             "log.dirs": str(self.data_dir),
             "num.partitions": "1",
             "auto.create.topics.enable": "true",
@@ -173,6 +184,17 @@ class Kafka:
             # Tests start consumer groups all the time; the default 3 s delay is pure waiting.
             "group.initial.rebalance.delay.ms": "0",
         }
+        if self.sasl_port:
+            users = " ".join(f'user_{u}="{pw}"' for u, pw in self.sasl_users.items())
+            settings |= {
+                "sasl.enabled.mechanisms": "PLAIN",
+                "listener.name.sasl_plaintext.plain.sasl.jaas.config": (
+                    f"org.apache.kafka.common.security.plain.PlainLoginModule required {users};"
+                ),
+                "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+                "super.users": "User:ANONYMOUS",
+                "allow.everyone.if.no.acl.found": "false",
+            }
         return "".join(f"{k}={v}\n" for k, v in settings.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
@@ -204,6 +226,8 @@ class Kafka:
 
     def check_ports(self) -> None:
         ports = [("kafka", self.port)]
+        if self.sasl_port:
+            ports.append(("kafka sasl", self.sasl_port))
         if self._controller is None:
             ports.append(("kafka controller", self.controller_port))
         for part, port in ports:

@@ -53,14 +53,7 @@ def test_unsatisfied_min_insync_replicas_waits_says_why_and_resumes_once(
     admin = AdminClient({"bootstrap.servers": first.bootstrap})
     topic = pipe.topic("insync.counters")
     try:
-        pipe.start()
-        # Rows written before the snapshot has read them may reach Kafka only as the
-        # stream's later changes (the snapshot leaves out keys changed meanwhile): the
-        # counters start at 0 in Kafka only if inserted once the snapshot is done.
-        pipe.wait_caught_up(60)
-        workload.seed_counters()
-        workload.start()
-        wait_for(lambda: workload.committed >= 100, 60, "100 source transactions")
+        workload.start_under(pipe)
         # Every topic created while both brokers are up (a topic of 2 replicas cannot be
         # created on one).
         wanted = {topic, pipe.topic("insync.log")}
