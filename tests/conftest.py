@@ -11,7 +11,9 @@ import fcntl
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -103,13 +105,70 @@ def fresh_stack() -> Iterator[Callable[..., Stack]]:
         shutil.rmtree(dedicated.state_dir, ignore_errors=True)
 
 
+def _broker_root(prefix: str) -> Path:
+    # Under /tmp and world-traversable like the stacks' folders, so its log and segments
+    # can be read by anyone looking into a failure (mkdtemp makes it 0700).
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(root, 0o755)
+    return root
+
+
+@contextmanager
+def _running(root: Path, what: str, *brokers: Kafka) -> Iterator[None]:
+    """Start the brokers in order and wait until each answers; after, stop them (the last
+    first) and purge ``root``."""
+    try:
+        try:
+            for broker in brokers:
+                broker.start()
+            for broker in brokers:
+                broker.wait_ready()
+        except StackError as exc:
+            pytest.fail(f"{what}: {exc}", pytrace=False)
+        yield
+    finally:
+        for broker in reversed(brokers):
+            broker.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def kafka_pair() -> Iterator[tuple[Kafka, Kafka]]:
+    """Two brokers of the stack's Kafka version (node 1 is also the controller), every new
+    topic on both: a follower to lose. Stopped and purged after."""
+    root = _broker_root("slotbridge-kafka2-")
+    port, controller_port, port2 = free_ports(3)
+    jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_SET)
+    cluster = new_cluster_id()
+    first = Kafka(root, port, controller_port, jars, cluster, replicas=2)
+    second = Kafka(root, port2, 0, jars, cluster, controller=first, replicas=2)
+    with _running(root, "two-broker Kafka", first, second):
+        yield first, second
+
+
+@pytest.fixture
+def sasl_kafka() -> Iterator[Kafka]:
+    """A broker of the stack's Kafka version with a SASL/PLAIN listener where ACLs apply,
+    for the user ``bridge`` (its password in ``sasl_users``); its plain listener is open."""
+    root = _broker_root("slotbridge-kafka-sasl-")
+    port, controller_port, sasl_port = free_ports(3)
+    broker = Kafka(
+        root,
+        port,
+        controller_port,
+        bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_SET),
+        new_cluster_id(),
+        sasl_port=sasl_port,
+        sasl_users={"bridge": f"bridge-{uuid.uuid4().hex[:12]}"},
+    )
+    with _running(root, "SASL Kafka", broker):
+        yield broker
+
+
 @pytest.fixture
 def oldest_kafka() -> Iterator[Kafka]:
     """A dedicated broker of the oldest Kafka version we support, stopped and purged after."""
-    # Under /tmp and world-traversable like the stacks' folders, so its log and segments
-    # can be read by anyone looking into a failure (mkdtemp makes it 0700).
-    root = Path(tempfile.mkdtemp(prefix="slotbridge-kafka-"))
-    os.chmod(root, 0o755)
+    root = _broker_root("slotbridge-kafka-")
     port, controller_port = free_ports(2)
     broker = Kafka(
         root,
@@ -118,16 +177,8 @@ def oldest_kafka() -> Iterator[Kafka]:
         bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_OLDEST_SET),
         new_cluster_id(),
     )
-    try:
-        try:
-            broker.start()
-            broker.wait_ready()
-        except StackError as exc:
-            pytest.fail(f"Kafka {bootstrap.KAFKA_OLDEST_VERSION} broker: {exc}", pytrace=False)
+    with _running(root, f"Kafka {bootstrap.KAFKA_OLDEST_VERSION} broker", broker):
         yield broker
-    finally:
-        broker.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -310,7 +310,7 @@ class Bridge:
         opened here is closed by ``ending``."""
         s = self.settings
         spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
-        sink = KafkaSink(s)
+        sink = KafkaSink(s, on_wait=self.metrics.kafka_wait.set)
         ending.callback(sink.close)
         sink.start()  # fences a killed predecessor; must precede reading progress
         sink.ensure_topics({s.progress_topic: True})

@@ -92,6 +92,13 @@ class BridgeMetrics:
         self.streaming = Gauge(
             "slotbridge_streaming", "1 while the replication stream is open", ["slot"], registry=r
         ).labels(slot)
+        self.kafka_wait = Gauge(
+            "slotbridge_kafka_write_wait_seconds",
+            "How long records of the open Kafka transaction have waited for the brokers' "
+            "acknowledgement (NOT_ENOUGH_REPLICAS, a full log dir, a slow broker); 0: none",
+            ["slot"],
+            registry=r,
+        ).labels(slot)
         self.reconnects = Counter(
             "slotbridge_reconnects_total", "Sessions restarted after an error", ["slot"], registry=r
         ).labels(slot)

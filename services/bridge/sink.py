@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from confluent_kafka import (
@@ -63,6 +63,14 @@ class TopicReplaced(SinkError):
     retryable = False  # what was published there is gone: only the operator can decide
 
 
+class ProducerFailed(SinkError):
+    """The producer hit a fatal error other than being fenced (librdkafka: INVALID_TXN_STATE
+    from an abort, a lost authorization): it can commit nothing more, nor tell whether a
+    successor fenced it, which the daemon must know before it starts a new session."""
+
+    retryable = False
+
+
 class KafkaRefused(SinkError):
     """Kafka refuses what the bridge must do (a topic, a record's size, a setting) and will
     refuse it again in every new session: only the operator can change that."""
@@ -96,11 +104,27 @@ _NOT_ABOUT_TOPICS = frozenset(
     }
 )
 _TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+# A right of the bridge's principal that an ACL no longer grants: every new session would
+# be refused the same way, so the bridge stops (librdkafka takes some of them as fatal).
+_NOT_AUTHORIZED = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+    }
+)
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _REACH_S = 10.0
+# How long an abort waits for the coordinator before the session goes on ending; an abort
+# that did not finish is called again before the next transaction.
+_ABORT_S = 10.0
 # How long a flush waits before the sink checks that its topics still exist (one
 # DescribeTopics request): a deleted topic is noticed within about this.
 _FLUSH_CHECK_S = 1.0
+# After this long without acknowledgement a flush says why it waits, then once a minute.
+_WAIT_REPORT_S = 5.0
+_WAIT_REPEAT_S = 60.0
 # Records that wait in BatchSender before they are handed over: calls with hundreds of
 # records each, and a bounded copy of the records in memory.
 _CHUNK = 1024
@@ -314,8 +338,12 @@ class BatchSender:
 
 
 class KafkaSink:
-    def __init__(self, settings: BridgeSettings) -> None:
+    def __init__(
+        self, settings: BridgeSettings, on_wait: Callable[[float], None] = lambda _s: None
+    ) -> None:
         self._settings = settings
+        self._on_wait = on_wait  # seconds records have waited for acknowledgement (metric)
+        self._wait_logged = 0.0  # monotonic time of the last "Kafka does not acknowledge"
         base = kafka_client_config(settings)
         # Before any client exists: each would log its own failure to connect.
         check_reachable(base, _REACH_S, _SECURITY_HINT)  # KafkaUnreachable: retryable
@@ -340,6 +368,9 @@ class KafkaSink:
         self._failed_record: tuple[str, int] | None = None  # topic, bytes
         self._in_txn = False
         self._began = 0.0  # monotonic time the open transaction began
+        # A commit_transaction or abort_transaction that timed out: librdkafka refuses every
+        # other transactional call (_CONFLICT) until this one is called again and finishes.
+        self._unfinished: str | None = None
         self._fence_group: Consumer | None = None  # made by the first prove_not_fenced
 
     @property
@@ -382,7 +413,13 @@ class KafkaSink:
         still refuses a record too large, and the sink reports that in one line."""
         below = []
         resources = [ConfigResource(kind, name) for name in names]
-        for resource, future in self._admin.describe_configs(resources).items():
+        # librdkafka takes one broker per DescribeConfigs call (the request goes to it):
+        # more fail, each with _CONFLICT, and the check did not run on a cluster.
+        calls = [[r] for r in resources] if kind == ResourceType.BROKER else [resources]
+        futures = {}
+        for call in calls:
+            futures.update(self._admin.describe_configs(call))
+        for resource, future in futures.items():
             try:
                 entry = future.result(timeout=30).get(setting)
             except KafkaException as exc:
@@ -557,6 +594,7 @@ class KafkaSink:
     def begin(self) -> None:
         self._failure = None
         self._first.renew_if_old()
+        self._finish_unfinished()
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
@@ -636,30 +674,101 @@ class KafkaSink:
 
     def _deliver_all(self) -> None:
         """Wait until every record produced so far is acknowledged, or raise. librdkafka
-        waits for a deleted topic to come back, silently: while records are outstanding,
-        the topics' ids are checked every ``_FLUSH_CHECK_S``."""
-        deadline = time.monotonic() + self._settings.kafka_transaction_timeout_ms / 1000
-        while True:
-            left = deadline - time.monotonic()
-            undelivered = self._producer.flush(max(0.0, min(_FLUSH_CHECK_S, left)))
-            if self._failure is not None:
-                failed = self._failure
-                raise self._transaction_failed(failed) or self._classify(
-                    failed, "Kafka delivery failed: "
-                )
-            if not undelivered:
-                return
-            if left <= _FLUSH_CHECK_S:
-                # Never commit a transaction we cannot prove whole.
-                raise SinkError(
-                    f"{undelivered} records of this transaction were not delivered in time; "
-                    "aborting it"
-                )
-            self._check_topic_ids()
+        waits silently, up to the transaction's timeout, for brokers that do not
+        acknowledge (a deleted topic, NOT_ENOUGH_REPLICAS, a full log dir): meanwhile the
+        topics' ids are checked every ``_FLUSH_CHECK_S``, the wait is exported, and from
+        ``_WAIT_REPORT_S`` on one line a minute says why it waits."""
+        began = time.monotonic()
+        deadline = began + self._settings.kafka_transaction_timeout_ms / 1000
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                undelivered = self._producer.flush(max(0.0, min(_FLUSH_CHECK_S, left)))
+                if self._failure is not None:
+                    failed = self._failure
+                    raise self._transaction_failed(failed) or self._classify(
+                        failed, "Kafka delivery failed: "
+                    )
+                if not undelivered:
+                    return
+                if left <= _FLUSH_CHECK_S:
+                    # Never commit a transaction we cannot prove whole.
+                    raise SinkError(
+                        f"{undelivered} records of this transaction were not acknowledged in "
+                        f"{self._settings.kafka_transaction_timeout_ms} ms "
+                        f"(kafka_transaction_timeout_ms); aborting it, a new session publishes "
+                        f"it again ({self._why_unacknowledged()})"
+                    )
+                self._check_topic_ids_meanwhile()
+                self._report_wait(time.monotonic() - began, f"{undelivered} records")
+        finally:
+            self._on_wait(0.0)
+
+    def _report_wait(self, waited: float, what: str) -> None:
+        self._on_wait(waited)
+        now = time.monotonic()
+        if waited < _WAIT_REPORT_S or now - self._wait_logged < _WAIT_REPEAT_S:
+            return
+        self._wait_logged = now
+        log_event(
+            log,
+            logging.WARNING,
+            "Kafka does not acknowledge this transaction; waiting, nothing is confirmed to "
+            "PostgreSQL meanwhile",
+            waited_s=round(waited),
+            waiting_for=what,
+            gives_up_in_s=round(self._settings.kafka_transaction_timeout_ms / 1000 - waited),
+            cause=self._why_unacknowledged(),
+        )
+
+    def _why_unacknowledged(self) -> str:
+        """A partition with fewer in-sync replicas than its topic's min.insync.replicas (the
+        leader answers NOT_ENOUGH_REPLICAS, which librdkafka retries silently), or where
+        else to look."""
+        topics = list(self.ids.learned)
+        if not topics:
+            return "no topic written yet: check the brokers"
+        try:
+            described = self._admin.describe_topics(
+                TopicCollection(topics), request_timeout=_REACH_S
+            )
+            isr = {
+                (t, p.id): len(p.isr) for t, f in described.items() for p in f.result().partitions
+            }
+            resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
+            configs = self._admin.describe_configs(resources, request_timeout=_REACH_S)
+            wanted: dict[str, int] = {}
+            for resource, future in configs.items():
+                entry = future.result().get("min.insync.replicas")
+                if entry is not None:
+                    wanted[resource.name] = int(entry.value)
+        except KafkaException as exc:
+            return f"the brokers do not answer either ({explain(exc)})"
+        short = [
+            f"{t}-{p} has {n} in-sync replicas, min.insync.replicas={wanted[t]}"
+            for (t, p), n in sorted(isr.items())
+            if n < wanted.get(t, 1)
+        ]
+        if short:
+            return (
+                f"NOT_ENOUGH_REPLICAS: {'; '.join(short[:3])}: bring the replicas back, or "
+                "lower the topic's min.insync.replicas"
+            )
+        return "every partition has its in-sync replicas: look for errors in the brokers' logs"
 
     def _check_topic_ids(self, timeout_s: float = 30.0) -> None:
         if self.ids.learned:
             self.ids.check(self._describe(list(self.ids.learned), timeout_s))
+
+    def _check_topic_ids_meanwhile(self) -> None:
+        """The check while records wait: briefly, and a broker that does not answer now (its
+        request went to a broker going away) only skips it, as the wait goes on and is said;
+        the check before the commit is never skipped."""
+        try:
+            self._check_topic_ids(timeout_s=_REACH_S)
+        except SinkError as exc:
+            if isinstance(exc, TopicReplaced):
+                raise
 
     def _check_topic_ids_after(self, err: KafkaError | BaseException) -> None:
         """A topic deleted under a transaction fails it in more ways than ``_TOPIC_GONE``
@@ -684,7 +793,7 @@ class KafkaSink:
             # After every record is acknowledged: a topic deleted while they were on their
             # way got them (or some of them) in its new incarnation.
             self._check_topic_ids()
-            self._producer.commit_transaction(self._settings.kafka_transaction_timeout_ms / 1000)
+            self._end_transaction("commit_transaction")
         except (KafkaException, SystemError) as exc:
             err = cause(exc)
             known = (
@@ -707,9 +816,52 @@ class KafkaSink:
         self._in_txn = False
         self._first.forget()
         try:
-            self._producer.abort_transaction(10)
-        except KafkaException as exc:
-            log_event(log, logging.WARNING, "abort of Kafka transaction failed", error=explain(exc))
+            if self._unfinished is None:
+                self._end_transaction("abort_transaction", _ABORT_S)
+            else:
+                self._finish_unfinished(_ABORT_S)
+        except (KafkaException, SystemError, SinkError) as exc:
+            log_event(
+                log,
+                logging.WARNING,
+                "abort of Kafka transaction failed",
+                error=explain(exc),
+                called_again_before_the_next_transaction=self._unfinished,
+            )
+
+    def _end_transaction(self, call: str, timeout_s: float | None = None) -> None:
+        """``commit_transaction`` or ``abort_transaction``, called again every
+        ``_WAIT_REPORT_S`` (librdkafka resumes it) to say why it waits: the coordinator
+        writes the markers only where the partition has its in-sync replicas. One that
+        times out (Kafka away) is remembered, to be called again before anything else."""
+        began = time.monotonic()
+        deadline = began + (timeout_s or self._settings.kafka_transaction_timeout_ms / 1000)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    getattr(self._producer, call)(max(0.0, min(_WAIT_REPORT_S, left)))
+                except (KafkaException, SystemError) as exc:
+                    err = cause(exc)
+                    resumable = isinstance(err, KafkaError) and err.retriable() and not err.fatal()
+                    self._unfinished = call if resumable else None
+                    if not resumable or left <= _WAIT_REPORT_S:
+                        raise
+                    self._report_wait(time.monotonic() - began, call.split("_")[0])
+                    continue
+                self._unfinished = None
+                return
+        finally:
+            self._on_wait(0.0)
+
+    def _finish_unfinished(self, timeout_s: float | None = None) -> None:
+        """Call again the commit or abort that timed out. A commit that lands now was not
+        confirmed to PostgreSQL: its progress record makes the next session skip it."""
+        if self._unfinished is not None:
+            try:
+                self._end_transaction(self._unfinished, timeout_s)
+            except (KafkaException, SystemError) as exc:
+                raise self._classify(exc) from None
 
     def prove_not_fenced(self) -> None:
         """Commit a transaction that holds only a consumer-group offset; FencedError if a
@@ -764,6 +916,21 @@ class KafkaSink:
         failure = self._failure
         if failure is not None and failure.code() not in _PURGED:
             return self._classify(failure, "Kafka delivery failed: ")
+        why = self._transaction_error()
+        if why is not None and why.code() != err.code():
+            return self._classify(why)
+        return None
+
+    def _transaction_error(self) -> KafkaError | None:
+        """The error the open transaction failed with where no record's report has it (a
+        partition the coordinator would not add to it: TOPIC_AUTHORIZATION_FAILED): in a
+        failed transaction begin_transaction does nothing but answer it."""
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as exc:
+            err = cause(exc)
+            if isinstance(err, KafkaError) and err.txn_requires_abort():
+                return err
         return None
 
     def _classify(
@@ -820,4 +987,25 @@ class KafkaSink:
                 f"another bridge took over slot {self._settings.slot_name} "
                 f"(transactional id {self._settings.transactional_id}); this one stops"
             )
+        if isinstance(err, KafkaError) and err.code() in _NOT_AUTHORIZED:
+            user = self._settings.kafka_config.get("sasl.username")
+            principal = f"principal User:{user}" if user else "bridge's principal"
+            return KafkaRefused(
+                f"{what}{explain(err)} (the {principal}, transactional id "
+                f"{self._settings.transactional_id}, topics {self._settings.topic_prefix}.*); "
+                "start the bridge again once granted: what was not confirmed is published then"
+            )
+        if isinstance(err, KafkaError) and err.fatal():
+            return producer_failed(err, self._settings.transactional_id)
         return SinkError(f"{what}{explain(err)}")
+
+
+def producer_failed(err: KafkaError, transactional_id: str) -> ProducerFailed:
+    """The one line for a fatal producer error that is not fencing (checked first)."""
+    return ProducerFailed(
+        f"Kafka: the transactional producer failed for good ({explain(err)}): it can commit "
+        "nothing more and cannot tell whether another bridge took the slot over, so this "
+        f"bridge stops; start it again once the cause is fixed: its new producer registers "
+        f"transactional id {transactional_id} afresh, and what was not confirmed is published "
+        "again, once"
+    )

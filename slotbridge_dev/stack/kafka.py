@@ -2,8 +2,10 @@
 
 The broker is its own controller (one process, two listeners). Every internal topic gets
 replication factor 1, or transactions and consumer groups would wait forever for replicas
-that do not exist. Storage is formatted once; a restart keeps the data. The same class runs
-any broker version from 3.3 on: give it that version's jar folder.
+that do not exist. A second, broker-only node can join it (``controller``, ``replicas=2``)
+for what needs replicas: ``min.insync.replicas`` that a lost follower leaves unsatisfied.
+Storage is formatted once; a restart keeps the data. The same class runs any broker version
+from 3.3 on: give it that version's jar folder.
 """
 
 from __future__ import annotations
@@ -110,13 +112,33 @@ class Kafka:
     HEAP = "-Xmx768m"
 
     def __init__(
-        self, root: Path, port: int, controller_port: int, jars: Path, cluster_id: str
+        self,
+        root: Path,
+        port: int,
+        controller_port: int,
+        jars: Path,
+        cluster_id: str,
+        *,
+        controller: Kafka | None = None,
+        replicas: int = 1,
+        sasl_port: int = 0,
+        sasl_users: dict[str, str] | None = None,
     ) -> None:
+        """``controller``: the node whose controller this broker-only node 2 joins (its own
+        ``controller_port`` is then unused); ``replicas``: the brokers there will be, the
+        replication factor of new and internal topics. ``sasl_port``: a second listener,
+        SASL/PLAIN for ``sasl_users`` (name -> password), with ACLs enforced there by the
+        StandardAuthorizer; the plain listener stays open to anyone as a super user (the
+        tests' own reads and the broker's own requests)."""
+        self.sasl_port = sasl_port
+        self.sasl_users = sasl_users or {}
         self.port = port
         self.controller_port = controller_port
         self.jars = jars
         self.cluster_id = cluster_id
-        self.dir = root / "kafka"
+        self._controller = controller
+        self._replicas = replicas
+        self.dir = root / ("kafka" if controller is None else "kafka-2")
         self.data_dir = self.dir / "data"
         self.config_path = self.dir / "server.properties"
         self.log_path = self.dir / "kafka.log"
@@ -130,27 +152,49 @@ class Kafka:
         return f"127.0.0.1:{self.port}"
 
     def _config(self) -> str:
+        listeners = f"PLAINTEXT://127.0.0.1:{self.port}"
+        voter = (
+            self.controller_port if self._controller is None else self._controller.controller_port
+        )
+        replicas = str(self._replicas)
+        protocols = "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
+        if self.sasl_port:
+            listeners += f",SASL_PLAINTEXT://127.0.0.1:{self.sasl_port}"
+            protocols += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
         settings = {
-            "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
-            f"CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "process.roles": "broker,controller" if self._controller is None else "broker",
+            "node.id": "1" if self._controller is None else "2",
+            "controller.quorum.voters": f"1@127.0.0.1:{voter}",
+            "listeners": listeners
+            if self._controller is not None
+            else f"{listeners},CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": listeners,
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "listener.security.protocol.map": protocols,
             "log.dirs": str(self.data_dir),
             "num.partitions": "1",
             "auto.create.topics.enable": "true",
-            "offsets.topic.replication.factor": "1",
-            "transaction.state.log.replication.factor": "1",
+            "default.replication.factor": replicas,
+            "offsets.topic.replication.factor": replicas,
+            "transaction.state.log.replication.factor": replicas,
             "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.replication.factor": replicas,
             "share.coordinator.state.topic.min.isr": "1",
             # Tests start consumer groups all the time; the default 3 s delay is pure waiting.
             "group.initial.rebalance.delay.ms": "0",
         }
+        if self.sasl_port:
+            users = " ".join(f'user_{u}="{pw}"' for u, pw in self.sasl_users.items())
+            settings |= {
+                "sasl.enabled.mechanisms": "PLAIN",
+                "listener.name.sasl_plaintext.plain.sasl.jaas.config": (
+                    f"org.apache.kafka.common.security.plain.PlainLoginModule required {users};"
+                ),
+                "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+                "super.users": "User:ANONYMOUS",
+                "allow.everyone.if.no.acl.found": "false",
+            }
         return "".join(f"{k}={v}\n" for k, v in settings.items())
 
     def _java(self, main: str, *args: str) -> list[str]:
@@ -181,7 +225,12 @@ class Kafka:
         return self.pid() is not None
 
     def check_ports(self) -> None:
-        for part, port in (("kafka", self.port), ("kafka controller", self.controller_port)):
+        ports = [("kafka", self.port)]
+        if self.sasl_port:
+            ports.append(("kafka sasl", self.sasl_port))
+        if self._controller is None:
+            ports.append(("kafka controller", self.controller_port))
+        for part, port in ports:
             if port_in_use(port):
                 raise StackError(port_taken(part, port))
 

@@ -12,13 +12,17 @@ understands just enough of the Kafka protocol to:
   records are not written; the answer is held back ``hold_s`` so that a producer with
   more requests in flight sends its later batches first. A broker with no producer state
   for a partition accepts any first sequence, so those later batches are stored and the
-  first one, retried, is acknowledged as a duplicate: lost without an error.
+  first one, retried, is acknowledged as a duplicate: lost without an error;
+- answer an abort with an error the broker did not give (``refuse_aborts``): the broker
+  aborts the transaction, the producer hears the given code (INVALID_TXN_STATE, which
+  librdkafka takes as fatal, as a coordinator that lost track of the transaction answers).
 
 To keep the parsing small and fixed-offset, the proxy lowers the versions the broker
 advertises in its ApiVersions answer for Produce, Metadata and FindCoordinator to the
-newest non-flexible ones (8, 8, 2). librdkafka then speaks those, as it does with
-older brokers. The sabotaged partition's index is moved out of range in the request
-(the broker refuses it as unknown and writes nothing) and moved back in the answer.
+newest non-flexible ones (8, 8, 2), and EndTxn to 2 when aborts are refused. librdkafka
+then speaks those, as it does with older brokers. The sabotaged partition's index is moved
+out of range in the request (the broker refuses it as unknown and writes nothing) and moved
+back in the answer.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PRODUCE, METADATA, FIND_COORDINATOR, API_VERSIONS = 0, 3, 10, 18
-_CAPS = {PRODUCE: 8, METADATA: 8, FIND_COORDINATOR: 2}
+PRODUCE, METADATA, FIND_COORDINATOR, API_VERSIONS, END_TXN = 0, 3, 10, 18, 26
+_CAPS = {PRODUCE: 8, METADATA: 8, FIND_COORDINATOR: 2, END_TXN: 2}
 NOT_LEADER_OR_FOLLOWER = 6
+INVALID_TXN_STATE = 48
 _OUT_OF_RANGE = 0x40000000  # or-ed into a sabotaged partition index
 
 
@@ -89,6 +94,7 @@ class _Pending:
     api_key: int
     version: int
     sabotaged: list[tuple[str, int]] = field(default_factory=list)
+    refused_abort: bool = False
 
 
 @dataclass
@@ -96,6 +102,7 @@ class ProxyStats:
     connections: int = 0
     cuts: int = 0
     sabotaged: list[tuple[str, int]] = field(default_factory=list)
+    refused_aborts: int = 0
 
 
 class KafkaFaultProxy:
@@ -110,12 +117,15 @@ class KafkaFaultProxy:
         hold_s: float = 0.5,
         sabotage: Callable[[str], bool] = lambda _t: True,
         latency_s: float = 0.0,
+        refuse_aborts: int = 0,
     ) -> None:
         host, _, up_port = upstream.rpartition(":")
         self._upstream = (host, int(up_port))
         self.fail_first_produce = fail_first_produce
         self.hold_s = hold_s
         self.latency_s = latency_s
+        self.refuse_aborts = refuse_aborts  # an error code; 0: aborts answered as they are
+        self._caps = {k: v for k, v in _CAPS.items() if k != END_TXN or refuse_aborts}
         self._sabotage = sabotage
         self._listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
@@ -212,6 +222,15 @@ class KafkaFaultProxy:
             reader = _Reader(frame, 8)
             reader.string()  # client id
             self._sabotage_produce(reader, entry)
+        elif api_key == END_TXN and self.refuse_aborts:
+            if version > _CAPS[END_TXN]:
+                raise AssertionError(f"EndTxn v{version} was not capped")
+            reader = _Reader(frame, 8)
+            reader.string()  # client id
+            reader.string()  # transactional id
+            reader.fixed(">q")  # producer id
+            reader.int16()  # producer epoch
+            entry.refused_abort = reader.fixed(">b")[0] == 0  # committed: false
         return 0.0
 
     def _sabotage_produce(self, r: _Reader, entry: _Pending) -> None:
@@ -240,7 +259,7 @@ class KafkaFaultProxy:
         if entry is None:
             return 0.0
         if entry.api_key == API_VERSIONS:
-            _cap_versions(frame, entry.version)
+            _cap_versions(frame, entry.version, self._caps)
         elif entry.api_key == METADATA:
             self._rewrite_brokers(frame, entry.version)
         elif entry.api_key == FIND_COORDINATOR:
@@ -248,6 +267,10 @@ class KafkaFaultProxy:
         elif entry.api_key == PRODUCE and entry.sabotaged:
             _fail_partitions(frame, entry)
             return self.hold_s
+        elif entry.api_key == END_TXN and entry.refused_abort:
+            struct.pack_into(">h", frame, 8, self.refuse_aborts)  # after corr id, throttle
+            with self._lock:
+                self.stats.refused_aborts += 1
         return 0.0
 
     def _rewrite_brokers(self, frame: bytearray, version: int) -> None:
@@ -280,7 +303,7 @@ class KafkaFaultProxy:
             struct.pack_into(">i", frame, at, self.port)
 
 
-def _cap_versions(frame: bytearray, version: int) -> None:
+def _cap_versions(frame: bytearray, version: int, caps: dict[int, int]) -> None:
     r = _Reader(frame, 4)
     if r.int16() != 0:
         return  # an error answer (e.g. unsupported ApiVersions version): nothing to cap
@@ -289,7 +312,7 @@ def _cap_versions(frame: bytearray, version: int) -> None:
         key = r.int16()
         low = r.int16()
         high, at = r.fixed(">h")
-        cap = _CAPS.get(key)
+        cap = caps.get(key)
         if cap is not None:
             if low > cap:
                 raise AssertionError(

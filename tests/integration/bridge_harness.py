@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,6 +189,16 @@ def _read_once(
         return out, behind
     finally:
         consumer.close()
+
+
+def metric(port: int, name: str) -> dict[str, float]:
+    """A metric of the process serving /metrics on ``port``: its labels' text -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        labels: float(value)
+        for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
+    }
 
 
 @dataclass
@@ -474,6 +486,17 @@ class CounterWorkload(threading.Thread):
                     time.sleep(0.005)
         except BaseException as exc:  # reported by finish()
             self.error = exc
+
+    def start_under(self, pipe: Pipeline, transactions: int = 100) -> None:
+        """Start ``pipe``'s bridge, then this workload once the bridge's snapshot is done;
+        return when ``transactions`` are committed. Rows written before the snapshot read
+        them may reach Kafka only as the stream's later changes (the snapshot leaves out
+        keys changed meanwhile): the counters start at 0 in Kafka only if inserted after."""
+        pipe.start()
+        pipe.wait_caught_up(60)
+        self.seed_counters()
+        self.start()
+        wait_for(lambda: self.committed >= transactions, 60, f"{transactions} transactions")
 
     def finish(self) -> None:
         self.stop_flag.set()

@@ -18,16 +18,20 @@ from services.bridge.sink import (
     FencedError,
     KafkaRefused,
     KafkaSink,
+    ProducerFailed,
     SinkError,
 )
+from slotbridge_dev.stack.kafka_proxy import INVALID_TXN_STATE, KafkaFaultProxy
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
 
 
-def _settings(stack: Stack, name: str, **extra: object) -> BridgeSettings:
+def _settings(
+    stack: Stack, name: str, bootstrap: str | None = None, **extra: object
+) -> BridgeSettings:
     return BridgeSettings(
         source_dsn="host=unused",
-        kafka_bootstrap=stack.kafka_bootstrap,
+        kafka_bootstrap=bootstrap or stack.kafka_bootstrap,
         slot_name=name,
         topic_prefix=name,
         http_port=0,
@@ -163,3 +167,70 @@ def test_records_behind_a_refused_one_fail_the_transaction_with_its_cause(stack:
     finally:
         sink.close()  # aborts
     assert read_topics(stack.kafka, [name]) == []
+
+
+def _values(stack: Stack, topic: str) -> list[object]:
+    return [r.value for r in read_topics(stack.kafka, [topic])]
+
+
+def test_abort_refused_as_invalid_txn_state_stops_in_one_line(stack: Stack) -> None:
+    """An abort answered INVALID_TXN_STATE leaves librdkafka's producer failed for good:
+    every later call fails the same way. After a broken session the daemon asks this
+    producer whether a successor fenced it (``prove_not_fenced``) before it starts another,
+    and kept asking forever while that failed as retryable: it must be a stop in one line.
+    The broker aborted the transaction (the fault proxy changes only the answer), so a new
+    producer on the same transactional id, which a restart makes, publishes again."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    proxy = KafkaFaultProxy(stack.kafka_bootstrap, refuse_aborts=INVALID_TXN_STATE).start()
+    sink = KafkaSink(_settings(stack, name, bootstrap=proxy.bootstrap))
+    try:
+        sink.start()
+        sink.ensure_topics({name: False})
+        sink.begin()
+        sink.produce(name, b'{"id":1}', b'"aborted"')
+        sink.abort()  # logged only: the session is ending anyway
+        assert proxy.stats.refused_aborts == 1
+        with pytest.raises(ProducerFailed) as failed:
+            sink.prove_not_fenced()
+    finally:
+        sink.close()
+        proxy.stop()
+    assert not failed.value.retryable
+    text = str(failed.value)
+    assert "INVALID_TXN_STATE" in text and "start it again" in text and "\n" not in text
+    again = KafkaSink(_settings(stack, name))
+    try:
+        again.start()
+        again.begin()
+        again.produce(name, b'{"id":1}', b'"after"')
+        again.commit()
+    finally:
+        again.close()
+    assert _values(stack, name) == ["after"]
+
+
+def test_abort_that_timed_out_is_finished_before_the_next_transaction(stack: Stack) -> None:
+    """An abort while Kafka is unreachable times out, and librdkafka then refuses every
+    other transactional call (_CONFLICT, retriable) until that abort is called again: the
+    daemon's "was I fenced?" question failed that way forever once Kafka was back. The
+    next transaction must finish the abort first, then publish."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    proxy = KafkaFaultProxy(stack.kafka_bootstrap).start()
+    settings = _settings(stack, name, bootstrap=proxy.bootstrap)
+    sink = KafkaSink(settings)
+    try:
+        sink.start()
+        sink.ensure_topics({name: False, settings.progress_topic: True})
+        sink.begin()
+        sink.produce(name, b'{"id":1}', b'"aborted"')
+        proxy.block()
+        sink.abort()  # times out: logged, left to be finished
+        proxy.block(False)
+        sink.prove_not_fenced()
+        sink.begin()
+        sink.produce(name, b'{"id":1}', b'"after"')
+        sink.commit()
+    finally:
+        sink.close()
+        proxy.stop()
+    assert _values(stack, name) == ["after"]

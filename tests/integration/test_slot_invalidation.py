@@ -8,8 +8,6 @@ invalidate other tests' idle slots too.
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,16 +17,14 @@ import pytest
 from services.bridge.kafka_reader import read_topic
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, one_line_error, run_cli, sql, wait_for
-
-
-def _metric(port: int, name: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        labels: float(value)
-        for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
-    }
+from tests.integration.bridge_harness import (
+    Pipeline,
+    metric,
+    one_line_error,
+    run_cli,
+    sql,
+    wait_for,
+)
 
 
 def test_slot_reserve_is_exported_and_an_invalidated_slot_is_named(
@@ -44,19 +40,19 @@ def test_slot_reserve_is_exported_and_an_invalidated_slot_is_named(
         pipe.wait_caught_up()
         # Without a limit the slot keeps any amount of WAL.
         wait_for(
-            lambda: _metric(port, "slotbridge_slot_safe_wal_bytes"),
+            lambda: metric(port, "slotbridge_slot_safe_wal_bytes"),
             60,
             "the slot's reserve in /metrics",
         )
-        assert list(_metric(port, "slotbridge_slot_safe_wal_bytes").values()) == [float("inf")]
-        status = _metric(port, "slotbridge_slot_wal_status")
+        assert list(metric(port, "slotbridge_slot_safe_wal_bytes").values()) == [float("inf")]
+        status = metric(port, "slotbridge_slot_wal_status")
         assert status[f'slot="{pipe.name}",status="reserved"'] == 1.0, status
         sql(dsn, "ALTER SYSTEM SET max_slot_wal_keep_size = '64MB'")
         sql(dsn, "SELECT pg_reload_conf()")
         # What the slot keeps, rounded to WAL segments: 64 MiB, less what was written since.
         wait_for(
             lambda: (
-                _metric(port, "slotbridge_slot_safe_wal_bytes")
+                metric(port, "slotbridge_slot_safe_wal_bytes")
                 == {f'slot="{pipe.name}"': pytest.approx(64 * 2**20, rel=0.5)}
             ),
             60,

@@ -23,7 +23,13 @@ from services.bridge.progress_record import ProgressRecordError
 from services.bridge.publisher import GapError
 from services.bridge.routing import RoutingRefused
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import FencedError, KafkaRefused, SinkError, TopicReplaced
+from services.bridge.sink import (
+    FencedError,
+    KafkaRefused,
+    ProducerFailed,
+    SinkError,
+    TopicReplaced,
+)
 from services.bridge.spool import SpoolError
 from services.bridge.stream import StreamError
 from services.common.errors import SlotbridgeError
@@ -48,6 +54,7 @@ RETRYABLE: dict[type[SlotbridgeError], bool] = {
     HttpServerError: False,
     IdentityError: True,
     KafkaRefused: False,
+    ProducerFailed: False,
     TopicReplaced: False,
     KafkaUnreachable: True,
     ProgressRecordError: False,

@@ -1,0 +1,85 @@
+"""Kafka refusing writes for want of in-sync replicas (issue #32 item 5).
+
+A single broker takes acks=all on a one-replica topic whatever its min.insync.replicas
+(the minimum is capped at the replicas the partition has), so this needs two brokers: the
+topic has a replica on each, min.insync.replicas=2, and the follower goes away.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient
+
+# The package re-exports these without declaring it; mypy wants their own modules.
+from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin._resource import ResourceType
+
+from slotbridge_dev.stack.cluster import free_ports
+from slotbridge_dev.stack.kafka import Kafka
+from slotbridge_dev.stack.stack import Stack
+from tests.integration.bridge_harness import CounterWorkload, Pipeline, metric, wait_for
+
+
+def _waited(port: int) -> float:
+    (value,) = metric(port, "slotbridge_kafka_write_wait_seconds").values()
+    return value
+
+
+def _set_min_insync(admin: AdminClient, topic: str, value: str) -> None:
+    change = ConfigResource(
+        ResourceType.TOPIC,
+        topic,
+        incremental_configs=[
+            ConfigEntry("min.insync.replicas", value, incremental_operation=AlterConfigOpType.SET)
+        ],
+    )
+    admin.incremental_alter_configs([change])[change].result(30)
+
+
+def test_unsatisfied_min_insync_replicas_waits_says_why_and_resumes_once(
+    stack: Stack, kafka_pair: tuple[Kafka, Kafka], tmp_path: Path
+) -> None:
+    """The follower of a change topic with min.insync.replicas=2 stops: every write there
+    is refused (NOT_ENOUGH_REPLICAS, which librdkafka retries without a word). The bridge
+    says why in one line naming the partition and the fix, exports the wait, confirms to
+    PostgreSQL nothing beyond Kafka's progress record, and when the follower is back
+    publishes everything exactly once (broker-log audit)."""
+    first, second = kafka_pair
+    workload = CounterWorkload(stack.primary_dsn, "insync")
+    pipe = Pipeline(stack, workload.create(), tmp_path, broker=first)
+    (port,) = free_ports(1)
+    pipe.extra["SLOTBRIDGE_HTTP_PORT"] = str(port)
+    admin = AdminClient({"bootstrap.servers": first.bootstrap})
+    topic = pipe.topic("insync.counters")
+    try:
+        workload.start_under(pipe)
+        # Every topic created while both brokers are up (a topic of 2 replicas cannot be
+        # created on one).
+        wanted = {topic, pipe.topic("insync.log")}
+        wait_for(lambda: wanted <= set(admin.list_topics(timeout=10).topics), 60, "the topics")
+        _set_min_insync(admin, topic, "2")
+        second.stop()  # a clean shutdown: the leader drops it from the ISR at once
+        pipe.wait_for_log("Kafka does not acknowledge", 120)
+        line = next(ln for ln in pipe.output().splitlines() if "Kafka does not acknowledge" in ln)
+        assert f"{topic}-0 has 1 in-sync replicas, min.insync.replicas=2" in line, line
+        assert "lower the topic's min.insync.replicas" in line, line
+        assert _waited(port) >= 5
+        # Nothing confirmed to PostgreSQL that Kafka does not hold, while it waits.
+        confirmed = pipe._confirmed()
+        assert confirmed <= pipe.published_end_lsn()
+        wait_for(lambda: _waited(port) >= 10, 60, "a longer wait")
+        assert pipe._confirmed() == confirmed
+        second.start()
+        second.wait_ready()
+        workload.finish()
+        pipe.wait_caught_up()
+        assert pipe._confirmed() > confirmed
+        assert _waited(port) == 0
+        assert pipe.stop() == 0
+        checked = workload.verify(pipe)
+        report = pipe.audit()
+    finally:
+        workload.stop_flag.set()  # a failed wait must not leave it writing for the session
+        pipe.cleanup()
+    print(f"{workload.committed} source transactions, {checked} records verified; {report}")
