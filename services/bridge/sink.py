@@ -80,19 +80,18 @@ class KafkaRefused(SinkError):
 
 # A record batch around the largest record: what topics and the producer must accept.
 RECORD_SLACK = 65_536
-# Codes with which Kafka refuses to create a topic for good (bad or colliding name,
-# authorization, policy, impossible settings).
-_TOPIC_REFUSALS = frozenset(
-    {
-        KafkaError.TOPIC_EXCEPTION,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-        KafkaError.POLICY_VIOLATION,
-        KafkaError.INVALID_CONFIG,
-        KafkaError.INVALID_REPLICATION_FACTOR,
-        KafkaError.INVALID_PARTITIONS,
-    }
-)
+# Codes with which Kafka refuses to create a topic for good, and what to do about each.
+_TOPIC_REFUSALS = {
+    KafkaError.TOPIC_EXCEPTION: "rename the table or leave it out of the publication (tables)",
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the bridge's principal CREATE on the topic",
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED: "grant the bridge's principal CREATE on the topic",
+    KafkaError.POLICY_VIOLATION: "create the topic yourself, or change the brokers' policy",
+    KafkaError.INVALID_CONFIG: "check topic_partitions and topic_replication_factor",
+    KafkaError.INVALID_PARTITIONS: "check topic_partitions",
+}
+# Fewer brokers are up than the replication factor asks for: a broker that comes back
+# lets the next session create it.
+_TOPIC_WAITS = frozenset({KafkaError.INVALID_REPLICATION_FACTOR})
 # Kafka errors that say nothing about the topics written: no need to check their ids.
 _NOT_ABOUT_TOPICS = frozenset(
     {
@@ -528,9 +527,14 @@ class KafkaSink:
                     raced.append(topic)
                 elif code in _TOPIC_REFUSALS:
                     raise KafkaRefused(
-                        f"Kafka refuses to create topic {topic}: {explain(exc)};"
-                        " rename the table or leave it out of the publication"
-                        " (tables)"
+                        f"Kafka refuses to create topic {topic}: {explain(exc)}; "
+                        f"{_TOPIC_REFUSALS[code]}"
+                    ) from None
+                elif code in _TOPIC_WAITS:
+                    raise SinkError(
+                        f"cannot create topic {topic} yet: {explain(exc)}; fewer brokers are up "
+                        "than its replication factor (topic_replication_factor, or the brokers'"
+                        " default.replication.factor): the bridge tries again"
                     ) from None
                 else:
                     raise SinkError(f"cannot create topic {topic}: {explain(exc)}") from None
