@@ -950,8 +950,10 @@ class KafkaSink:
             # producer: the error then reads "fenced", but nobody else took over.
             return SinkError(
                 f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
-                f"({timeout_ms} ms), and the broker aborted it; raise kafka_transaction_timeout_ms"
-                " (at most the brokers' transaction.max.timeout.ms) for a snapshot this large"
+                f"({timeout_ms} ms), and the broker aborted it; a new session publishes it "
+                "again. If the brokers acknowledged slowly, the earlier warnings say why; if they"
+                " are healthy, raise kafka_transaction_timeout_ms (at most the brokers' "
+                "transaction.max.timeout.ms) for batches this large"
             )
         # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
         # bridge would reconnect and fence the bridge that fenced it, in turn.
