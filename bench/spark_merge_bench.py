@@ -4,6 +4,8 @@
         [--shapes mix,insert,update] [--changes 400000] [--batch 200000]
         [--seed-rows 10000000]
 
+A shape may be named more than once (``--shapes mix,mix,mix``): each run has its own topic.
+
 Per shape it publishes ``--changes`` synthetic changes in the bridge's format, then times,
 in one Spark session and on the same Kafka records with the same records per trigger
 (``--batch``): (1) the consumer (history, current state, tombstones) and (2) an append of
@@ -52,6 +54,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# This checkout's code, not the installed one (the venv may be shared with another tree).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
@@ -385,16 +390,17 @@ def run_shape(
         f"\n== {shape}: published {sent.changes} changes ({sent.records} records) in "
         f"{time.monotonic() - started:.1f} s"
     )
-    settings = settings_for(args, prefix, root / shape, args.batch)
+    folder = root / prefix
+    settings = settings_for(args, prefix, folder, args.batch)
     if seeded:
         started = time.monotonic()
         seed(spark, settings, prefix, seeded)
         print(f"seeded {seeded} rows into both tables in {time.monotonic() - started:.1f} s")
     merged = consume(spark, settings)
-    plain = append(spark, settings, sent.topic, root / shape, args.batch)
+    plain = append(spark, settings, sent.topic, folder, args.batch)
     print_batches("consumer", merged)
     print(f"parquet append: {plain.wall_s:.1f} s wall, {plain.cpu_s:.1f} s JVM CPU")
-    problems = verify(spark, settings, sent, root / shape / "parquet")
+    problems = verify(spark, settings, sent, folder / "parquet")
     merge_rate, append_rate = sent.records / merged.wall_s, sent.records / plain.wall_s
     figures = Figures(shape, sent.changes / merged.wall_s, merge_rate / append_rate)
     print(
@@ -437,8 +443,9 @@ def main() -> None:
     append(spark, warm_settings, warm.topic, root / "warm", args.batch)
 
     results, problems = [], []
-    for shape in shapes:
-        figures, wrong = run_shape(spark, args, shape, root, run_id)
+    # A shape named again (``mix,mix,mix`` for a median) runs on its own topic and folder.
+    for index, shape in enumerate(shapes):
+        figures, wrong = run_shape(spark, args, shape, root, f"{index}{run_id}")
         results.append(figures)
         problems += wrong
     spark.stop()

@@ -303,8 +303,8 @@ class TableWriter:
         try:
             changes = rows if toasted is None else toasted
             with timings.phase(f"{table.name} history"):
-                self._merge_history(changes, table, facts)
-                timings.merged(f"{table.name} history", self.history)
+                if self._merge_history(changes, table, facts):
+                    timings.merged(f"{table.name} history", self.history)
             # Crash tests kill the job here: history committed, current state not yet.
             failpoint("consume_after_history")
             if table.key_columns:
@@ -334,8 +334,9 @@ class TableWriter:
         self._floor = None if row is None else (int(row[0]), int(row[1]))
         self._tombstones = stones.where(~F.col(IS_TRUNCATE)).limit(1).count() > 0
 
-    def _merge_history(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> None:
-        """Insert each change once and keep SCD type 2 validity right.
+    def _merge_history(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> bool:
+        """Insert each change once and keep SCD type 2 validity right; True when that
+        took a MERGE (False: an append).
 
         A change is valid from its commit LSN to the commit LSN of the first thing after it
         that ends it: the key's next change or the next truncate, whichever comes first
@@ -359,8 +360,9 @@ class TableWriter:
         union = fresh
         # Without a truncate, only stored rows of the batch's keys are reachable.
         key_range = None if facts.truncates else facts.key_range
-        only_new = False
-        if keys or facts.truncates:
+        # A table this writer created holds nothing yet: no stored row to look for.
+        only_new = self.paths.history in self._empty
+        if not only_new and (keys or facts.truncates):
             stored = history.toDF().where(
                 f"{_reachable(facts.oldest_lsn)} AND {_in_key_range(table, key_range)}"
             )
@@ -384,6 +386,7 @@ class TableWriter:
         ends = _recompute_ends(union, table, later)
         if only_new:
             _align(ends, target).write.format("delta").mode("append").save(self.paths.history)
+            self._empty.discard(self.paths.history)
         else:
             # Stored rows whose end did not move and batch rows already stored (a replay)
             # are left out: a MERGE rewrites every file holding a matched row.
@@ -392,6 +395,7 @@ class TableWriter:
                 history, ends.where(moved), target, _in_key_range(table, key_range, "t."), facts
             )
         self._truncates = truncates
+        return not only_new
 
     @staticmethod
     def _close_and_insert(
@@ -422,6 +426,8 @@ class TableWriter:
 
     def _history_truncates(self) -> set[Position]:
         """Every truncate the history holds; read once, then kept up to date in memory."""
+        if self._truncates is None and self.paths.history in self._empty:
+            self._truncates = set()  # created by this writer: nothing stored yet
         if self._truncates is None:
             stored = (
                 self.history.toDF()

@@ -1,0 +1,273 @@
+"""Freshness of the Spark consumer: a change's source commit to its row being readable in
+the current-state Delta table, at a steady OLTP write rate, on the local stack.
+
+    .venv/bin/python bench/spark_freshness_bench.py [--rate 2000] [--seconds 120]
+        [--warm-up 30] [--stack-dir .stack/bench] [--trigger-interval-s DEFAULT]
+
+The real pipeline, each part as its own process: pgbench's TPC-B-like script (three
+UPDATEs and one INSERT into ``pgbench_history`` per transaction) rate-limited to
+``--rate`` changes/s, the bridge daemon of this checkout streaming the four tables, and
+``slotbridge consume`` with its default settings (trigger interval, local master) building
+the Delta tables.
+
+Method: every change of ``pgbench_history`` inserts a new key (``hid``), so each of them
+becomes exactly one new row of ``current/<schema>.pgbench_history``. A reader outside
+Spark (delta-rs) polls that table's log every 0.1 s; when a new version is there it reads
+the Parquet files it added and notes, for every key not seen before, the poll's clock
+time. At the end each key's source commit time is read from the history table's
+``_cdc_commit_ts`` (the commit timestamp PostgreSQL sent, in milliseconds; server and bench
+share the machine's clock). So a delay is commit -> a reader sees the row, including the
+bridge, Kafka, the trigger wait, the batch's work on the other tables before this one, and
+up to one poll interval. The warm-up write (the JVM's
+first batches) is not counted; every measured row must be seen.
+
+Printed, not asserted: p50/p90/p99/max, the rows, the Delta versions (batches) seen, the
+write rate reached and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psycopg
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+
+from bench.bridge_bench import daemon_env, drop_pipeline, say, stop_process
+from bench.latency_bench import start_daemon, wait_streaming
+from bench.workloads import OLTP_CHANGES_PER_TXN, Oltp
+from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
+from slotbridge_dev.stack.stack import Stack
+from spark_consumers import schema as s
+from spark_consumers.settings import ConsumerSettings
+from spark_consumers.tables import table_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+OLTP = Oltp()
+KEY = "hid"
+
+
+class Reader(threading.Thread):
+    """Polls a current-state table with delta-rs; ``seen`` maps each key to the clock time
+    of the poll that first found it."""
+
+    def __init__(self, path: str, poll_s: float) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.poll_s = poll_s
+        self.seen: dict[int, float] = {}
+        self.versions = 0
+        self.last_progress = time.monotonic()
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not DeltaTable.is_deltatable(self.path):
+                if self.stop_flag.wait(self.poll_s):
+                    return
+            table = DeltaTable(self.path)
+            files: set[str] = set()
+            version = -1
+            while not self.stop_flag.is_set():
+                table.update_incremental()
+                if table.version() != version:
+                    found = time.time()
+                    version = table.version()
+                    self.versions += 1
+                    self.last_progress = time.monotonic()
+                    current = set(table.file_uris())
+                    for uri in sorted(current - files):
+                        self._take(uri.removeprefix("file://"), found)
+                    files = current
+                self.stop_flag.wait(self.poll_s)
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+
+    def _take(self, file: str, found: float) -> None:
+        for key in pq.read_table(file, columns=[KEY])[KEY].to_pylist():
+            self.seen.setdefault(key, found)
+
+
+def commit_times(history: str) -> dict[int, float]:
+    """Each key's commit time (epoch seconds) from the history table: one version per key,
+    as pgbench only inserts history rows."""
+    rows = DeltaTable(history).to_pyarrow_table(columns=[KEY, s.COMMIT_TS])
+    micros = pc.cast(rows[s.COMMIT_TS], "int64").to_pylist()
+    return {k: m / 1e6 for k, m in zip(rows[KEY].to_pylist(), micros, strict=True)}
+
+
+def max_hid(dsn: str, schema: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(f"SELECT coalesce(max(hid), 0) FROM {schema}.pgbench_history").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def consumer_env(settings: ConsumerSettings, work: Path) -> dict[str, str]:
+    """``slotbridge consume``'s environment: where to read and write, nothing else, so the
+    trigger, master and Spark settings are the job's defaults (unless --trigger-interval-s)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
+    env.update(
+        {
+            "SLOTBRIDGE_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "SLOTBRIDGE_TOPIC_PREFIX": settings.topic_prefix,
+            "SLOTBRIDGE_TABLES": json.dumps(settings.tables),
+            "SLOTBRIDGE_WAREHOUSE": settings.warehouse,
+            "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
+            "SLOTBRIDGE_STATUS_PATH": str(work / "status.json"),
+            "SLOTBRIDGE_TRIGGER_INTERVAL_S": str(settings.trigger_interval_s),
+            "SLOTBRIDGE_JARS_DIR": str(settings.jars_dir),
+            "SLOTBRIDGE_LOG_FORMAT": "text",
+            "SLOTBRIDGE_HTTP_PORT": "0",
+        }
+    )
+    return env
+
+
+def wait_seen(
+    reader: Reader, keys: range, stall_s: float, consumer: subprocess.Popen[bytes], what: str
+) -> None:
+    """Until the reader has seen every key of ``keys``; fails when the consumer exits or no
+    new table version arrived for ``stall_s`` (a stall, not a slow machine)."""
+    while not all(k in reader.seen for k in keys):
+        if reader.error is not None:
+            raise RuntimeError(f"{what}: the reader failed ({reader.error!r})")
+        if consumer.poll() is not None:
+            raise RuntimeError(f"{what}: the consumer exited with {consumer.returncode}")
+        if time.monotonic() - reader.last_progress > stall_s:
+            raise TimeoutError(f"{what}: no new table version for {stall_s:.0f}s")
+        time.sleep(0.2)
+
+
+def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
+    dsn, bootstrap = stack.primary_dsn, stack.kafka_bootstrap
+    tag = f"fresh{int(time.time()) % 1_000_000}"
+    schema, prefix = f"bench_{tag}", f"bench.{tag}"
+    tables = [f"{schema}.{t}" for t in OLTP.tables]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        OLTP.prefill(dsn, schema, 0)  # pgbench's own tables, filled by pgbench -i
+        conn.execute(f"CREATE PUBLICATION {tag} FOR TABLE {', '.join(tables)}")
+    trigger_s = args.trigger_interval_s
+    if trigger_s is None:
+        trigger_s = ConsumerSettings.model_fields["trigger_interval_s"].default
+    settings = ConsumerSettings(
+        kafka_bootstrap=bootstrap,
+        topic_prefix=prefix,
+        tables=tables,
+        warehouse=str(work / tag / "warehouse"),
+        checkpoint_dir=str(work / tag / "checkpoint"),
+        trigger_interval_s=trigger_s,
+        jars_dir=jars_dir(cache_dir(), SPARK_SET),
+    )
+    env = daemon_env(dsn, bootstrap, tag, tag, tables, prefix, work / tag / "spool")
+    paths = table_paths(settings.warehouse, f"{schema}.pgbench_history")
+    reader = Reader(paths.current, 0.1)
+    bridge: subprocess.Popen[bytes] | None = None
+    consumer: subprocess.Popen[bytes] | None = None
+    try:
+        bridge, alive = start_daemon(env, work / f"{tag}-bridge.log")
+        wait_streaming(work / f"{tag}-bridge.log", "streaming", alive)
+        with (work / f"{tag}-consume.log").open("wb") as log:
+            consumer = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "consume"],
+                env=consumer_env(settings, work / tag),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        reader.start()
+        tps = max(1, args.rate // OLTP_CHANGES_PER_TXN)
+        pgbench = ("-n", "-R", str(tps), "-c", "8", "-j", "2")
+        OLTP.run_pgbench(dsn, schema, "-n", "-t", "1", "-c", "1")
+        say(f"{tag}: waiting for the consumer's first batch (a new JVM)")
+        started = time.monotonic()
+        while 1 not in reader.seen:
+            if reader.error is not None:
+                raise RuntimeError(f"the reader failed ({reader.error!r})")
+            if consumer.poll() is not None:
+                raise RuntimeError(f"the consumer exited; see {work}/{tag}-consume.log")
+            time.sleep(0.2)
+        say(f"{tag}: first row readable after {time.monotonic() - started:.1f}s")
+        if args.warm_up > 0:
+            say(f"{tag}: warm-up, {tps * OLTP_CHANGES_PER_TXN:,} changes/s for {args.warm_up:.0f}s")
+            OLTP.run_pgbench(dsn, schema, *pgbench, "-T", str(int(args.warm_up)))
+        first = max_hid(dsn, schema) + 1
+        say(f"{tag}: measuring, {tps * OLTP_CHANGES_PER_TXN:,} changes/s for {args.seconds:.0f}s")
+        load_before = os.getloadavg()
+        began = time.monotonic()
+        versions_before = reader.versions
+        OLTP.run_pgbench(dsn, schema, *pgbench, "-T", str(int(args.seconds)))
+        write_s = time.monotonic() - began
+        measured = range(first, max_hid(dsn, schema) + 1)
+        wait_seen(reader, measured, 10 * trigger_s + 120, consumer, tag)
+        load_after = os.getloadavg()
+    finally:
+        reader.stop_flag.set()
+        for proc in (consumer, bridge):
+            if proc is not None:
+                stop_process(proc)
+        if not args.keep:
+            drop_pipeline(
+                dsn, bootstrap, [tag], [tag], tag, f"SCHEMA IF EXISTS {schema} CASCADE", prefix
+            )
+    committed = commit_times(paths.history)
+    delays = sorted(reader.seen[k] - committed[k] for k in measured)
+
+    def pct(q: float) -> float:
+        return delays[min(len(delays) - 1, int(q * len(delays)))]
+
+    return {
+        "trigger_interval_s": trigger_s,
+        "rows": len(delays),
+        "changes_per_s": len(delays) * OLTP_CHANGES_PER_TXN / write_s,
+        "versions": reader.versions - versions_before,
+        "p50_s": pct(0.50),
+        "p90_s": pct(0.90),
+        "p99_s": pct(0.99),
+        "max_s": delays[-1],
+        "load_before": load_before,
+        "load_after": load_after,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=int, default=2000, help="changes per second")
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--warm-up", type=float, default=30, help="seconds, not counted")
+    parser.add_argument(
+        "--trigger-interval-s", type=float, default=None, help="default: the job's own"
+    )
+    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
+    args = parser.parse_args()
+    stack = Stack(args.stack_dir)
+    stack.up()
+    work = args.stack_dir / "spark-freshness-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    result = run(args, stack, work)
+    print(json.dumps(result))
+    print(
+        f"commit -> readable in the current-state table, trigger {result['trigger_interval_s']}s, "
+        f"{result['rows']:,} rows at {result['changes_per_s']:,.0f} changes/s over "
+        f"{result['versions']} table versions: p50 {result['p50_s']:.1f}s, "
+        f"p90 {result['p90_s']:.1f}s, p99 {result['p99_s']:.1f}s, max {result['max_s']:.1f}s "
+        f"(load {result['load_before'][0]:.1f} -> {result['load_after'][0]:.1f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
