@@ -83,8 +83,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psycopg
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+
+# NewTopic's public home (the stubs do not declare the re-export).
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench.workloads import OLTP_CHANGES_PER_TXN, OLTP_CLIENTS, WORKLOADS, Plan, Workload
 from services.bridge.settings import BridgeSettings

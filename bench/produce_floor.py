@@ -31,8 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+
+# NewTopic's public home (the stubs do not declare the re-export).
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink, producer_config

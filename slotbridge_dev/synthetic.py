@@ -150,8 +150,7 @@ class TransactionalWriter:
     ) -> None:
         """Create ``topics`` with ``partitions`` partitions, ``compacted`` with one
         (existing ones are left alone)."""
-        from confluent_kafka.admin import AdminClient
-        from confluent_kafka.cimpl import NewTopic
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         compact = set(compacted)

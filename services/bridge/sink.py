@@ -29,12 +29,16 @@ from confluent_kafka import (
     TopicCollection,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient
 
-# The package re-exports these without declaring it; mypy wants their own modules.
-from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
-from confluent_kafka.admin._resource import ResourceType
-from confluent_kafka.cimpl import NewTopic
+# Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings

@@ -21,11 +21,15 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka.admin import AdminClient
 
-# The package re-exports these without declaring it; mypy wants their own modules.
-from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
-from confluent_kafka.admin._resource import ResourceType
+# Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ResourceType,
+)
 
 from services.contract.topics import table_topic
 from slotbridge_dev.stack.cluster import free_ports

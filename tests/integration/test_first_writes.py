@@ -19,8 +19,12 @@ from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+
+# Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    NewTopic,
+)
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings

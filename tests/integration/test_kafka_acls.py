@@ -11,16 +11,18 @@ import json
 from pathlib import Path
 
 import pytest
-from confluent_kafka.admin import AdminClient
 
-# The package re-exports these without declaring it; mypy wants their own modules.
-from confluent_kafka.admin._acl import (
+# Their public home (the package's private modules define them; its stubs do not declare
+# the re-export, hence the ignore).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AclBinding,
     AclBindingFilter,
     AclOperation,
     AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
 )
-from confluent_kafka.admin._resource import ResourcePatternType, ResourceType
 
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.stack import Stack

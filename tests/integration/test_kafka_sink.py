@@ -9,8 +9,12 @@ import time
 import uuid
 
 import pytest
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+
+# Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    NewTopic,
+)
 
 from services.bridge.events import Record
 from services.bridge.settings import BridgeSettings

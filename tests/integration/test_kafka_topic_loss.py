@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 
 from confluent_kafka import TopicCollection
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+
+# Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    NewTopic,
+)
 
 from services.bridge.kafka_reader import read_kafka_progress, read_topic
 from slotbridge_dev.stack.kafka_audit import audit
