@@ -347,10 +347,13 @@ class KafkaSink:
         self._settings = settings
         self._on_wait = on_wait  # seconds records have waited for acknowledgement (metric)
         self._wait_logged = 0.0  # monotonic time of the last "Kafka does not acknowledge"
+        # Whether that line could say why (the brokers answered the sink's questions).
+        self._wait_explained = False
         base = kafka_client_config(settings)
         # Before any client exists: each would log its own failure to connect.
         check_reachable(base, _REACH_S, _SECURITY_HINT)  # KafkaUnreachable: retryable
         self._admin = AdminClient(base)
+        self._client_config = base  # for a fresh admin client (see _why_unacknowledged)
         self._producer = Producer(
             {
                 **producer_config(settings, self.record_limit),
@@ -705,7 +708,7 @@ class KafkaSink:
                         f"{undelivered} records of this transaction were not acknowledged in "
                         f"{self._settings.kafka_transaction_timeout_ms} ms "
                         f"(kafka_transaction_timeout_ms); aborting it, a new session publishes "
-                        f"it again ({self._why_unacknowledged()})"
+                        f"it again ({self._why_unacknowledged()[0]})"
                     )
                 self._check_topic_ids_meanwhile()
                 self._report_wait(time.monotonic() - began, f"{undelivered} records")
@@ -713,11 +716,20 @@ class KafkaSink:
             self._on_wait(0.0)
 
     def _report_wait(self, waited: float, what: str) -> None:
+        """Export the wait; from ``_WAIT_REPORT_S`` on, say why once a minute, and sooner
+        while the last line could not say it: brokers that just lost one of theirs may
+        answer the sink's questions only once their metadata has caught up."""
         self._on_wait(waited)
         now = time.monotonic()
-        if waited < _WAIT_REPORT_S or now - self._wait_logged < _WAIT_REPEAT_S:
+        if waited < _WAIT_REPORT_S:
             return
-        self._wait_logged = now
+        due = now - self._wait_logged >= _WAIT_REPEAT_S
+        if not due and self._wait_explained:
+            return
+        cause, explained = self._why_unacknowledged()
+        if not due and not explained:
+            return  # nothing more to say than the last line
+        self._wait_logged, self._wait_explained = now, explained
         log_event(
             log,
             logging.WARNING,
@@ -726,32 +738,34 @@ class KafkaSink:
             waited_s=round(waited),
             waiting_for=what,
             gives_up_in_s=round(self._settings.kafka_transaction_timeout_ms / 1000 - waited),
-            cause=self._why_unacknowledged(),
+            cause=cause,
         )
 
-    def _why_unacknowledged(self) -> str:
+    def _why_unacknowledged(self) -> tuple[str, bool]:
         """A partition with fewer in-sync replicas than its topic's min.insync.replicas (the
         leader answers NOT_ENOUGH_REPLICAS, which librdkafka retries silently), or where
-        else to look."""
+        else to look; and whether the brokers answered the questions that tell."""
         topics = list(self.ids.learned)
         if not topics:
-            return "no topic written yet: check the brokers"
+            return "no topic written yet: check the brokers", True
+        # A client of its own, whose metadata is fresh from the bootstrap servers: the
+        # sink's may still name a broker that has just gone away as the controller, where
+        # these requests go, and wait for it for minutes.
+        admin = AdminClient(self._client_config)
         try:
-            described = self._admin.describe_topics(
-                TopicCollection(topics), request_timeout=_REACH_S
-            )
+            described = admin.describe_topics(TopicCollection(topics), request_timeout=_REACH_S)
             isr = {
                 (t, p.id): len(p.isr) for t, f in described.items() for p in f.result().partitions
             }
             resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
-            configs = self._admin.describe_configs(resources, request_timeout=_REACH_S)
+            configs = admin.describe_configs(resources, request_timeout=_REACH_S)
             wanted: dict[str, int] = {}
             for resource, future in configs.items():
                 entry = future.result().get("min.insync.replicas")
                 if entry is not None:
                     wanted[resource.name] = int(entry.value)
         except KafkaException as exc:
-            return f"the brokers do not answer either ({explain(exc)})"
+            return f"the brokers do not answer either ({explain(exc)})", False
         short = [
             f"{t}-{p} has {n} in-sync replicas, min.insync.replicas={wanted[t]}"
             for (t, p), n in sorted(isr.items())
@@ -761,8 +775,11 @@ class KafkaSink:
             return (
                 f"NOT_ENOUGH_REPLICAS: {'; '.join(short[:3])}: bring the replicas back, or "
                 "lower the topic's min.insync.replicas"
-            )
-        return "every partition has its in-sync replicas: look for errors in the brokers' logs"
+            ), True
+        return (
+            "every partition has its in-sync replicas: look for errors in the brokers' logs",
+            True,
+        )
 
     def _check_topic_ids(self, timeout_s: float = 30.0) -> None:
         if self.ids.learned:
