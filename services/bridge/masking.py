@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.errors import SlotbridgeError
-from services.common.settings import is_pattern, matches_any
+from services.common.settings import is_pattern, matches_any, qualified_tables
 
 JsonText = str | None
 
@@ -44,13 +44,7 @@ class _Rule(BaseModel):
         min_length=1, description="column names or patterns the rule applies to"
     )
 
-    @field_validator("tables")
-    @classmethod
-    def _qualified(cls, value: list[str]) -> list[str]:
-        for pattern in value:
-            if pattern.count(".") != 1:
-                raise ValueError(f"table pattern {pattern!r} must be written schema.table")
-        return value
+    _tables = field_validator("tables")(qualified_tables)
 
 
 class HashRule(_Rule):

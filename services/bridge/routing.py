@@ -23,20 +23,18 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.errors import SlotbridgeError
-from services.common.settings import is_pattern, kafka_topic_name, matches_any
+from services.common.settings import (
+    is_pattern,
+    kafka_topic_name,
+    matches_any,
+    qualified_tables,
+)
 
 
 class RoutingRefused(SlotbridgeError):
     """The routes or keys of the settings do not fit the published tables."""
 
     retryable = False  # only the settings or the tables can change
-
-
-def _qualified(value: list[str]) -> list[str]:
-    for pattern in value:
-        if pattern.count(".") != 1:
-            raise ValueError(f"table pattern {pattern!r} must be written schema.table")
-    return value
 
 
 class Route(BaseModel):
@@ -47,7 +45,7 @@ class Route(BaseModel):
     tables: list[str] = Field(min_length=1, description="schema.table names or patterns")
     topic: str = Field(description="the whole topic name (the prefix is not added)")
 
-    _tables = field_validator("tables")(_qualified)
+    _tables = field_validator("tables")(qualified_tables)
     _topic = field_validator("topic")(kafka_topic_name)
 
 
@@ -59,7 +57,7 @@ class KeyChoice(BaseModel):
     tables: list[str] = Field(min_length=1, description="schema.table names or patterns")
     columns: list[str] = Field(min_length=1, description="the key columns, in key order")
 
-    _tables = field_validator("tables")(_qualified)
+    _tables = field_validator("tables")(qualified_tables)
 
 
 @dataclass(frozen=True, slots=True)
