@@ -1,7 +1,8 @@
 """The foreachBatch function: one micro-batch of raw change records to every table.
 
 Per batch the driver runs one small aggregation to learn which tables, schema versions,
-truncates and deletes the batch holds, refreshes the schema registry if a version is new,
+truncates and deletes the batch holds, refreshes the schema registry if a version is new
+or snapshot rows are in the batch (a resync's gap record, see gaps.py),
 and then, table by table, counts bad rows (and TOAST markers among the good ones),
 quarantines the bad rows and merges the good ones.
 Every write is idempotent (see merge.py), so Spark replaying a batch after a crash is safe.
@@ -26,6 +27,7 @@ from services.common.logs import log_event
 from spark_consumers import schema as s
 from spark_consumers.deadletter import STOPPED, quarantine, stopped_tables
 from spark_consumers.errors import error_line
+from spark_consumers.gaps import record_gaps
 from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.kafka import refresh_registry
 from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
@@ -40,7 +42,7 @@ from spark_consumers.parse import (
 )
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
-from spark_consumers.tables import dead_letter_path, quote, table_paths
+from spark_consumers.tables import dead_letter_path, gaps_path, quote, table_paths
 from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
@@ -54,6 +56,7 @@ class _Survey:
     truncates: list[Position] = field(default_factory=list)
     deletes: bool = False
     oldest_lsn: int | None = None
+    snapshot_rows: bool = False
 
 
 class BatchProcessor:
@@ -79,6 +82,8 @@ class BatchProcessor:
         # Tables stopped by an error of their own -> why; read from the dead-letter
         # table at the first batch, so a stopped table stays stopped across restarts.
         self.stopped: dict[str, str] | None = None
+        # The gaps already in the ``_gaps`` table.
+        self.gaps_stored: set[tuple[str, int]] = set()
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
@@ -105,9 +110,13 @@ class BatchProcessor:
         missing = [
             t for t, sv in surveys.items() if any(not self.registry.has(t, v) for v in sv.versions)
         ]
-        if missing:
+        # A resync records its gap on the schema topic before it publishes the tables
+        # again through a snapshot, so a batch holding snapshot rows looks there too (one
+        # small read of a compacted topic, and only while a snapshot is under way).
+        if missing or any(sv.snapshot_rows for sv in surveys.values()):
             for problem in refresh_registry(self.spark, self.settings, self.registry):
                 log_event(log, logging.WARNING, problem)
+            self._record_gaps()
         if self.stopped is None:
             self.stopped = stopped_tables(self.spark, dead_letter_path(self.settings.warehouse))
         counts: dict[str, TableCounts] = {}
@@ -135,6 +144,14 @@ class BatchProcessor:
                     )
             counts[table] = self._set_aside(raw, table_envs, table, why, batch_id)
         return counts
+
+    def _record_gaps(self) -> None:
+        """Every gap of the registry in the ``_gaps`` table (see gaps.py) and the status."""
+        new = {k: g for k, g in self.registry.gaps.items() if k not in self.gaps_stored}
+        if new:
+            record_gaps(self.spark, gaps_path(self.settings.warehouse), new.values())
+            self.gaps_stored |= new.keys()
+            self.status.gaps = [g.model_dump() for g in self.registry.gaps.values()]
 
     def _set_aside(
         self, raw: DataFrame, envs: DataFrame, table: str, why: str, batch_id: int
@@ -170,6 +187,7 @@ class BatchProcessor:
                 ).alias("truncates"),
                 F.max((op == "d").cast("int")).alias("deletes"),
                 F.min("e.source.commit_lsn").alias("oldest"),
+                F.max((op == "r").cast("int")).alias("snapshot_rows"),
             )
             .collect()
         )
@@ -184,6 +202,7 @@ class BatchProcessor:
                 if t[0] is not None and t[1] is not None
             )
             survey.deletes = survey.deletes or bool(row["deletes"])
+            survey.snapshot_rows = survey.snapshot_rows or bool(row["snapshot_rows"])
             oldest = row["oldest"]
             if oldest is not None and (survey.oldest_lsn is None or oldest < survey.oldest_lsn):
                 survey.oldest_lsn = int(oldest)

@@ -42,6 +42,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from services.contract.records import GapRecord
 from services.contract.topics import table_key
 
 # Metadata columns the consumer adds; a source column of the same name cannot be stored.
@@ -202,9 +203,11 @@ class TableSchema:
 
 @dataclass
 class SchemaRegistry:
-    """Every known version of every table, filled from schema-topic record values."""
+    """Every known version of every table, and every gap the bridge recorded (``slotbridge
+    resync``: changes Kafka does not hold), filled from schema-topic record values."""
 
     versions: dict[str, dict[int, TableSchema]] = field(default_factory=dict)
+    gaps: dict[tuple[str, int], GapRecord] = field(default_factory=dict)
 
     def add_records(self, values: Iterable[str | bytes | None]) -> list[str]:
         """Add schema-topic values; returns one problem line per value that is unusable."""
@@ -213,7 +216,12 @@ class SchemaRegistry:
             if raw is None:
                 continue  # a compaction tombstone: nothing to learn
             try:
-                schema = TableSchema.from_record(json.loads(raw))
+                value = json.loads(raw)
+                if "after_lsn" in value:  # a GapRecord's field, never a table version's
+                    gap = GapRecord.model_validate(value)
+                    self.gaps[(gap.slot, gap.after_lsn)] = gap
+                    continue
+                schema = TableSchema.from_record(value)
             except (ValueError, KeyError, TypeError) as exc:
                 problems.append(f"unusable schema record: {exc!r}")
                 continue

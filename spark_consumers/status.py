@@ -52,6 +52,8 @@ class Status:
     tables: dict[str, TableCounts] = field(default_factory=dict)
     lag: dict[str, int] = field(default_factory=dict)
     housekeeping: Upkeep | None = None
+    # Every gap the bridge recorded (GapRecord fields), as in the ``_gaps`` table.
+    gaps: list[dict[str, Any]] = field(default_factory=list)
     updated_at: float = field(default_factory=time.time)
 
     def record_batch(
@@ -111,6 +113,7 @@ class Status:
             "lag": dict(sorted(self.lag.items())),
             "total_lag": sum(self.lag.values()),
             "housekeeping": None if self.housekeeping is None else asdict(self.housekeeping),
+            "gaps": self.gaps,
             "updated_at": self.updated_at,
         }
 

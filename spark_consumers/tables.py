@@ -8,6 +8,8 @@ Per source table ``schema.table`` under the warehouse:
                               truncate, so a late older record cannot resurrect a row;
                               appended (a key may have several), trimmed by housekeeping
     _dead_letter              records that could not be applied, with the reason
+    _gaps                     changes Kafka does not hold, as ``slotbridge resync``
+                              recorded them (see gaps.py)
 
 Tables are created on first use and only ever gain columns (``ALTER TABLE ADD COLUMNS``):
 Delta cannot drop or retype a column without rewriting it, so a dropped source column stays
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql.types import (
+    ArrayType,
     BooleanType,
     IntegerType,
     LongType,
@@ -60,6 +63,17 @@ DEAD_LETTER_SCHEMA = StructType(
         StructField("quarantined_at", TimestampType()),
     ]
 )
+GAPS_SCHEMA = StructType(
+    [
+        StructField("slot", StringType()),
+        StructField("kind", StringType()),
+        StructField("after_lsn", LongType()),
+        StructField("reason", StringType()),
+        StructField("tables", ArrayType(StringType())),
+        StructField("recorded_at", TimestampType()),
+        StructField("noticed_at", TimestampType()),
+    ]
+)
 IS_TRUNCATE = "_cdc_truncate"
 
 
@@ -81,6 +95,10 @@ def table_paths(warehouse: str, table: str) -> TablePaths:
 
 def dead_letter_path(warehouse: str) -> str:
     return f"{warehouse.rstrip('/')}/_dead_letter"
+
+
+def gaps_path(warehouse: str) -> str:
+    return f"{warehouse.rstrip('/')}/_gaps"
 
 
 def current_struct(table: s.TableSchema) -> StructType:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -113,6 +114,13 @@ def _broker_root(prefix: str) -> Path:
     return root
 
 
+def _lone_broker(root: Path, kafka_set: str) -> Kafka:
+    """A broker of its own cluster, of the Kafka release ``kafka_set`` names, on free ports."""
+    port, controller_port = free_ports(2)
+    jars = bootstrap.jars_dir(bootstrap.cache_dir(), kafka_set)
+    return Kafka(root, port, controller_port, jars, new_cluster_id())
+
+
 @contextmanager
 def _running(root: Path, what: str, *brokers: Kafka) -> Iterator[None]:
     """Start the brokers in order and wait until each answers; after, stop them (the last
@@ -166,17 +174,29 @@ def sasl_kafka() -> Iterator[Kafka]:
 
 
 @pytest.fixture
+def small_disk_kafka() -> Iterator[Kafka]:
+    """A broker of the stack's Kafka version whose log dir is a filesystem of its own, a
+    64 MiB tmpfs, so that it can fill up. Mounting one needs root: skipped otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("a broker on a small filesystem needs root (mount -t tmpfs)")
+    root = _broker_root("slotbridge-kafka-disk-")
+    broker = _lone_broker(root, bootstrap.KAFKA_SET)
+    broker.data_dir.mkdir(parents=True)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "slotbridge-kafka-disk"]
+    subprocess.run([*mount, str(broker.data_dir)], check=True)
+    try:
+        with _running(root, "small-disk Kafka", broker):
+            yield broker
+    finally:
+        subprocess.run(["umount", str(broker.data_dir)], check=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
 def oldest_kafka() -> Iterator[Kafka]:
     """A dedicated broker of the oldest Kafka version we support, stopped and purged after."""
     root = _broker_root("slotbridge-kafka-")
-    port, controller_port = free_ports(2)
-    broker = Kafka(
-        root,
-        port,
-        controller_port,
-        bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_OLDEST_SET),
-        new_cluster_id(),
-    )
+    broker = _lone_broker(root, bootstrap.KAFKA_OLDEST_SET)
     with _running(root, f"Kafka {bootstrap.KAFKA_OLDEST_VERSION} broker", broker):
         yield broker
 

@@ -49,6 +49,7 @@ from services.bridge.masking import Masking
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
 from services.bridge.origin import OriginStore
 from services.bridge.poller import POLL_OPTIONS, CatalogPoller
+from services.bridge.progress_record import is_gap_key
 from services.bridge.publisher import (
     HEARTBEAT_S,
     Publisher,
@@ -697,8 +698,8 @@ class Bridge:
         """Table versions already announced, so a restart reuses instead of re-minting."""
         return known_versions(
             json.loads(value)
-            for _key, value in read_topic(kafka_client_config(self.settings), schema_topic)
-            if value is not None
+            for key, value in read_topic(kafka_client_config(self.settings), schema_topic)
+            if value is not None and not is_gap_key(key)
         )
 
     def _loop(self, session: _Session, poller: CatalogPoller) -> None:

@@ -31,8 +31,14 @@ def progress_key(slot: str) -> bytes:
 
 
 def gap_key(slot: str, after_lsn: int) -> bytes:
-    """A gap's own key next to the slot's progress: compaction keeps every gap."""
+    """A gap's own key next to the slot's progress (and the table versions on the schema
+    topic): compaction keeps every gap."""
     return json.dumps({"slot": slot, "gap_after_lsn": after_lsn}).encode()
+
+
+def is_gap_key(key: bytes | None) -> bool:
+    """Whether a progress- or schema-topic key is a gap's (``gap_key``)."""
+    return key is not None and b'"gap_after_lsn"' in key
 
 
 def progress_value(

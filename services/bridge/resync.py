@@ -9,7 +9,8 @@ transactional id (which also fences a bridge still running on the slot):
 
 - a ``GapRecord`` on the progress topic (its own key, so compaction keeps it): the
   changes after the published position are missing, and which tables are published
-  again;
+  again; the same record on the schema topic, which the Spark consumers read, so they
+  can mark the gap in their tables;
 - the slot's progress record again, with a snapshot of every published table under way
   (id ``resync``, from its first chunk);
 
@@ -42,6 +43,7 @@ from services.common.logs import log_event
 from services.common.lsn import format_lsn
 from services.common.pg import connect
 from services.contract.records import GapRecord, ProgressRecord, TableSnapshot
+from services.contract.topics import schema_topic
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +138,8 @@ def _publish(
         for schema, table in tables
     ]
     sink.begin()
-    sink.produce(
-        settings.progress_topic, gap_key(slot, gap.after_lsn), gap.model_dump_json().encode()
-    )
+    for topic in (settings.progress_topic, schema_topic(settings.topic_prefix)):
+        sink.produce(topic, gap_key(slot, gap.after_lsn), gap.model_dump_json().encode())
     sink.produce(
         settings.progress_topic,
         progress_key(slot),

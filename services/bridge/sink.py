@@ -765,7 +765,10 @@ class KafkaSink:
                 if entry is not None:
                     wanted[resource.name] = int(entry.value)
         except KafkaException as exc:
-            return f"the brokers do not answer either ({explain(exc)})", False
+            return (
+                f"the brokers do not answer either ({explain(exc)}): check that they run, and "
+                "their logs (a broker stops when its log dir fails, as on a full disk)"
+            ), False
         short = [
             f"{t}-{p} has {n} in-sync replicas, min.insync.replicas={wanted[t]}"
             for (t, p), n in sorted(isr.items())

@@ -237,8 +237,10 @@ class EndedSnapshot(TableSnapshot):
 
 
 class GapRecord(StrictModel):
-    """Value on the progress topic, keyed by slot and ``after_lsn``: changes Kafka does not
-    hold, as ``slotbridge resync`` recorded them when it published the tables again.
+    """Value on the progress topic and on the schema topic, keyed by slot and ``after_lsn``
+    (``{"slot": ..., "gap_after_lsn": ...}``): changes Kafka does not hold, as ``slotbridge
+    resync`` recorded them when it published the tables again. The Spark consumers keep
+    each gap they read on the schema topic in their ``_gaps`` table.
 
     ``kind`` ``source``: the source lost the changes committed after ``after_lsn`` (an
     invalidated or dropped slot) until the new slot's start. ``topic``: Kafka lost what the

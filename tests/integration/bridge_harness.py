@@ -201,6 +201,12 @@ def metric(port: int, name: str) -> dict[str, float]:
     }
 
 
+def kafka_write_wait(port: int) -> float:
+    """``slotbridge_kafka_write_wait_seconds`` of the bridge serving /metrics on ``port``."""
+    (value,) = metric(port, "slotbridge_kafka_write_wait_seconds").values()
+    return value
+
+
 @dataclass
 class Pipeline:
     """One bridge configuration: slot, publication, topics - unique per test."""
@@ -502,6 +508,14 @@ class CounterWorkload(threading.Thread):
         self.stop_flag.set()
         self.join(30)
         assert self.error is None, self.error
+
+    def settle(self, pipe: Pipeline) -> tuple[int, AuditReport]:
+        """Stop writing, let ``pipe``'s bridge publish the rest and stop it cleanly; then the
+        per-key check and the broker-log audit: (records checked, the audit)."""
+        self.finish()
+        pipe.wait_caught_up()
+        assert pipe.stop() == 0
+        return self.verify(pipe), pipe.audit()
 
     def verify(self, pipe: Pipeline) -> int:
         """Assert exactly-once and per-key order on every table; returns records checked."""

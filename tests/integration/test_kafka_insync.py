@@ -21,12 +21,12 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import CounterWorkload, Pipeline, metric, wait_for
-
-
-def _waited(port: int) -> float:
-    (value,) = metric(port, "slotbridge_kafka_write_wait_seconds").values()
-    return value
+from tests.integration.bridge_harness import (
+    CounterWorkload,
+    Pipeline,
+    kafka_write_wait,
+    wait_for,
+)
 
 
 def _set_min_insync(admin: AdminClient, topic: str, value: str) -> None:
@@ -71,18 +71,18 @@ def test_unsatisfied_min_insync_replicas_waits_says_why_and_resumes_once(
         line = next(ln for ln in pipe.output().splitlines() if why in ln)
         assert "Kafka does not acknowledge" in line, line
         assert "lower the topic's min.insync.replicas" in line, line
-        assert _waited(port) >= 5
+        assert kafka_write_wait(port) >= 5
         # Nothing confirmed to PostgreSQL that Kafka does not hold, while it waits.
         confirmed = pipe._confirmed()
         assert confirmed <= pipe.published_end_lsn()
-        wait_for(lambda: _waited(port) >= 10, 60, "a longer wait")
+        wait_for(lambda: kafka_write_wait(port) >= 10, 60, "a longer wait")
         assert pipe._confirmed() == confirmed
         second.start()
         second.wait_ready()
         workload.finish()
         pipe.wait_caught_up()
         assert pipe._confirmed() > confirmed
-        assert _waited(port) == 0
+        assert kafka_write_wait(port) == 0
         assert pipe.stop() == 0
         checked = workload.verify(pipe)
         report = pipe.audit()

@@ -41,7 +41,7 @@ from spark_consumers.job import start_query
 from spark_consumers.schema import spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.tables import dead_letter_path, table_paths
+from spark_consumers.tables import dead_letter_path, gaps_path, table_paths
 from tests.integration.bridge_harness import Pipeline, one_line_error, run_cli, sql
 
 pytestmark = pytest.mark.spark
@@ -1029,3 +1029,64 @@ def test_masked_columns_reach_delta_masked(
     finally:
         pipeline.cleanup()
         sql(dsn, f"DROP TABLE IF EXISTS {table}")
+
+
+def test_a_resync_gap_is_marked_and_the_tables_converge(
+    stack: Stack, spark: SparkSession, tmp_path: Path
+) -> None:
+    # A running consumer meets a resync: the slot was dropped while the bridge was down
+    # (the changes meanwhile are lost to the stream) and `slotbridge resync` published the
+    # table again. The consumer keeps the gap in `_gaps` when it meets the snapshot rows,
+    # every row the resync published again equals the source, and the rows the gap left
+    # behind are exactly the ones deleted during it: at or below the gap's position.
+    dsn = stack.primary_dsn
+    table = f"public.spark_gap_{uuid.uuid4().hex[:6]}"
+    sql(dsn, f"CREATE TABLE {table} (id bigint PRIMARY KEY, label text)")
+    sql(dsn, f"INSERT INTO {table} SELECT g, 'v0' FROM generate_series(1, 20) g")
+    pipeline = Pipeline(stack, [table], tmp_path)
+    settings = consumer_settings(
+        stack, pipeline.prefix, tmp_path, tables=[table], trigger_interval_s=1
+    )
+    status = Status()
+    query = start_query(spark, settings, status)
+    try:
+        pipeline.start()
+        sql(dsn, f"UPDATE {table} SET label = 'v1' WHERE id <= 5")
+        pipeline.wait_caught_up()
+        assert pipeline.stop() == 0
+        query.processAllAvailable()
+
+        sql(dsn, "SELECT pg_drop_replication_slot(%s)", (pipeline.name,))
+        sql(dsn, f"UPDATE {table} SET label = 'gap' WHERE id BETWEEN 6 AND 8")
+        sql(dsn, f"DELETE FROM {table} WHERE id IN (19, 20)")
+        sql(dsn, f"INSERT INTO {table} VALUES (21, 'gap')")
+        code, out = run_cli("resync", env=pipeline.env())
+        assert code == 0 and "start the bridge" in out, out
+        pipeline.start()
+        pipeline.wait_caught_up()
+        sql(dsn, f"UPDATE {table} SET label = 'after' WHERE id = 1")
+        pipeline.wait_caught_up()
+        assert pipeline.stop() == 0
+        query.processAllAvailable()
+        assert query.exception() is None, query.exception()
+    finally:
+        query.stop()
+        pipeline.cleanup()
+
+    gaps = delta_rows(spark, gaps_path(settings.warehouse))
+    assert [(g["kind"], g["reason"], g["tables"]) for g in gaps] == [
+        ("source", "slot dropped", [table])
+    ], gaps
+    assert [(g["kind"], g["after_lsn"]) for g in status.gaps] == [
+        ("source", gaps[0]["after_lsn"])
+    ], status.gaps
+    after = gaps[0]["after_lsn"]
+    current = {
+        r["id"]: (r["label"], r["_cdc_commit_lsn"])
+        for r in delta_rows(spark, table_paths(settings.warehouse, table).current)
+    }
+    source = dict(sql(dsn, f"SELECT id, label FROM {table}"))
+    assert {k: label for k, (label, lsn) in current.items() if lsn > after} == source
+    assert sorted(k for k, (_, lsn) in current.items() if lsn <= after) == [19, 20]
+    assert f"current/{table}" in assert_every_reader_agrees(spark, settings.warehouse)
+    sql(dsn, f"DROP TABLE IF EXISTS {table}")

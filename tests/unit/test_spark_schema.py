@@ -21,6 +21,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from services.contract.records import GapRecord
 from slotbridge_dev.synthetic import SynthColumn, SynthTable
 from spark_consumers.schema import SchemaRegistry, numeric_precision_scale, spark_type
 from spark_consumers.settings import ConsumerSettings
@@ -94,6 +95,22 @@ def test_registry_merges_versions_and_keeps_dropped_columns() -> None:
     assert merged.key_columns == ("id",)
     assert merged.struct()["added"].dataType == DecimalType(5, 1)
     assert registry.has("public.t", 2) and not registry.has("public.t", 3)
+
+
+def test_registry_keeps_the_gaps_the_schema_topic_holds() -> None:
+    # `slotbridge resync` writes its GapRecord on the schema topic beside the table
+    # versions; a malformed one is a problem line, never a table version.
+    gap = GapRecord(
+        slot="s", kind="source", after_lsn=42, reason="slot dropped", tables=["public.t"], ts_ms=1
+    )
+    broken = {**gap.model_dump(), "kind": "elsewhere"}
+    registry = SchemaRegistry()
+    problems = registry.add_records(
+        [gap.model_dump_json(), _table(1).schema_record()[2], json.dumps(broken)]
+    )
+    assert len(problems) == 1 and "kind" in problems[0], problems
+    assert registry.gaps == {("s", 42): gap}
+    assert registry.has("public.t", 1) and list(registry.versions) == ["public.t"]
 
 
 def test_registry_rejects_reserved_column_names() -> None:
