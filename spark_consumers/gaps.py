@@ -26,6 +26,14 @@ from spark_consumers.tables import GAPS_SCHEMA, ensure_table
 
 log = logging.getLogger("slotbridge.consume")
 
+# Spark's Kafka source keeps offsets by topic name: in a topic created again they point
+# past records it never read, which it skips with a warning (failOnDataLoss is off).
+_TOPIC_GAP = (
+    "; a topic was created again, so this job's offsets for it are stale: start the "
+    "consumer with a new checkpoint_dir (it reads every topic again, and the tables come "
+    "out the same)"
+)
+
 
 def record_gaps(spark: SparkSession, path: str, gaps: Iterable[GapRecord]) -> None:
     """Store ``gaps`` in the ``_gaps`` table at ``path``, once each, with a WARNING line
@@ -57,7 +65,9 @@ def record_gaps(spark: SparkSession, path: str, gaps: Iterable[GapRecord]) -> No
             log,
             logging.WARNING,
             "gap recorded: Kafka lacks changes of these tables, and the bridge publishes "
-            "them again (the _gaps table says how to find the rows the gap leaves behind)",
+            "them again (the _gaps table says how to find the rows the gap leaves behind)"
+            + _TOPIC_GAP
+            * (gap.kind == "topic"),
             slot=gap.slot,
             kind=gap.kind,
             after_lsn=gap.after_lsn,
