@@ -51,18 +51,22 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
 
 
 def wait_progressing(
-    done: Callable[[], bool], progress: Callable[[], Any], stall_s: float, what: str
+    done: Callable[[], bool],
+    progress: Callable[[], Any],
+    stall_s: float,
+    what: Callable[[], str],
 ) -> None:
     """Until ``done()``; fails only when ``progress()`` (a position that moves while the
     work goes on) stayed the same for ``stall_s``: work that grows with volume is never
-    given a fixed deadline."""
+    given a fixed deadline. ``what()`` names the wait when it fails (a bridge's log as it
+    is then, not as it was when the wait began)."""
     last, moved = progress(), time.monotonic()
     while not done():
         now = progress()
         if now != last:
             last, moved = now, time.monotonic()
         elif time.monotonic() - moved > stall_s:
-            raise AssertionError(f"no progress for {stall_s}s (at {last}) waiting for {what}")
+            raise AssertionError(f"no progress for {stall_s}s (at {last}) waiting for {what()}")
         time.sleep(0.5)
 
 
@@ -344,7 +348,10 @@ class Pipeline:
             ),
             lambda: (self._confirmed(), self._origin(), self._decoded_bytes()),
             stall_s,
-            f"slot {self.name} to confirm {target:X} after its snapshots\n{self.output()[-3000:]}",
+            lambda: (
+                f"slot {self.name} to confirm {target:X} after its snapshots\n"
+                f"{self.output()[-3000:]}"
+            ),
         )
 
     def _decoded_bytes(self) -> int:
