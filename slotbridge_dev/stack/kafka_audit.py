@@ -16,12 +16,13 @@ as a read race, so every exactly-once test ends here:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ from slotbridge_dev.stack.kafka import Kafka, dump_log_segments
 
 _PARTITION_DIR = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
 _FIELD = re.compile(r"(\w+): (\S+)")
+
+# What the audit keeps of a record's JSON value, given its topic (see ``read_records``).
+Essence = Callable[[str, Any], Any]
+# A committed record, as the source-transaction check needs it (see ``_event``).
+Event = tuple[Any, ...]
 
 
 @dataclass
@@ -159,10 +165,15 @@ def dump_segments(dirs: list[tuple[str, int, Path]]) -> list[Partition]:
 
 
 def read_records(
-    bootstrap: str, parts: list[Partition], timeout_s: float = 120.0
-) -> dict[tuple[str, int, int], tuple[Any, Any]]:
-    """(topic, partition, offset) -> (key, value) of every data record, aborted included
-    (values parsed as JSON: the bridge writes nothing else)."""
+    bootstrap: str,
+    parts: list[Partition],
+    keep: Callable[[str, int, int], bool],
+    essence: Essence,
+    timeout_s: float = 120.0,
+) -> dict[tuple[str, int, int], Any]:
+    """(topic, partition, offset) -> what ``essence`` makes of each data record's JSON
+    value (the bridge writes nothing else) where ``keep`` says so, else None: every record
+    is read, aborted ones included, but a long run's records would not all fit in memory."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -173,7 +184,7 @@ def read_records(
             "log_level": 0,
         }
     )
-    out: dict[tuple[str, int, int], tuple[Any, Any]] = {}
+    out: dict[tuple[str, int, int], Any] = {}
     try:
         assign = [
             TopicPartition(p.topic, p.partition, p.log_start)
@@ -195,10 +206,12 @@ def read_records(
                         pending.discard((msg.topic(), msg.partition()))
                         continue
                     raise AssertionError(f"audit read: {error}")
-                key, value = msg.key(), msg.value()
-                out[(str(msg.topic()), int(msg.partition() or 0), int(msg.offset() or 0))] = (
-                    json.loads(key) if key else None,
-                    json.loads(value) if value is not None else None,
+                topic, partition = str(msg.topic()), int(msg.partition() or 0)
+                offset, value = int(msg.offset() or 0), msg.value()
+                out[(topic, partition, offset)] = (
+                    essence(topic, json.loads(value) if value is not None else None)
+                    if keep(topic, partition, offset)
+                    else None
                 )
     finally:
         consumer.close()
@@ -257,26 +270,39 @@ def transaction_outcomes(part: Partition) -> dict[int, str]:
     return outcome
 
 
-def audit_topics(kafka: Kafka, topics: Iterable[str]) -> tuple[AuditReport, list[tuple[str, Any]]]:
-    """The log-level checks over ``topics``; also returns the committed (topic, value)s.
-    Run it while nobody writes them: an open transaction is reported."""
+def _whole(topic: str, value: Any) -> Any:
+    return value
+
+
+def audit_topics(
+    kafka: Kafka, topics: Iterable[str], essence: Essence = _whole
+) -> tuple[AuditReport, list[tuple[str, Any]]]:
+    """The log-level checks over ``topics``; also returns (topic, ``essence`` of its value)
+    of every committed record. Run it while nobody writes them: an open transaction is
+    reported."""
     parts = dump_segments(partition_dirs(kafka.data_dir, topics))
-    contents = read_records(kafka.bootstrap, parts)
+    outcomes = {(p.topic, p.partition): transaction_outcomes(p) for p in parts}
+    contents = read_records(
+        kafka.bootstrap,
+        parts,
+        lambda topic, partition, offset: outcomes[(topic, partition)].get(offset) == "committed",
+        essence,
+    )
     report = AuditReport(partitions=len(parts))
     committed: list[tuple[str, Any]] = []
     for part in parts:
         report.batches += len(part.batches)
         check_sequences(part, report)
-        for offset, verdict in sorted(transaction_outcomes(part).items()):
+        for offset, verdict in sorted(outcomes[(part.topic, part.partition)].items()):
             setattr(report, verdict, getattr(report, verdict) + 1)
-            record = contents.get((part.topic, part.partition, offset))
-            if record is None:
+            where = (part.topic, part.partition, offset)
+            if where not in contents:
                 report.problem(
                     "lost",
                     f"{part.topic}-{part.partition} offset {offset}: in the log but not readable",
                 )
             elif verdict == "committed":
-                committed.append((part.topic, record[1]))
+                committed.append((part.topic, contents[where]))
     if report.open:
         report.problem("open", f"{report.open} records are in Kafka transactions still open")
     return report, committed
@@ -287,10 +313,15 @@ def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditR
     ``extra_topics``, i.e. its progress topic): the log-level checks, then the source
     transactions against their END records."""
     internal = {*extra_topics, schema_topic(prefix)}
+    transactions, messages = transaction_topic(prefix), message_topic(prefix)
+
+    def essence(topic: str, value: Any) -> Event | None:
+        return None if topic in internal else _event(topic, value, transactions, messages)
+
     report, committed = audit_topics(
-        kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal})
+        kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal}), essence
     )
-    _check_source_transactions(prefix, [(t, v) for t, v in committed if t not in internal], report)
+    _check_source_transactions([e for _, e in committed if e is not None], report)
     return report
 
 
@@ -316,45 +347,50 @@ def transaction_starts_at(kafka: Kafka, topic: str, partition: int, offset: int)
     return False
 
 
-def _check_source_transactions(
-    prefix: str, committed: list[tuple[str, Any]], report: AuditReport
-) -> None:
-    transactions, messages = transaction_topic(prefix), message_topic(prefix)
+def _event(topic: str, value: Any, transactions: str, messages: str) -> Event | None:
+    """What the source-transaction check needs of a committed record: a few fields, the
+    row as a digest (a long run's rows would not all fit in memory); None for a tombstone."""
+    if value is None:
+        return None
+    if "payload" in value and "schema" in value:
+        value = value["payload"]  # the Debezium format's Connect JSON
+    if topic == transactions:
+        if value["status"] == "END":
+            return ("end", value["id"], value["event_count"])
+        return ("begin", value["id"])
+    if topic == messages:
+        return ("message", f"{value['txId']}:{value['commit_lsn']}", value["lsn"])
+    if value["source"]["snapshot"] != "false":
+        return ("snapshot",)
+    txn = value["transaction"]
+    row = json.dumps(value["after"] or value["before"], sort_keys=True).encode()
+    digest = hashlib.blake2b(row, digest_size=16).digest()
+    return ("change", txn["id"], txn["total_order"], topic, value["op"], digest)
+
+
+def _check_source_transactions(committed: list[Event], report: AuditReport) -> None:
     ends: Counter[str] = Counter()
     begins: set[str] = set()
     expected: dict[str, int] = {}
     # Per source transaction, its events: ("change", total_order) or ("message", lsn). A
     # key-changing update is two records (delete, update) of one event.
     events: dict[str, set[tuple[str, int]]] = defaultdict(set)
-    seen: Counter[tuple[str, str, int, str, str]] = Counter()
-    for topic, value in committed:
-        if value is None:
-            continue  # a tombstone
-        if "payload" in value and "schema" in value:
-            value = value["payload"]  # the Debezium format's Connect JSON
-        if topic == transactions:
-            if value["status"] == "END":
-                ends[value["id"]] += 1
-                expected[value["id"]] = value["event_count"]
-            else:
-                begins.add(value["id"])
-        elif topic == messages:
-            events[f"{value['txId']}:{value['commit_lsn']}"].add(("message", value["lsn"]))
-        elif value["source"]["snapshot"] != "false":
+    seen: Counter[tuple[Any, ...]] = Counter()
+    for event in committed:
+        kind = event[0]
+        if kind == "end":
+            ends[event[1]] += 1
+            expected[event[1]] = event[2]
+        elif kind == "begin":
+            begins.add(event[1])
+        elif kind == "message":
+            events[event[1]].add(("message", event[2]))
+        elif kind == "snapshot":
             report.snapshot_records += 1
         else:
             report.change_records += 1
-            txn = value["transaction"]
-            events[txn["id"]].add(("change", txn["total_order"]))
-            seen[
-                (
-                    txn["id"],
-                    topic,
-                    txn["total_order"],
-                    value["op"],
-                    json.dumps(value["after"] or value["before"], sort_keys=True),
-                )
-            ] += 1
+            events[event[1]].add(("change", event[2]))
+            seen[event[1:]] += 1
     report.source_transactions = len(ends)
     for txid, count in ends.items():
         if count > 1:
@@ -370,7 +406,7 @@ def _check_source_transactions(
             )
     for txid in events.keys() - ends.keys():
         report.problem("lost", f"source transaction {txid}: changes committed without its END")
-    for (txid, topic, order, op, _row), count in seen.items():
+    for (txid, order, topic, op, _row), count in seen.items():
         if count > 1:
             report.problem(
                 "duplicated",

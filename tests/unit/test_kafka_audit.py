@@ -1,0 +1,70 @@
+"""The audit's source-transaction check over committed records' essences (pure): what it
+keeps of each record is enough to find a lost, a duplicated and an unended transaction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slotbridge_dev.stack.kafka_audit import AuditReport, _check_source_transactions, _event
+
+TXNS, MESSAGES = "p.transaction", "p.message"
+
+
+def _change(txid: str, order: int, row: dict[str, Any], op: str = "u") -> dict[str, Any]:
+    return {
+        "op": op,
+        "before": None,
+        "after": row,
+        "source": {"snapshot": "false"},
+        "transaction": {"id": txid, "total_order": order},
+    }
+
+
+def _events(*records: tuple[str, dict[str, Any] | None]) -> list[Any]:
+    events = [_event(topic, value, TXNS, MESSAGES) for topic, value in records]
+    return [e for e in events if e is not None]
+
+
+def _txn(txid: str, count: int) -> list[tuple[str, dict[str, Any] | None]]:
+    return [
+        (TXNS, {"status": "BEGIN", "id": txid}),
+        (TXNS, {"status": "END", "id": txid, "event_count": count}),
+    ]
+
+
+def test_a_clean_log_has_no_problem() -> None:
+    report = AuditReport()
+    records = [
+        *_txn("1:10", 2),
+        ("p.s.t", _change("1:10", 1, {"k": 1})),
+        ("p.s.t", None),  # a tombstone
+        ("p.s.t", _change("1:10", 2, {"k": 2})),
+        (MESSAGES, {"txId": 2, "commit_lsn": 20, "lsn": 19}),
+        *_txn("2:20", 1),
+        ("p.s.t", {"op": "r", "source": {"snapshot": "true"}}),
+    ]
+    _check_source_transactions(_events(*records), report)
+    assert report.problems == [] and report.source_transactions == 2
+    assert (report.change_records, report.snapshot_records) == (2, 1)
+
+
+def test_lost_duplicated_and_unended_transactions_are_named() -> None:
+    report = AuditReport()
+    wrapped = {"schema": {}, "payload": _change("3:30", 1, {"k": 3})}  # Debezium format
+    records = [
+        *_txn("1:10", 2),
+        ("p.s.t", _change("1:10", 1, {"k": 1})),  # change 2 of 1:10 is missing
+        *_txn("2:20", 1),
+        *_txn("2:20", 1),  # committed twice
+        ("p.s.t", _change("2:20", 1, {"k": 2})),
+        ("p.s.t", _change("2:20", 1, {"k": 2})),
+        ("p.s.t", wrapped),  # no END for 3:30
+    ]
+    _check_source_transactions(_events(*records), report)
+    assert report.problems == [
+        "source transaction 1:10: END counts 2 events, the log holds 1",
+        "source transaction 2:20: END committed 2 times",
+        "source transaction 3:30: changes committed without its END",
+        "p.s.t: change 1 (u) of source transaction 2:20 committed 2 times",
+    ]
+    assert report.kinds == {"lost": 2, "duplicated": 2}
