@@ -14,6 +14,7 @@ class RowPlan:
         whole_old_key: bool = ...,
         placeholders: tuple[bytes, ...] | None = ...,
         hash_key: bytes | None = ...,
+        params: tuple[int, ...] | None = ...,
         /,
     ) -> None: ...
     def record(

@@ -35,7 +35,13 @@ import orjson
 
 from services.bridge import messages as m
 from services.bridge.catalog import RelationCatalog, RelationInfo, TableFacts, row_plan
-from services.bridge.connect_values import ColumnType, Schema, column_encoding, placeholder
+from services.bridge.connect_values import (
+    COMPILED_KINDS,
+    ColumnType,
+    Schema,
+    column_encoding,
+    placeholder,
+)
 from services.bridge.events import (
     EventBuilder,
     Headers,
@@ -239,7 +245,7 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
     )
     # Connect writes a struct's every field: a delete's old key is a whole row of nulls but
     # for its key columns (which pgoutput sends as such).
-    info.plan = row_plan(info, (shape.key_head, b"}"), whole_old_key=True)
+    info.plan = row_plan(info, (shape.key_head, b"}"), whole_old_key=True, own_kinds=COMPILED_KINDS)
 
 
 def run_id(now_ms: int, random: bytes) -> str:
