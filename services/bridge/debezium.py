@@ -274,9 +274,57 @@ def context_headers(topic_prefix: str, run: str) -> Headers:
 
 
 _TXN_KEY = b'{"schema":%b,"payload":{"id":"%%b"}}' % _TXN_KEY_SCHEMA
+# The pieces of the compiled plan's records (see ``DebeziumEventBuilder._row_pieces``).
+_AFTER = b',"after":'
+_NULL_AFTER = _AFTER + b"null"
+_COLLECTION_ORDER = b',"data_collection_order":'
+# After the orders: the op, then between the processing times (ts_ms, ts_us, ts_ns).
+_OP_TAILS = tuple(
+    (b'},"op":"%b","ts_ms":' % op, b',"ts_us":', b',"ts_ns":', b"}}") for op in (b"c", b"u", b"d")
+)
 # What follows a change record's lsn, up to its total_order, in the compiled plan's pieces
 # (see ``DebeziumEventBuilder._envelope``).
 _TXN_HEAD = b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":{"id":"%b","total_order":'
+
+
+@dataclass(frozen=True, slots=True)
+class _RelationShape:
+    """A relation version's pieces of its change records, the same in every transaction:
+    the value's start (Connect schema) before the before row, with and without a null before
+    row, and the ``source`` block as two templates, up to its sequence's first LSN (taking
+    ts_ms, the snapshot flag and that LSN) and from its second LSN to its ``lsn`` (taking
+    ts_us, ts_ns and txId)."""
+
+    info: RelationInfo
+    framed: bytes
+    created: bytes
+    head: bytes
+    middle: bytes
+
+    @classmethod
+    def of(cls, info: RelationInfo, topic_prefix: str, db: str) -> _RelationShape:
+        value_head: bytes = info.encoded.value_head
+
+        def named(value: str) -> bytes:
+            # Names may hold a %: the templates' own are the only ones left.
+            return _dumps(value).replace(b"%", b"%%")
+
+        return cls(
+            info,
+            value_head,
+            value_head + b'null,"after":',
+            b',"source":{"version":"%b","connector":"%b","name":'
+            % (VERSION.encode(), CONNECTOR.encode())
+            + named(topic_prefix)
+            + b',"ts_ms":%d,"snapshot":"%b","db":'
+            + named(db)
+            + b',"sequence":"[%b,\\"',
+            b'\\"]","ts_us":%d,"ts_ns":%d,"schema":'
+            + named(info.schema)
+            + b',"table":'
+            + named(info.table)
+            + b',"txId":%b,"lsn":',
+        )
 
 
 class DebeziumEventBuilder(EventBuilder):
@@ -298,6 +346,8 @@ class DebeziumEventBuilder(EventBuilder):
         # The end of the last published transaction: source.sequence's first element (null
         # before the first one, as for a connector without an offset).
         self.last_end_lsn = last_end_lsn
+        # Relation oid -> its version's pieces (see ``_RelationShape``).
+        self._shapes: dict[int, _RelationShape] = {}
 
     def transaction(
         self,
@@ -356,29 +406,30 @@ class DebeziumEventBuilder(EventBuilder):
         )
 
     def _source_pieces(
-        self, info: RelationInfo, xid: int | None, commit_ts: int, snapshot: str
+        self, info: RelationInfo, xid: int | None, commit_ts: int, snapshot: bytes
     ) -> tuple[bytes, bytes]:
         """The ``source`` block around its sequence's LSN and its ``lsn``, constant for a
-        relation in one transaction."""
+        relation in one transaction: the relation version's templates (``_shape``) with the
+        transaction's numbers."""
         us = commit_ts + m.PG_EPOCH_UNIX_US
-        prev = "null" if self.last_end_lsn is None else f'\\"{self.last_end_lsn}\\"'
-        head = (
-            f',"source":{{"version":"{VERSION}","connector":"{CONNECTOR}","name":'
-            f'{_dumps(self.topic_prefix).decode()},"ts_ms":{us // 1000},'
-            f'"snapshot":"{snapshot}","db":{_dumps(self.db).decode()},'
-            f'"sequence":"[{prev},\\"'
-        ).encode()
-        middle = (
-            f'\\"]","ts_us":{us},"ts_ns":{us * 1000},"schema":'
-            f'{_dumps(info.schema).decode()},"table":{_dumps(info.table).decode()},'
-            f'"txId":{"null" if xid is None else xid},"lsn":'
-        ).encode()
-        return head, middle
+        prev = b"null" if self.last_end_lsn is None else b'\\"%d\\"' % self.last_end_lsn
+        shape = self._shape(info)
+        return (
+            shape.head % (us // 1000, snapshot, prev),
+            shape.middle % (us, us * 1000, b"null" if xid is None else b"%d" % xid),
+        )
+
+    def _shape(self, info: RelationInfo) -> _RelationShape:
+        """What a relation version's change records share in every transaction, made once."""
+        shape = self._shapes.get(info.oid)
+        if shape is None or shape.info is not info:
+            shape = self._shapes[info.oid] = _RelationShape.of(info, self.topic_prefix, self.db)
+        return shape
 
     def _templates(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
         """The ``source`` pieces of a relation's records in ``txn`` (see ``_source_pieces``)."""
         return txn.templates.get(info.oid) or txn.templates.setdefault(
-            info.oid, self._source_pieces(info, txn.xid, txn.commit_ts, "false")
+            info.oid, self._source_pieces(info, txn.xid, txn.commit_ts, b"false")
         )
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
@@ -387,29 +438,23 @@ class DebeziumEventBuilder(EventBuilder):
         tuple, of a delete and of an update with its old row: ``_envelope``'s bytes, cut at
         those numbers (and between the two rows)."""
         head, middle = self._templates(txn, info)
-        value_head: bytes = info.encoded.value_head
+        shape = self._shape(info)
         transaction = _TXN_HEAD % txn.txid
-
-        def framed(before: bytes, after: bytes, op: bytes) -> tuple[bytes, ...]:
-            return (
-                value_head + before,
-                after + head,
+        after_head, null_after_head = head, _NULL_AFTER + head
+        pieces = txn.row_pieces[info.oid] = (
+            (shape.created, after_head, middle, transaction, _COLLECTION_ORDER, *_OP_TAILS[0]),
+            (shape.created, after_head, middle, transaction, _COLLECTION_ORDER, *_OP_TAILS[1]),
+            (shape.framed, null_after_head, middle, transaction, _COLLECTION_ORDER, *_OP_TAILS[2]),
+            # With its old row: the before row, then this piece, then the after row.
+            (
+                shape.framed,
+                _AFTER,
+                after_head,
                 middle,
                 transaction,
-                b',"data_collection_order":',
-                b'},"op":"%b","ts_ms":' % op,
-                b',"ts_us":',
-                b',"ts_ns":',
-                b"}}",
-            )
-
-        updated = framed(b"", b"", b"u")
-        pieces = txn.row_pieces[info.oid] = (
-            framed(b'null,"after":', b"", b"c"),
-            framed(b'null,"after":', b"", b"u"),
-            framed(b"", b',"after":null', b"d"),
-            # With its old row: the before row, then this piece, then the after row.
-            (updated[0], b',"after":', *updated[1:]),
+                _COLLECTION_ORDER,
+                *_OP_TAILS[1],
+            ),
         )
         return pieces
 
@@ -492,7 +537,7 @@ class DebeziumEventBuilder(EventBuilder):
     ) -> Iterator[Record]:
         if not info.published:
             yield self._schema_record(info)
-        head, middle = self._source_pieces(info, None, commit_ts, "true")
+        head, middle = self._source_pieces(info, None, commit_ts, b"true")
         topic, headers, plan = info.topic, self.headers, info.plan
         pieces = (
             info.encoded.value_head + b'null,"after":',
