@@ -784,7 +784,7 @@ done:
     return rc;
 }
 
-#define MAX_NUMBERS 8
+#define MAX_NUMBERS 16
 
 /* pieces as emit() needs them (a tuple of bytes, two more than the numbers), and numbers, a
    tuple of non-negative ints, into out (MAX_NUMBERS at most); their count, or -1. */
@@ -795,7 +795,7 @@ static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long
     }
     Py_ssize_t npieces = PyTuple_GET_SIZE(pieces), nnumbers = PyTuple_GET_SIZE(numbers);
     if (npieces != nnumbers + 2 || nnumbers > MAX_NUMBERS) {
-        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers, at most 8");
+        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers, at most 16");
         return -1;
     }
     for (Py_ssize_t j = 0; j < npieces; j++)
@@ -1051,37 +1051,47 @@ static int append_record(PyObject *records, PyObject *topic, PyObject *key, PyOb
 }
 
 /* records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit,
-   trailing) -> (records, total, order, leftover): the change records of a run of row changes to
-   one relation, as the builder's loop would make them one by one (numbers lsn, lsn, total + 1,
-   order + 1, then trailing; a delete's record followed by its tombstone), without a Python frame
-   per row. kinds holds the pieces of an insert's, an update's and a delete's record (6 +
-   len(trailing) each), and of an update's with its old row (one more, between the rows). The run
-   starts with (lsn, payload), a change whose relation oid starts at payload[at], and goes on with
-   the items the iterator gives while they are changes to the same relation this reads in place
-   (see change_frame), up to limit records. leftover is the item taken from the iterator that the
-   run stopped at, which the caller handles itself (another message, a row only the decoder reads,
-   a record over max_bytes), or None; with no records, the caller's own (lsn, payload) is what it
-   handles. */
+   trailing, slots) -> (records, total, order, leftover): the change records of a run of row
+   changes to one relation, as the builder's loop would make them one by one (a delete's record
+   followed by its tombstone), without a Python frame per row. A record's numbers are picked by
+   slots, each byte an index into (lsn, total + 1, order + 1, *trailing): the record's own and
+   the run's (the transaction's, the processing times), so that the pieces between them may be
+   the same for every transaction. kinds holds the pieces of an insert's, an update's and a
+   delete's record (2 + len(slots) each), and of an update's with its old row (one more, between
+   the rows). The run starts with (lsn, payload), a change whose relation oid starts at
+   payload[at], and goes on with the items the iterator gives while they are changes to the
+   same relation this reads in place (see change_frame), up to limit records. leftover is the
+   item taken from the iterator that the run stopped at, which the caller handles itself
+   (another message, a row only the decoder reads, a record over max_bytes), or None; with no
+   records, the caller's own (lsn, payload) is what it handles. */
 static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, kinds: "
-                                "tuple of four tuples of 6 + len(trailing) pieces (7 + for the fourth), total: int, "
-                                "order: int, topic: str, headers, max_bytes: int, limit: int, "
-                                "trailing: tuple of ints)";
-    if (nargs != 12 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
+    static const char usage[] =
+        "records(items, lsn: int, payload: bytes, at: int, kinds: tuple of four tuples of 2 + "
+        "len(slots) pieces (3 + for the fourth), total: int, order: int, topic: str, headers, "
+        "max_bytes: int, limit: int, trailing: tuple of ints, slots: bytes)";
+    if (nargs != 13 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
         !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 4 || !PyTuple_Check(args[11]) ||
-        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 4) {
+        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 3 || !PyBytes_Check(args[12]) ||
+        PyBytes_GET_SIZE(args[12]) > MAX_NUMBERS) {
         PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
-    /* Every record's numbers: its lsn twice, total and per-table order, then the run's
-       trailing numbers (the Debezium format's processing times). */
-    unsigned long long numbers[MAX_NUMBERS];
-    Py_ssize_t nnumbers = 4 + PyTuple_GET_SIZE(args[11]);
-    for (Py_ssize_t j = 4; j < nnumbers; j++) {
-        numbers[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 4));
-        if (numbers[j] == (unsigned long long)-1 && PyErr_Occurred())
+    /* What the slots pick from: the record's lsn, total and per-table order, then the run's
+       trailing numbers. */
+    unsigned long long from[MAX_NUMBERS], numbers[MAX_NUMBERS];
+    Py_ssize_t nfrom = 3 + PyTuple_GET_SIZE(args[11]);
+    for (Py_ssize_t j = 3; j < nfrom; j++) {
+        from[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 3));
+        if (from[j] == (unsigned long long)-1 && PyErr_Occurred())
             return NULL;
     }
+    const unsigned char *slots = (const unsigned char *)PyBytes_AS_STRING(args[12]);
+    Py_ssize_t nnumbers = PyBytes_GET_SIZE(args[12]);
+    for (Py_ssize_t j = 0; j < nnumbers; j++)
+        if (slots[j] >= nfrom) {
+            PyErr_SetString(PyExc_ValueError, "records: a slot past the numbers");
+            return NULL;
+        }
     PyObject *items = args[0], *payload = args[2], *kinds = args[4];
     PyObject *topic = args[7], *headers = args[8];
     unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
@@ -1122,9 +1132,11 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
     PyObject *pieces =
         change_frame(self, payload, at, relid, kinds, &key_only, &tombstone, &two_rows);
     while (pieces != NULL) {
-        numbers[0] = numbers[1] = lsn;
-        numbers[2] = total + 1;
-        numbers[3] = order + 1;
+        from[0] = lsn;
+        from[1] = total + 1;
+        from[2] = order + 1;
+        for (Py_ssize_t j = 0; j < nnumbers; j++)
+            numbers[j] = from[slots[j]];
         PyObject *value, *key;
         int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
                                 PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
@@ -1177,7 +1189,7 @@ static PyMethodDef plan_methods[] = {
      "followed by the next piece"},
     {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
      "records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, "
-     "trailing) "
+     "trailing, slots) "
      "-> (records, total, order, leftover): the records of a run of changes to one relation"},
     {NULL, NULL, 0, NULL},
 };

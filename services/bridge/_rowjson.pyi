@@ -34,6 +34,7 @@ class RowPlan:
         max_bytes: int,
         limit: int,
         trailing: tuple[int, ...],
+        slots: bytes,
         /,
     ) -> tuple[list[Any], int, int, tuple[int, Any] | None]: ...
 

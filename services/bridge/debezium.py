@@ -434,7 +434,7 @@ class DebeziumEventBuilder(EventBuilder):
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
         """What the compiled plan puts around the row, the lsn twice, the orders and the
-        three processing times (``_run_numbers``) of an insert, of an update without an old
+        three processing times (``_now``) of an insert, of an update without an old
         tuple, of a delete and of an update with its old row: ``_envelope``'s bytes, cut at
         those numbers (and between the two rows)."""
         head, middle = self._templates(txn, info)
@@ -458,7 +458,15 @@ class DebeziumEventBuilder(EventBuilder):
         )
         return pieces
 
-    def _run_numbers(self) -> tuple[int, ...]:
+    def _run_numbers(self, txn: Txn) -> tuple[int, ...]:
+        return self._now()
+
+    # A record's numbers (see ``EventBuilder._slots``): its lsn twice, its orders, then the
+    # processing times; the transaction's own are in its pieces (``_row_pieces``).
+    _slots = bytes((0, 0, 1, 2, 3, 4, 5))
+
+    @staticmethod
+    def _now() -> tuple[int, int, int]:
         """The processing time a record carries (ts_ms, ts_us, ts_ns): read once for the
         records of consecutive compiled runs, as a record built alone reads it once."""
         now = time.time_ns()
@@ -498,7 +506,7 @@ class DebeziumEventBuilder(EventBuilder):
         after: dict[str, JsonValue] | None,
         transaction: bytes,
     ) -> bytes:
-        now_ms, now_us, now_ns = self._run_numbers()
+        now_ms, now_us, now_ns = self._now()
         out = b"".join(
             (
                 info.encoded.value_head,
@@ -550,9 +558,7 @@ class DebeziumEventBuilder(EventBuilder):
         )
         for values in rows:
             made = (
-                plan.record(values, pieces, (lsn, lsn, *self._run_numbers()))
-                if plan is not None
-                else None
+                plan.record(values, pieces, (lsn, lsn, *self._now())) if plan is not None else None
             )
             if made is not None:
                 value, key = made

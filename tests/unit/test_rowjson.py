@@ -96,6 +96,8 @@ def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
 # What RowPlan.records puts around a row (six pieces, four numbers): nothing, for the tests
 # (the same for an insert, an update and a delete).
 SIX = (b"",) * 6
+# The numbers between them (indexes into lsn, total, order): the lsn twice, the orders.
+LSN_TWICE_AND_ORDERS = bytes((0, 0, 1, 2))
 
 
 def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
@@ -103,7 +105,9 @@ def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
     plan leaves it to the decoder."""
     message = b"I" + struct.pack("!I", 16_401) + b"N" + data
     kinds = (SIX, SIX, SIX, (b"",) * 7)
-    records, *_ = plan.records(iter(()), 0, message, 1, kinds, 0, 0, "t", None, 1 << 30, 1, ())
+    records, *_ = plan.records(
+        iter(()), 0, message, 1, kinds, 0, 0, "t", None, 1 << 30, 1, (), LSN_TWICE_AND_ORDERS
+    )
     return (records[0][2], records[0][1]) if records else None
 
 
@@ -622,7 +626,19 @@ def test_updates_and_deletes_are_read_in_place() -> None:
     full = b"U" + relid + b"O" + tuple_data(["7", "o", None])
     full += b"N" + tuple_data(["7", m.UNCHANGED_TOAST, "2024-01-02 03:04:05+00"])
     made, total, order, leftover = info.plan.records(
-        iter([(2, delete), (3, full)]), 1, update, 1, kinds, 0, 0, "t", None, 1 << 30, 10, ()
+        iter([(2, delete), (3, full)]),
+        1,
+        update,
+        1,
+        kinds,
+        0,
+        0,
+        "t",
+        None,
+        1 << 30,
+        10,
+        (),
+        LSN_TWICE_AND_ORDERS,
     )
     key = b'{"c0_bigint":7}'
     # After the row: the lsn twice, total and per-table order (empty pieces between).
@@ -640,6 +656,19 @@ def test_updates_and_deletes_are_read_in_place() -> None:
         ),
     ]
     assert (total, order, leftover) == (3, 3, None)
+    # The slots pick each number from the record's (lsn, total, order) and the run's own.
+    slots = bytes((3, 0, 4, 3, 2))
+    numbered = ((b"<",) + (b"|",) * 6,) * 3 + ((b"<",) + (b"|",) * 7,)
+    made, *_ = info.plan.records(
+        iter(()), 5, update, 1, numbered, 6, 0, "t", None, 1 << 30, 10, (70, 80), slots
+    )
+    row = b'{"c0_bigint":7,"c1_text":"x","c2_timestamp with time zone":null}'
+    assert made == [("t", key, b"<" + row + b"|70|5|80|70|1|", None)]
+    for wrong in (bytes((5,)), bytes(17)):
+        with pytest.raises((ValueError, TypeError)):
+            info.plan.records(
+                iter(()), 5, update, 1, numbered, 6, 0, "t", None, 1, 1, (70, 80), wrong
+            )
 
 
 @pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
