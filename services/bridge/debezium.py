@@ -282,9 +282,13 @@ _COLLECTION_ORDER = b',"data_collection_order":'
 _OP_TAILS = tuple(
     (b'},"op":"%b","ts_ms":' % op, b',"ts_us":', b',"ts_ns":', b"}}") for op in (b"c", b"u", b"d")
 )
-# What follows a change record's lsn, up to its total_order, in the compiled plan's pieces
-# (see ``DebeziumEventBuilder._envelope``).
-_TXN_HEAD = b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":{"id":"%b","total_order":'
+# A compiled record's numbers, as indexes into (lsn, total_order, data_collection_order,
+# *DebeziumEventBuilder._run_numbers): the source block's ts_ms, its sequence's previous
+# commit and lsn, its ts_us, ts_ns, txId and lsn, the transaction id's xid and commit LSN,
+# the orders, then the processing times; in the first transaction, the sequence has no
+# previous commit.
+_SLOTS = bytes((3, 4, 0, 5, 6, 7, 0, 7, 8, 1, 2, 9, 10, 11))
+_FIRST_SLOTS = bytes((3, 0, 5, 6, 7, 0, 7, 8, 1, 2, 9, 10, 11))
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,30 +304,67 @@ class _RelationShape:
     created: bytes
     head: bytes
     middle: bytes
+    # The compiled plan's pieces (``DebeziumEventBuilder._row_pieces``).
+    compiled: RowPieces
+    compiled_first: RowPieces
 
     @classmethod
     def of(cls, info: RelationInfo, topic_prefix: str, db: str) -> _RelationShape:
         value_head: bytes = info.encoded.value_head
+        created = value_head + b'null,"after":'
+        name, database = _dumps(topic_prefix), _dumps(db)
+        relation = b',"schema":%b,"table":%b' % (_dumps(info.schema), _dumps(info.table))
+        source = b',"source":{"version":"%b","connector":"%b","name":%b,"ts_ms":' % (
+            VERSION.encode(),
+            CONNECTOR.encode(),
+            name,
+        )
 
-        def named(value: str) -> bytes:
+        def compiled(sequence: tuple[bytes, ...]) -> RowPieces:
+            """The pieces with ``sequence``, those from the snapshot flag to the lsn of the
+            sequence's second element."""
+
+            def after(op: int) -> tuple[bytes, ...]:
+                return (
+                    source,
+                    *sequence,
+                    b'\\"]","ts_us":',
+                    b',"ts_ns":',
+                    relation + b',"txId":',
+                    b',"lsn":',
+                    b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":{"id":"',
+                    b":",
+                    b'","total_order":',
+                    _COLLECTION_ORDER,
+                    *_OP_TAILS[op],
+                )
+
+            deleted = after(2)
+            return (
+                (created, *after(0)),
+                (created, *after(1)),
+                (value_head, _NULL_AFTER + deleted[0], *deleted[1:]),
+                # With its old row: the before row, then this piece, then the after row.
+                (value_head, _AFTER, *after(1)),
+            )
+
+        flag = b',"snapshot":"false","db":%b,"sequence":"[' % database
+
+        def named(value: bytes) -> bytes:
             # Names may hold a %: the templates' own are the only ones left.
-            return _dumps(value).replace(b"%", b"%%")
+            return value.replace(b"%", b"%%")
 
         return cls(
             info,
             value_head,
-            value_head + b'null,"after":',
-            b',"source":{"version":"%b","connector":"%b","name":'
-            % (VERSION.encode(), CONNECTOR.encode())
-            + named(topic_prefix)
-            + b',"ts_ms":%d,"snapshot":"%b","db":'
-            + named(db)
+            created,
+            source.replace(b"%", b"%%")
+            + b'%d,"snapshot":"%b","db":'
+            + named(database)
             + b',"sequence":"[%b,\\"',
-            b'\\"]","ts_us":%d,"ts_ns":%d,"schema":'
-            + named(info.schema)
-            + b',"table":'
-            + named(info.table)
-            + b',"txId":%b,"lsn":',
+            b'\\"]","ts_us":%d,"ts_ns":%d' + named(relation) + b',"txId":%b,"lsn":',
+            compiled((flag + b'\\"', b'\\",\\"')),
+            compiled((flag + b'null,\\"',)),
         )
 
 
@@ -433,37 +474,28 @@ class DebeziumEventBuilder(EventBuilder):
         )
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
-        """What the compiled plan puts around the row, the lsn twice, the orders and the
-        three processing times (``_now``) of an insert, of an update without an old
-        tuple, of a delete and of an update with its old row: ``_envelope``'s bytes, cut at
-        those numbers (and between the two rows)."""
-        head, middle = self._templates(txn, info)
+        """What the compiled plan puts around the rows and the numbers (``_run_numbers``)
+        of an insert, of an update without an old tuple, of a delete and of an update with
+        its old row: ``_envelope``'s bytes cut at them, the same for a relation version in
+        every transaction but the first (whose sequence names no previous commit)."""
         shape = self._shape(info)
-        transaction = _TXN_HEAD % txn.txid
-        after_head, null_after_head = head, _NULL_AFTER + head
         pieces = txn.row_pieces[info.oid] = (
-            (shape.created, after_head, middle, transaction, _COLLECTION_ORDER, *_OP_TAILS[0]),
-            (shape.created, after_head, middle, transaction, _COLLECTION_ORDER, *_OP_TAILS[1]),
-            (shape.framed, null_after_head, middle, transaction, _COLLECTION_ORDER, *_OP_TAILS[2]),
-            # With its old row: the before row, then this piece, then the after row.
-            (
-                shape.framed,
-                _AFTER,
-                after_head,
-                middle,
-                transaction,
-                _COLLECTION_ORDER,
-                *_OP_TAILS[1],
-            ),
+            shape.compiled if self.last_end_lsn is not None else shape.compiled_first
         )
         return pieces
 
-    def _run_numbers(self, txn: Txn) -> tuple[int, ...]:
-        return self._now()
-
-    # A record's numbers (see ``EventBuilder._slots``): its lsn twice, its orders, then the
-    # processing times; the transaction's own are in its pieces (``_row_pieces``).
-    _slots = bytes((0, 0, 1, 2, 3, 4, 5))
+    def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
+        us = txn.commit_ts + m.PG_EPOCH_UNIX_US
+        trailing = (
+            us // 1000,
+            self.last_end_lsn or 0,
+            us,
+            us * 1000,
+            txn.xid,
+            txn.commit_lsn,
+            *self._now(),
+        )
+        return (_SLOTS if self.last_end_lsn is not None else _FIRST_SLOTS), trailing
 
     @staticmethod
     def _now() -> tuple[int, int, int]:

@@ -100,7 +100,7 @@ class Txn:
         return self.total, order
 
 
-# What RowPlan.records puts around the row and the numbers (``EventBuilder._slots``) of an
+# What RowPlan.records puts around the row and the numbers (``EventBuilder._run_numbers``) of an
 # insert's, an update's and a delete's record, and around the rows and the numbers of an
 # update's with its old row (REPLICA IDENTITY FULL): a piece more.
 RowPieces = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]
@@ -215,7 +215,8 @@ class EventBuilder:
         streamed = undecoded.streamed
         relid_at = change_relid_at(streamed)
         by_oid, row_pieces, per_table = self.catalog.by_oid, txn.row_pieces, txn.per_table
-        headers, limit, trailing = self.headers, self.max_record_bytes, self._run_numbers(txn)
+        headers, limit = self.headers, self.max_record_bytes
+        slots, trailing = self._run_numbers(txn)
         while True:
             oid = in_place_change_relation(payload, streamed)
             target = by_oid.get(oid) if oid is not None else None
@@ -235,7 +236,7 @@ class EventBuilder:
                 limit,
                 _RUN,
                 trailing,
-                self._slots,
+                slots,
             )
             if not built:
                 return lsn, undecoded.decode(payload)
@@ -245,23 +246,19 @@ class EventBuilder:
                 return None
             lsn, payload = leftover
 
-    def _run_numbers(self, txn: Txn) -> tuple[int, ...]:
-        """The numbers a compiled run's records share, which ``_slots`` pick from after the
-        record's own: here the transaction's xid, commit LSN, commit time and processing
-        time, so a relation version's pieces are the same in every transaction (see
-        ``_row_pieces``)."""
-        return txn.xid, txn.commit_lsn, txn.ts_ms, txn.now_ms
-
-    # Which number goes between each two pieces of a compiled record (see ``_row_pieces``),
-    # as indexes into (lsn, total_order, data_collection_order, *_run_numbers): the source
-    # block's txId, lsn, commit_lsn, ts_ms and its sequence's two LSNs, the record's ts_ms,
-    # the transaction id's xid and commit LSN, then the orders.
-    _slots = bytes((3, 0, 4, 5, 4, 0, 6, 3, 4, 1, 2))
+    def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
+        """Which number goes between each two pieces of a compiled record of ``txn`` (see
+        ``_row_pieces``), as indexes into (lsn, total_order, data_collection_order, *the
+        numbers its run's records share), and those numbers: here the transaction's xid,
+        commit LSN, commit time and processing time, so that a relation version's pieces
+        are the same in every transaction."""
+        return _SLOTS, (txn.xid, txn.commit_lsn, txn.ts_ms, txn.now_ms)
 
     def _numbers(self, txn: Txn, lsn: int, total: int, order: int) -> tuple[int, ...]:
-        """A compiled record's numbers (``_slots``) when it is built alone."""
-        numbers = (lsn, total, order, *self._run_numbers(txn))
-        return tuple(numbers[i] for i in self._slots)
+        """A compiled record's numbers (``_run_numbers``) when it is built alone."""
+        slots, trailing = self._run_numbers(txn)
+        numbers = (lsn, total, order, *trailing)
+        return tuple(numbers[i] for i in slots)
 
     def _insert(self, txn: Txn, lsn: int, msg: m.Insert) -> Sequence[Record]:
         info = self.catalog.by_oid[msg.relation_oid]
@@ -491,7 +488,7 @@ class EventBuilder:
         return out
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
-        """What ``RowPlan`` puts around the row and the numbers (``_slots``) of an insert,
+        """What ``RowPlan`` puts around the row and the numbers (``_run_numbers``) of an insert,
         of an update without an old tuple (no ``before``), of a delete (its old row or key
         is the ``before``) and of an update with its old row (the ``before``): ``_VALUE``
         cut at them, the same for a relation version in every transaction, so made once."""
@@ -550,6 +547,10 @@ class EventBuilder:
         )
 
 
+# The numbers of a compiled record (see ``EventBuilder._run_numbers``): the source block's
+# txId, lsn, commit_lsn, ts_ms and its sequence's two LSNs, the record's ts_ms, the
+# transaction id's xid and commit LSN, then the orders.
+_SLOTS = bytes((3, 0, 4, 5, 4, 0, 6, 3, 4, 1, 2))
 # A change record's value is these pieces around, in turn, its after row, its lsn (twice),
 # total_order and data_collection_order; the pieces' own fields are the transaction's.
 _BEFORE_FIELD = b'{"before":'
@@ -596,7 +597,7 @@ def _source_fields(builder: EventBuilder, info: RelationInfo) -> bytes:
 
 def _compiled_pieces(builder: EventBuilder, info: RelationInfo) -> RowPieces:
     """``_VALUE`` of a relation version's insert, update, delete and update with its old
-    row, cut at the rows and at the numbers ``EventBuilder._slots`` puts between them."""
+    row, cut at the rows and at the numbers (``_SLOTS``)."""
     source = b',"source":' + _source_fields(builder, info) + b',"txId":'
     numbers = (
         b',"lsn":',

@@ -613,6 +613,45 @@ def test_the_compiled_kinds_write_what_the_server_prints_without_the_converter()
     )
 
 
+@pytest.mark.usefixtures("fixed_clock")
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+def test_transactions_after_the_first_read_in_place_equal_the_decoded(value_format: str) -> None:
+    # The compiled pieces are a relation version's, the transaction's numbers slotted in;
+    # a Debezium record's sequence names the previous commit from the second on.
+    changes = row_changes(
+        None, (20, 25, 1184), ["0", "x", "2024-01-02 03:04:05+00"], ["0", "u", None]
+    )
+    decoder = PgOutputDecoder()
+    how = Undecoded(False, lambda p: decoder.decode(p, False))
+
+    def records(undecoded: bool) -> list[Record]:
+        builder = builder_of(value_format)
+        made: list[Record] = []
+        for n in range(3):
+            given: list[tuple[int, m.Message | bytes]] = [
+                (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
+            ]
+            made += builder.transaction(
+                700 + n,
+                0x200 + n,
+                785_000_000_123_456 + n,
+                iter(given),
+                end_lsn=0x210 + n,
+                undecoded=how if undecoded else None,
+            )
+        return made
+
+    compiled = records(True)
+    assert compiled == records(False)
+    if value_format == "debezium":
+        sequences = {
+            orjson.loads(v)["payload"]["source"]["sequence"].split(",")[0]
+            for t, _, v, _ in compiled
+            if v is not None and t.endswith(".plain")
+        }
+        assert sequences == {"[null", '["528"', '["529"'}
+
+
 def test_updates_and_deletes_are_read_in_place() -> None:
     # RowPlan.records itself builds them (the test above would pass on the decoder alone).
     info = info_of(relation((20, 25, 1184)))
