@@ -674,15 +674,25 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     return rc;
 }
 
-/* A non-negative integer in decimal (an LSN, a position in the transaction). */
-static int put_uint(Buf *b, unsigned long long v) {
+/* A non-negative integer (an LSN, a position in the transaction, a time) in decimal,
+   digits[start:]: printed once, written into as many records and places as take it. */
+typedef struct {
     char digits[24];
-    int n = 0;
+    int start;
+} Number;
+
+static void set_number(Number *number, unsigned long long v) {
+    int at = (int)sizeof(number->digits);
     do {
-        digits[sizeof(digits) - 1 - n++] = (char)('0' + v % 10);
+        number->digits[--at] = (char)('0' + v % 10);
         v /= 10;
     } while (v);
-    return buf_put(b, digits + sizeof(digits) - n, n);
+    number->start = at;
+}
+
+static int put_number(Buf *b, const Number *number) {
+    return buf_put(b, number->digits + number->start,
+                   (Py_ssize_t)sizeof(number->digits) - number->start);
 }
 
 /* The row's JSON object appended to b: every column of cols, or with key_only its key
@@ -722,7 +732,7 @@ static int put_piece(Buf *b, PyObject *pieces, Py_ssize_t j) {
    key_only the row is the key columns alone (a delete's old key, which is how the Python
    path writes it). 0, or -1 with an exception set. */
 static int emit(RowPlan *self, const Col *before, const Col *cols, PyObject *pieces,
-                const unsigned long long *numbers, Py_ssize_t nnumbers, int key_only,
+                const Number *const *numbers, Py_ssize_t nnumbers, int key_only,
                 PyObject **value, PyObject **key) {
     Buf b = {.len = 0, .cap = sizeof(b.small)};
     b.data = b.small;
@@ -745,7 +755,7 @@ static int emit(RowPlan *self, const Col *before, const Col *cols, PyObject *pie
     if (write_row(self, &b, cols, key_only, spans) < 0 || put_piece(&b, pieces, at++) < 0)
         goto done;
     for (Py_ssize_t j = 0; j < nnumbers; j++)
-        if (put_uint(&b, numbers[j]) < 0 || put_piece(&b, pieces, at++) < 0)
+        if (put_number(&b, numbers[j]) < 0 || put_piece(&b, pieces, at++) < 0)
             goto done;
     Py_ssize_t value_len = b.len;
     if (self->nkeys > 0) {
@@ -788,7 +798,7 @@ done:
 
 /* pieces as emit() needs them (a tuple of bytes, two more than the numbers), and numbers, a
    tuple of non-negative ints, into out (MAX_NUMBERS at most); their count, or -1. */
-static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long long *out) {
+static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, Number *out) {
     if (!PyTuple_Check(pieces) || !PyTuple_Check(numbers)) {
         PyErr_SetString(PyExc_TypeError, "pieces and numbers must be tuples");
         return -1;
@@ -804,9 +814,10 @@ static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long
             return -1;
         }
     for (Py_ssize_t j = 0; j < nnumbers; j++) {
-        out[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(numbers, j));
-        if (out[j] == (unsigned long long)-1 && PyErr_Occurred())
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(numbers, j));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
             return -1;
+        set_number(&out[j], v);
     }
     return nnumbers;
 }
@@ -846,10 +857,13 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "record(values, pieces: tuple, numbers: tuple)");
         return NULL;
     }
-    unsigned long long numbers[MAX_NUMBERS];
-    Py_ssize_t nnumbers = check_frame(args[1], args[2], numbers);
+    Number values[MAX_NUMBERS];
+    const Number *numbers[MAX_NUMBERS];
+    Py_ssize_t nnumbers = check_frame(args[1], args[2], values);
     if (nnumbers < 0)
         return NULL;
+    for (Py_ssize_t j = 0; j < nnumbers; j++)
+        numbers[j] = &values[j];
     PyObject *seq = PySequence_Fast(args[0], "values must be a list or tuple");
     if (seq == NULL)
         return NULL;
@@ -945,7 +959,7 @@ static int read_tuple(RowPlan *self, TupleData *td, Col *cols, Py_ssize_t *read)
    IDENTITY FULL): the record's before row is the old one, and an unchanged TOAST value of
    the new row is the old row's value, as the Python path takes it. */
 static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, Py_ssize_t pos,
-                       PyObject *pieces, const unsigned long long *numbers, Py_ssize_t nnumbers,
+                       PyObject *pieces, const Number *const *numbers, Py_ssize_t nnumbers,
                        int key_only, int two_rows, PyObject **value, PyObject **key) {
     TupleData td = {.buf = buf, .len = len, .pos = pos};
     int rc = 0;
@@ -1078,20 +1092,24 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
     }
     /* What the slots pick from: the record's lsn, total and per-table order, then the run's
        trailing numbers. */
-    unsigned long long from[MAX_NUMBERS], numbers[MAX_NUMBERS];
+    Number from[MAX_NUMBERS];
+    const Number *numbers[MAX_NUMBERS];
     Py_ssize_t nfrom = 3 + PyTuple_GET_SIZE(args[11]);
     for (Py_ssize_t j = 3; j < nfrom; j++) {
-        from[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 3));
-        if (from[j] == (unsigned long long)-1 && PyErr_Occurred())
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 3));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
             return NULL;
+        set_number(&from[j], v);
     }
     const unsigned char *slots = (const unsigned char *)PyBytes_AS_STRING(args[12]);
     Py_ssize_t nnumbers = PyBytes_GET_SIZE(args[12]);
-    for (Py_ssize_t j = 0; j < nnumbers; j++)
+    for (Py_ssize_t j = 0; j < nnumbers; j++) {
         if (slots[j] >= nfrom) {
             PyErr_SetString(PyExc_ValueError, "records: a slot past the numbers");
             return NULL;
         }
+        numbers[j] = &from[slots[j]];
+    }
     PyObject *items = args[0], *payload = args[2], *kinds = args[4];
     PyObject *topic = args[7], *headers = args[8];
     unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
@@ -1132,11 +1150,9 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
     PyObject *pieces =
         change_frame(self, payload, at, relid, kinds, &key_only, &tombstone, &two_rows);
     while (pieces != NULL) {
-        from[0] = lsn;
-        from[1] = total + 1;
-        from[2] = order + 1;
-        for (Py_ssize_t j = 0; j < nnumbers; j++)
-            numbers[j] = from[slots[j]];
+        set_number(&from[0], lsn);
+        set_number(&from[1], total + 1);
+        set_number(&from[2], order + 1);
         PyObject *value, *key;
         int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
                                 PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
