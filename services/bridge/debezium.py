@@ -295,9 +295,9 @@ _FIRST_SLOTS = bytes((3, 0, 5, 6, 7, 0, 7, 8, 1, 2, 9, 10, 11))
 class _RelationShape:
     """A relation version's pieces of its change records, the same in every transaction:
     the value's start (Connect schema) before the before row, with and without a null before
-    row, and the ``source`` block as two templates, up to its sequence's first LSN (taking
-    ts_ms, the snapshot flag and that LSN) and from its second LSN to its ``lsn`` (taking
-    ts_us, ts_ns and txId)."""
+    row, the ``source`` block as two templates for the records built in Python, up to its
+    sequence's first LSN (taking ts_ms, the snapshot flag and that LSN) and from its second
+    LSN to its ``lsn`` (taking ts_us, ts_ns and txId), and the compiled plan's pieces."""
 
     info: RelationInfo
     framed: bytes
@@ -485,6 +485,9 @@ class DebeziumEventBuilder(EventBuilder):
         return pieces
 
     def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
+        """The slots and numbers of ``_row_pieces``' records: the transaction's (its
+        commit time in three units, the previous commit, xid, commit LSN) and the processing
+        times."""
         us = txn.commit_ts + m.PG_EPOCH_UNIX_US
         trailing = (
             us // 1000,
