@@ -9,7 +9,11 @@ commits under backlog, two ways, each with the bridge's own producer settings
 
 - ``produce()``: one confluent-kafka ``Producer.produce`` call per record;
 - ``sink``: the bridge's ``KafkaSink.produce_all``, which hands runs of records to
-  librdkafka in one call each (confluent-kafka's public ``Producer.produce_batch``).
+  librdkafka in one call each (confluent-kafka's public ``Producer.produce_batch``);
+
+and each again with the four ``__debezium.context.*`` headers the Debezium format puts on
+every change record (``--headers``): ``produce_batch`` takes no headers, so the sink hands
+such records over with a ``produce()`` call each.
 
 Printed for each: records/s, this process's CPU microseconds per record (the calls plus
 librdkafka's own threads: batching, compression, the network) and the microseconds spent
@@ -26,6 +30,7 @@ import resource
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +40,8 @@ from confluent_kafka import Producer
 # NewTopic's public home (the stubs do not declare the re-export).
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from services.bridge.debezium import context_headers
+from services.bridge.events import Headers
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink, producer_config
 from slotbridge_dev.stack.stack import Stack
@@ -52,12 +59,22 @@ VALUE = (
 )
 
 
+# A way of handing records over: its name, the function, the records' headers.
+Way = tuple[
+    str,
+    Callable[[BridgeSettings, str, list[bytes], Headers | None], dict[str, float]],
+    Headers | None,
+]
+
+
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
-def _produce_calls(settings: BridgeSettings, topic: str, keys: list[bytes]) -> dict[str, float]:
+def _produce_calls(
+    settings: BridgeSettings, topic: str, keys: list[bytes], headers: Headers | None
+) -> dict[str, float]:
     """One ``Producer.produce`` call per record."""
     producer = Producer(
         {
@@ -79,7 +96,7 @@ def _produce_calls(settings: BridgeSettings, topic: str, keys: list[bytes]) -> d
         called = time.perf_counter()
         while True:
             try:
-                send(topic, VALUE, key)
+                send(topic, VALUE, key, headers=headers)
                 break
             except BufferError:
                 producer.poll(0.05)
@@ -89,7 +106,9 @@ def _produce_calls(settings: BridgeSettings, topic: str, keys: list[bytes]) -> d
     return {"seconds": time.perf_counter() - began, "cpu": _cpu_s() - cpu_began, "inside": inside}
 
 
-def _sink_runs(settings: BridgeSettings, topic: str, keys: list[bytes]) -> dict[str, float]:
+def _sink_runs(
+    settings: BridgeSettings, topic: str, keys: list[bytes], headers: Headers | None
+) -> dict[str, float]:
     """The bridge's sink: ``produce_all`` over each Kafka transaction's records."""
     sink = KafkaSink(settings)
     try:
@@ -98,7 +117,7 @@ def _sink_runs(settings: BridgeSettings, topic: str, keys: list[bytes]) -> dict[
         sink.begin()
         sink.produce(topic, b"{}", VALUE)  # the partition's first write, alone (FirstWrites)
         sink.commit()
-        records = [(topic, key, VALUE, None) for key in keys]
+        records = [(topic, key, VALUE, headers) for key in keys]
         cpu_began, began = _cpu_s(), time.perf_counter()
         inside = 0.0
         for first in range(0, len(records), BATCH):
@@ -121,13 +140,22 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=500_000)
     parser.add_argument("--compression", default="lz4", help="compression.type")
     parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument(
+        "--headers",
+        action="store_true",
+        help="also each way with the Debezium format's four context headers on every record",
+    )
     args = parser.parse_args()
     stack = Stack(args.stack_dir)
     stack.up()
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     keys = [b'{"id":%d}' % i for i in range(args.records)]
     results = {}
-    for name, run in (("produce()", _produce_calls), ("sink", _sink_runs)):
+    ways: list[Way] = [("produce()", _produce_calls, None), ("sink", _sink_runs, None)]
+    if args.headers:
+        headers = context_headers("bench", "0190a3b4-0000-7000-8000-000000000000")
+        ways += [("produce()+h", _produce_calls, headers), ("sink+h", _sink_runs, headers)]
+    for name, run, with_headers in ways:
         topic = f"produce-floor-{uuid.uuid4().hex[:8]}"
         admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
         settings = BridgeSettings(
@@ -137,19 +165,23 @@ def main() -> None:
             kafka_transactional_id=topic,
             kafka_config={"compression.type": args.compression},
         )
-        results[name] = figures = run(settings, topic, keys)
+        results[name] = figures = run(settings, topic, keys, with_headers)
         admin.delete_topics([topic])
         print(
-            f"{name:<9} {args.records:,} records of {len(VALUE)} B, compression "
+            f"{name:<11} {args.records:,} records of {len(VALUE)} B, compression "
             f"{args.compression}: {args.records / figures['seconds']:,.0f} records/s, process "
             f"CPU {figures['cpu'] / args.records * 1e6:.2f} us/record, handing over "
             f"{figures['inside'] / args.records * 1e6:.2f} us/record"
         )
-    calls, sink = results["produce()"], results["sink"]
-    print(
-        f"sink / produce(): records/s {calls['seconds'] / sink['seconds']:.2f}x, CPU "
-        f"{sink['cpu'] / calls['cpu']:.2f}x, handing over {sink['inside'] / calls['inside']:.2f}x"
-    )
+    for way, base in (("sink", "produce()"), ("produce()+h", "produce()"), ("sink+h", "sink")):
+        if way not in results:
+            continue
+        tried, against = results[way], results[base]
+        print(
+            f"{way} / {base}: records/s {against['seconds'] / tried['seconds']:.2f}x, CPU "
+            f"{tried['cpu'] / against['cpu']:.2f}x, handing over "
+            f"{tried['inside'] / against['inside']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """The publisher thread's hot path without a server: spool -> decode -> records.
 
     python bench/profile_publisher.py [--rows 200000] [--txn-size 1000] [--repeat 3]
+                                      [--workload insert|oltp] [--format slotbridge|debezium]
                                       [--spill] [--profile] [--top 20]
 
-Builds the pgoutput payloads ``bench/bridge_bench.py`` makes the server send (inserts
-into ``id bigint pk, a int, b text, c numeric, d timestamptz``), puts each transaction
-in a ``Spool`` (``--spill``: an 8 MB memory limit, so a big transaction goes to disk as
-in the daemon), and runs ``Publisher._publish`` over them with a sink that only counts:
-everything the publisher thread does per row but talk to Kafka. Prints rows/s (best
-of ``--repeat``); ``--profile`` prints the top functions by cumulative and own time.
+Builds the pgoutput payloads ``bench/bridge_bench.py`` makes the server send (``insert``:
+inserts into ``id bigint pk, a int, b text, c numeric, d timestamptz``; ``oltp``: pgbench's
+TPC-B-like transactions, three single-row updates and an insert over its four tables,
+``--txn-size`` ignored), puts each transaction in a ``Spool`` (``--spill``: an 8 MB memory
+limit, so a big transaction goes to disk as in the daemon), and runs ``Publisher._publish``
+over them with a sink that only counts: everything the publisher thread does per row but
+talk to Kafka. Prints rows/s and the CPU time per source transaction (best of
+``--repeat``); ``--profile`` prints the top functions by cumulative and own time.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.bridge.assembler import Transaction
 from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
 from services.bridge.confirm import ConfirmTracker
+from services.bridge.debezium import DebeziumEventBuilder
 from services.bridge.decoder import PgOutputDecoder
 from services.bridge.events import EventBuilder, Record
 from services.bridge.highwater import ServerIdentity
@@ -38,33 +42,68 @@ from services.bridge.snapshot import SnapshotBook
 from services.bridge.spool import Spool, SpoolStats
 
 OID = 16_384
-COLUMNS = (("id", 20, 1), ("a", 23, 0), ("b", 25, 0), ("c", 1700, 0), ("d", 1184, 0))
+Columns = tuple[tuple[str, int, int], ...]  # name, type oid, key flag
+COLUMNS: Columns = (("id", 20, 1), ("a", 23, 0), ("b", 25, 0), ("c", 1700, 0), ("d", 1184, 0))
+# pgbench's tables (pgbench_history with the key the bench gives it), from OID + 1 on.
+OLTP_TABLES: dict[str, Columns] = {
+    "pgbench_accounts": (("aid", 23, 1), ("bid", 23, 0), ("abalance", 23, 0), ("filler", 1042, 0)),
+    "pgbench_tellers": (("tid", 23, 1), ("bid", 23, 0), ("tbalance", 23, 0), ("filler", 1042, 0)),
+    "pgbench_branches": (("bid", 23, 1), ("bbalance", 23, 0), ("filler", 1042, 0)),
+    "pgbench_history": (
+        *(("hid", 20, 1), ("tid", 23, 0), ("bid", 23, 0), ("aid", 23, 0), ("delta", 23, 0)),
+        *(("mtime", 1114, 0), ("filler", 1042, 0)),
+    ),
+}
 
 
-def _relation() -> bytes:
+def _relation(oid: int = OID, name: str = "bench", columns: Columns = COLUMNS) -> bytes:
     cols = b"".join(
-        struct.pack("!B", key) + name.encode() + b"\0" + struct.pack("!Ii", oid, -1)
-        for name, oid, key in COLUMNS
+        struct.pack("!B", key) + column.encode() + b"\0" + struct.pack("!Ii", type_oid, -1)
+        for column, type_oid, key in columns
     )
-    return (
-        b"R" + struct.pack("!I", OID) + b"public\0bench\0d" + struct.pack("!H", len(COLUMNS)) + cols
-    )
+    head = b"R" + struct.pack("!I", oid) + b"public\0" + name.encode() + b"\0d"
+    return head + struct.pack("!H", len(columns)) + cols
 
 
-def _insert(i: int) -> bytes:
-    values = [
-        str(i),
-        str(i % 100_000),
-        f"customer {i} note",
-        f"{i * 1.25:.2f}",
-        f"2024-01-{1 + i // 86_400 % 28:02d} {i // 3600 % 24:02d}:{i // 60 % 60:02d}:"
-        f"{i % 60:02d}+00",
-    ]
-    out = [b"I", struct.pack("!I", OID), b"N", struct.pack("!H", len(values))]
+def _change(kind: bytes, oid: int, values: list[str]) -> bytes:
+    """An Insert, or an Update sending no old row (REPLICA IDENTITY DEFAULT, key unchanged)."""
+    out = [kind, struct.pack("!I", oid), b"N", struct.pack("!H", len(values))]
     for value in values:
         raw = value.encode()
         out.append(b"t" + struct.pack("!I", len(raw)) + raw)
     return b"".join(out)
+
+
+def _insert(i: int) -> bytes:
+    return _change(
+        b"I",
+        OID,
+        [
+            str(i),
+            str(i % 100_000),
+            f"customer {i} note",
+            f"{i * 1.25:.2f}",
+            f"2024-01-{1 + i // 86_400 % 28:02d} {i // 3600 % 24:02d}:{i // 60 % 60:02d}:"
+            f"{i % 60:02d}+00",
+        ],
+    )
+
+
+def _oltp(i: int) -> list[bytes]:
+    """pgbench's transaction number ``i``: an account, a teller and a branch updated, a
+    history row inserted."""
+    accounts, tellers, branches, history = range(OID + 1, OID + 5)
+    aid, tid, bid, delta = 1 + i * 7919 % 100_000, 1 + i % 10, 1, (i * 31) % 10_001 - 5000
+    return [
+        _change(b"U", accounts, [str(aid), str(bid), str(delta), " " * 84]),
+        _change(b"U", tellers, [str(tid), str(bid), str(delta), " " * 84]),
+        _change(b"U", branches, [str(bid), str(delta), " " * 88]),
+        _change(
+            b"I",
+            history,
+            [str(i), str(tid), str(bid), str(aid), str(delta), "2024-01-02 03:04:05.123456", ""],
+        ),
+    ]
 
 
 class _CountingSink:
@@ -106,35 +145,69 @@ class _Origin:
         pass
 
 
-def _transactions(rows: int, txn_size: int, memory: int, folder: Path) -> list[Transaction]:
+def _tables(workload: str) -> dict[int, tuple[str, Columns]]:
+    """The workload's tables by oid: name and columns."""
+    if workload == "oltp":
+        return {OID + 1 + n: table for n, table in enumerate(OLTP_TABLES.items())}
+    return {OID: ("bench", COLUMNS)}
+
+
+def _transactions(
+    workload: str, rows: int, txn_size: int, memory: int, folder: Path
+) -> list[Transaction]:
     stats = SpoolStats()
+    relations = [
+        _relation(oid, name, columns) for oid, (name, columns) in _tables(workload).items()
+    ]
+    if workload == "oltp":
+        changes = [_oltp(n) for n in range(rows // 4)]
+    else:
+        changes = [
+            [_insert(i + 1) for i in range(first, min(first + txn_size, rows))]
+            for first in range(0, rows, txn_size)
+        ]
     txns = []
-    for n, first in enumerate(range(0, rows, txn_size)):
+    lsn = 0x1_0000_0000
+    for n, payloads in enumerate(changes):
         spool = Spool(folder, f"txn-{n}", memory, stats)
-        lsn = 0x1_0000_0000 + first * 120
-        if n == 0:
-            spool.append(lsn, _relation())
-        for i in range(first, min(first + txn_size, rows)):
-            spool.append(lsn + i * 120, _insert(i + 1))
+        described = relations if n == 0 else []
+        for payload in (*described, *payloads):
+            lsn += 120
+            spool.append(lsn, payload)
         txns.append(
             Transaction(
                 1000 + n,
-                lsn + txn_size * 120,
-                lsn + txn_size * 120 + 48,
+                lsn + 120,
+                lsn + 168,
                 785_000_000_000_000 + n,
                 spool,
                 False,
                 frozenset(),
-                relations=(_relation(),) if n == 0 else (),
+                relations=tuple(described),
             )
         )
+        lsn += 168
     return txns
 
 
-def _run(rows: int, txn_size: int, memory: int) -> tuple[float, _CountingSink]:
-    facts = TableFacts({n: ColumnFacts(str(t), n != "id") for n, t, _ in COLUMNS}, ("id",))
-    builder = EventBuilder(
-        RelationCatalog("bench", lambda oid: facts), "bench", "postgres", 1_000_000
+def _run(
+    workload: str, value_format: str, rows: int, txn_size: int, memory: int
+) -> tuple[float, float, int, _CountingSink]:
+    """rows/s, CPU seconds, source transactions and the sink of one pass."""
+    tables = _tables(workload)
+
+    def facts(oid: int) -> TableFacts:
+        _, columns = tables[oid]
+        return TableFacts(
+            {n: ColumnFacts(str(t), not key) for n, t, key in columns},
+            tuple(n for n, _, key in columns if key),
+        )
+
+    catalog = RelationCatalog("bench", facts)
+    builder = (
+        DebeziumEventBuilder(catalog, "bench", "postgres", 1_000_000, None)
+        if value_format == "debezium"
+        else EventBuilder(catalog, "bench", "postgres", 1_000_000)
     )
     decoder = PgOutputDecoder(4, parallel_abort=True)
     sink = _CountingSink()
@@ -158,12 +231,12 @@ def _run(rows: int, txn_size: int, memory: int) -> tuple[float, _CountingSink]:
         published=set,
     )
     with tempfile.TemporaryDirectory() as folder:
-        txns = _transactions(rows, txn_size, memory, Path(folder))
-        started = time.perf_counter()
+        txns = _transactions(workload, rows, txn_size, memory, Path(folder))
+        started, cpu = time.perf_counter(), time.process_time()
         for txn in txns:
             publisher._publish(txn)
-        seconds = time.perf_counter() - started
-    return rows / seconds, sink
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return rows / seconds, cpu, len(txns), sink
 
 
 def main() -> None:
@@ -176,26 +249,34 @@ def main() -> None:
         action="store_true",
         help="8 MB spool memory limit (the daemon's default), else all in memory",
     )
+    parser.add_argument("--workload", choices=("insert", "oltp"), default="insert")
+    parser.add_argument("--format", choices=("slotbridge", "debezium"), default="slotbridge")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
     memory = 8 * 1024 * 1024 if args.spill else 1 << 40
+    run = (args.workload, args.format, args.rows, args.txn_size, memory)
 
     if args.profile:
         profiler = cProfile.Profile()
-        profiler.runcall(_run, args.rows, args.txn_size, memory)
+        profiler.runcall(_run, *run)
         stats = pstats.Stats(profiler)
         stats.sort_stats("cumulative").print_stats(args.top)
         stats.sort_stats("tottime").print_stats(args.top)
         return
-    rates = []
-    for _ in range(args.repeat):
-        rate, sink = _run(args.rows, args.txn_size, memory)
-        rates.append(rate)
+    passes = [_run(*run) for _ in range(args.repeat)]
+    rates = sorted(rate for rate, _, _, _ in passes)
+    _, cpu, txns, sink = min(passes, key=lambda p: p[1])
+    shape = (
+        "pgbench's transactions"
+        if args.workload == "oltp"
+        else f"transactions of {args.txn_size:,}"
+    )
     print(
-        f"{args.rows:,} rows in transactions of {args.txn_size:,}"
-        f"{' (spilled)' if args.spill else ''}: best {max(rates):,.0f} rows/s, "
-        f"median {sorted(rates)[len(rates) // 2]:,.0f} rows/s "
+        f"{args.format}: {args.rows:,} rows in {shape}"
+        f"{' (spilled)' if args.spill else ''}: best {rates[-1]:,.0f} rows/s, "
+        f"median {rates[len(rates) // 2]:,.0f} rows/s; CPU {cpu / txns * 1e6:.1f} us per "
+        f"source transaction, {cpu / args.rows * 1e6:.2f} us per row (least of {args.repeat}) "
         f"({sink.records:,} records, {sink.bytes / sink.records:.0f} B/value)"
     )
 

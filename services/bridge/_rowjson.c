@@ -23,6 +23,17 @@ column's Python converter (which also raises the converter's errors), as do the 
 #define K_DROPPED 'x'     /* left out of the row (a transform drops it; never a key column) */
 #define K_HASH_HEX 'h'    /* the hash transform: HMAC-SHA-256 of the text, in hex */
 #define K_HASH_BASE64 'H' /* ... in base64 */
+#define K_BYTEA 'B'       /* bytea printed as hex (\x...): its bytes in base64 */
+/* Kafka Connect's encodings of the Debezium format (connect_values.py); a column's param
+   is the scale or the fraction digits its type modifier gives. */
+#define K_DECIMAL 'D'          /* numeric(p, s): Connect Decimal, the value at param digits */
+#define K_VARIABLE_DECIMAL 'V' /* numeric: VariableScaleDecimal {"scale":..,"value":..} */
+#define K_ZONED_TIMESTAMP 'Z'  /* timestamptz: ISO 8601 in UTC with param fraction digits */
+#define K_MICRO_TIMESTAMP 'M'  /* timestamp: microseconds since the epoch */
+#define K_MILLI_TIMESTAMP 'm'  /* ... milliseconds */
+#define K_DATE 'd'             /* date: days since the epoch */
+#define K_MICRO_TIME 'U'       /* time: microseconds of the day */
+#define K_MILLI_TIME 'u'       /* ... milliseconds */
 
 typedef struct {
     char *data;
@@ -142,6 +153,7 @@ typedef struct {
     PyObject *dumps;
     HmacKey hash_key; /* of the hash kinds, when has_hash_key */
     int has_hash_key;
+    int *params; /* per column, the scale or fraction digits of the Connect kinds */
 } RowPlan;
 
 static void plan_dealloc(RowPlan *self) {
@@ -149,6 +161,7 @@ static void plan_dealloc(RowPlan *self) {
     PyMem_Free(self->names);
     PyMem_Free(self->name_lens);
     PyMem_Free(self->key_idx);
+    PyMem_Free(self->params);
     Py_XDECREF(self->holder);
     Py_XDECREF(self->key_head);
     Py_XDECREF(self->placeholders);
@@ -165,14 +178,16 @@ static void plan_dealloc(RowPlan *self) {
    others as nulls), else with its key columns alone; placeholders, a tuple of bytes per
    column, is the JSON written for an unchanged TOAST value (without it such a row is left
    to the caller); hash_key, the key of the columns of the hash kinds (without it their
-   converters are called). */
+   converters are called); params, a tuple of ints per column, the scale or fraction digits
+   of the Connect kinds (0 without it). */
 static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     PyObject *names, *kinds, *key_idx, *converters, *dumps;
     PyObject *key_head = NULL, *key_tail = NULL, *placeholders = Py_None, *hash_key = Py_None;
+    PyObject *params = Py_None;
     int whole_old_key = 0;
-    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSpOO:RowPlan", &PyTuple_Type, &names, &kinds,
+    if (!PyArg_ParseTuple(args, "O!SO!O!O|SSpOOO:RowPlan", &PyTuple_Type, &names, &kinds,
                           &PyTuple_Type, &key_idx, &PyTuple_Type, &converters, &dumps, &key_head,
-                          &key_tail, &whole_old_key, &placeholders, &hash_key))
+                          &key_tail, &whole_old_key, &placeholders, &hash_key, &params))
         return -1;
     if (hash_key != Py_None) {
         if (!PyBytes_Check(hash_key)) {
@@ -198,9 +213,26 @@ static int plan_init(RowPlan *self, PyObject *args, PyObject *kwds) {
     self->names = PyMem_Malloc((n + 1) * sizeof(char *));
     self->name_lens = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
     self->key_idx = PyMem_Malloc((self->nkeys + 1) * sizeof(Py_ssize_t));
-    if (!self->kinds || !self->names || !self->name_lens || !self->key_idx) {
+    self->params = PyMem_Calloc(n + 1, sizeof(int));
+    if (!self->kinds || !self->names || !self->name_lens || !self->key_idx || !self->params) {
         PyErr_NoMemory();
         return -1;
+    }
+    if (params != Py_None) {
+        if (!PyTuple_Check(params) || PyTuple_GET_SIZE(params) != n) {
+            PyErr_SetString(PyExc_ValueError, "params: a tuple of ints per column");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long v = PyLong_AsLong(PyTuple_GET_ITEM(params, i));
+            if (v == -1 && PyErr_Occurred())
+                return -1;
+            if (v < 0 || v > 1000) {
+                PyErr_SetString(PyExc_ValueError, "params: 0 to 1000");
+                return -1;
+            }
+            self->params[i] = (int)v;
+        }
     }
     memcpy(self->kinds, PyBytes_AS_STRING(kinds), n);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -263,10 +295,31 @@ typedef struct {
     int raw;
 } Col;
 
+static const char B64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/* raw[0:n] in base64 (the standard alphabet, padded) written at out; returns the end. */
+static char *base64_at(char *out, const unsigned char *raw, size_t n) {
+    size_t i = 0;
+    for (; i + 3 <= n; i += 3) {
+        unsigned v = (unsigned)raw[i] << 16 | (unsigned)raw[i + 1] << 8 | raw[i + 2];
+        *out++ = B64[v >> 18];
+        *out++ = B64[(v >> 12) & 63];
+        *out++ = B64[(v >> 6) & 63];
+        *out++ = B64[v & 63];
+    }
+    if (i < n) {
+        unsigned v = (unsigned)raw[i] << 16 | (i + 1 < n ? (unsigned)raw[i + 1] << 8 : 0);
+        *out++ = B64[v >> 18];
+        *out++ = B64[(v >> 12) & 63];
+        *out++ = i + 1 < n ? B64[(v >> 6) & 63] : '=';
+        *out++ = '=';
+    }
+    return out;
+}
+
 /* The hash transform's JSON string of text s[0:n]: its HMAC-SHA-256 in hex, or in base64
    (the standard alphabet, padded), as masking.py writes it. */
 static int put_hash(Buf *b, const HmacKey *key, const char *s, Py_ssize_t n, int base64) {
-    static const char B64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     unsigned char mac[32];
     hmac_sha256(key, (const unsigned char *)s, (size_t)n, mac);
     if (buf_grow(b, 66) < 0)
@@ -274,18 +327,7 @@ static int put_hash(Buf *b, const HmacKey *key, const char *s, Py_ssize_t n, int
     char *out = b->data + b->len;
     *out++ = '"';
     if (base64) {
-        for (int i = 0; i < 30; i += 3) {
-            unsigned v = (unsigned)mac[i] << 16 | (unsigned)mac[i + 1] << 8 | mac[i + 2];
-            *out++ = B64[v >> 18];
-            *out++ = B64[(v >> 12) & 63];
-            *out++ = B64[(v >> 6) & 63];
-            *out++ = B64[v & 63];
-        }
-        unsigned v = (unsigned)mac[30] << 16 | (unsigned)mac[31] << 8;
-        *out++ = B64[v >> 18];
-        *out++ = B64[(v >> 12) & 63];
-        *out++ = B64[(v >> 6) & 63];
-        *out++ = '=';
+        out = base64_at(out, mac, sizeof(mac));
     } else {
         for (int i = 0; i < 32; i++) {
             *out++ = HEX[mac[i] >> 4];
@@ -294,6 +336,273 @@ static int put_hash(Buf *b, const HmacKey *key, const char *s, Py_ssize_t n, int
     }
     *out++ = '"';
     b->len = out - b->data;
+    return 0;
+}
+
+static int hex_digit(char c) {
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* bytea as PostgreSQL prints it in hex (\x then two digits a byte): the JSON string of its
+   bytes in base64, 1; 0 for anything else (bytea_output=escape: the converter's). */
+static int put_bytea(Buf *b, const char *s, Py_ssize_t n) {
+    if (n < 2 || s[0] != '\\' || s[1] != 'x' || (n - 2) % 2 != 0)
+        return 0;
+    Py_ssize_t size = (n - 2) / 2;
+    /* The bytes go where their base64 will end, which starts no later than they do. */
+    if (buf_grow(b, (size + 2) / 3 * 4 + 2 + size) < 0)
+        return -1;
+    unsigned char *raw = (unsigned char *)b->data + b->len + (size + 2) / 3 * 4 + 2;
+    for (Py_ssize_t k = 0; k < size; k++) {
+        int hi = hex_digit(s[2 + 2 * k]), lo = hex_digit(s[3 + 2 * k]);
+        if (hi < 0 || lo < 0)
+            return 0;
+        raw[k] = (unsigned char)(hi << 4 | lo);
+    }
+    char *out = b->data + b->len;
+    *out++ = '"';
+    /* base64 writes 4 bytes per 3 read, in order: never past the bytes it has yet to read
+       (they sit after the whole output). */
+    out = base64_at(out, raw, (size_t)size);
+    *out++ = '"';
+    b->len = out - b->data;
+    return 1;
+}
+
+/* s[0:n], all decimal digits, as a number into *out: 1; 0 otherwise. */
+static int read_digits(const char *s, Py_ssize_t n, long long *out) {
+    long long v = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return 0;
+        v = v * 10 + (s[i] - '0');
+    }
+    *out = v;
+    return 1;
+}
+
+#define US_PER_DAY 86400000000LL
+
+/* Days since 1970-01-01 of a proleptic Gregorian date (connect_values._days_from_civil). */
+static long long days_from_civil(long long y, long long m, long long d) {
+    y -= m <= 2;
+    long long era = (y >= 0 ? y : y - 399) / 400;
+    long long yoe = y - era * 400;
+    long long doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    return era * 146097 + yoe * 365 + yoe / 4 - yoe / 100 + doy - 719468;
+}
+
+/* 'YYYY-MM-DD', a year of 1 to 9999: its days since the epoch, 1; 0 for anything else (BC,
+   years past 9999, infinity: the converter's). */
+static int read_date(const char *s, Py_ssize_t n, long long *days) {
+    long long y, m, d;
+    if (n != 10 || s[4] != '-' || s[7] != '-' || !read_digits(s, 4, &y) ||
+        !read_digits(s + 5, 2, &m) || !read_digits(s + 8, 2, &d) || y < 1 || m < 1 || m > 12 ||
+        d < 1 || d > 31)
+        return 0;
+    *days = days_from_civil(y, m, d);
+    return 1;
+}
+
+/* 'HH:MM:SS[.f]', one to six fraction digits: microseconds of the day, 1; 0 otherwise. */
+static int read_clock(const char *s, Py_ssize_t n, long long *micros) {
+    long long h, mi, sec, frac = 0;
+    if (n < 8 || s[2] != ':' || s[5] != ':' || !read_digits(s, 2, &h) ||
+        !read_digits(s + 3, 2, &mi) || !read_digits(s + 6, 2, &sec))
+        return 0;
+    if (n > 8) {
+        Py_ssize_t digits = n - 9;
+        if (s[8] != '.' || digits < 1 || digits > 6 || !read_digits(s + 9, digits, &frac))
+            return 0;
+        for (Py_ssize_t k = digits; k < 6; k++)
+            frac *= 10;
+    }
+    *micros = ((h * 60 + mi) * 60 + sec) * 1000000 + frac;
+    return 1;
+}
+
+/* 'YYYY-MM-DD HH:MM:SS[.f]': microseconds since the epoch, 1; 0 otherwise. */
+static int read_timestamp(const char *s, Py_ssize_t n, long long *micros) {
+    long long days, clock;
+    if (n < 19 || s[10] != ' ' || !read_date(s, 10, &days) || !read_clock(s + 11, n - 11, &clock))
+        return 0;
+    *micros = days * US_PER_DAY + clock;
+    return 1;
+}
+
+static long long floor_div(long long a, long long b) {
+    return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+/* A signed integer in decimal. */
+static int put_int(Buf *b, long long v) {
+    char digits[24];
+    int n = snprintf(digits, sizeof(digits), "%lld", v);
+    return buf_put(b, digits, n);
+}
+
+/* timestamptz 'YYYY-MM-DD HH:MM:SS[.f]+HH[:MM[:SS]]' moved to UTC, as the JSON string
+   'YYYY-MM-DDTHH:MM:SS[.f]Z' with `width` fraction digits (none: Java's minimal fraction),
+   1; 0 for anything else, or a year outside 1-9999 in UTC (the converter's). */
+static int put_zoned_timestamp(Buf *b, const char *s, Py_ssize_t n, int width) {
+    Py_ssize_t at = 19;
+    while (at < n && s[at] != '+' && s[at] != '-')
+        at++;
+    long long micros, oh, om = 0, os = 0;
+    Py_ssize_t off = n - at;
+    if (at == n || !read_timestamp(s, at, &micros) || !read_digits(s + at + 1, 2, &oh) ||
+        (off != 3 && off != 6 && off != 9) ||
+        (off >= 6 && (s[at + 3] != ':' || !read_digits(s + at + 4, 2, &om))) ||
+        (off == 9 && (s[at + 6] != ':' || !read_digits(s + at + 7, 2, &os))))
+        return 0;
+    long long offset = (oh * 3600 + om * 60 + os) * 1000000;
+    micros -= s[at] == '-' ? -offset : offset;
+    long long days = floor_div(micros, US_PER_DAY), of_day = micros - days * US_PER_DAY;
+    /* connect_values._civil_from_days */
+    days += 719468;
+    long long era = (days >= 0 ? days : days - 146096) / 146097;
+    long long doe = days - era * 146097;
+    long long yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    long long doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    long long mp = (5 * doy + 2) / 153;
+    long long day = doy - (153 * mp + 2) / 5 + 1, month = mp + (mp < 10 ? 3 : -9);
+    long long year = yoe + era * 400 + (month <= 2);
+    if (year < 1 || year > 9999)
+        return 0;
+    long long frac = of_day % 1000000, secs = of_day / 1000000;
+    char out[40];
+    int len = snprintf(out, sizeof(out), "\"%04lld-%02lld-%02lldT%02lld:%02lld:%02lld", year, month,
+                       day, secs / 3600, secs / 60 % 60, secs % 60);
+    if (width > 0 || frac != 0) {
+        char digits[8];
+        snprintf(digits, sizeof(digits), "%06lld", frac);
+        int keep = width;
+        if (keep == 0) /* the minimal fraction */
+            for (keep = 6; digits[keep - 1] == '0'; keep--)
+                ;
+        if (keep > 6)
+            keep = 6;
+        out[len++] = '.';
+        memcpy(out + len, digits, keep);
+        len += keep;
+    }
+    out[len++] = 'Z';
+    out[len++] = '"';
+    return buf_put(b, out, len) < 0 ? -1 : 1;
+}
+
+/* numeric text -?D+[.D+] of at most 38 digits: its digits as an integer with `scale`
+   fraction digits (fixed), or with the fraction's trailing zeros gone (*scale set: the
+   variable scale); 1, or 0 for anything else (NaN, Infinity, more fraction digits than a
+   fixed scale, longer numbers: the converter's). */
+static int read_decimal(const char *s, Py_ssize_t n, int *scale, int variable, int *negative,
+                        unsigned __int128 *unscaled) {
+    Py_ssize_t dot = -1;
+    *negative = n > 0 && s[0] == '-';
+    Py_ssize_t i = *negative;
+    if (i == n)
+        return 0;
+    Py_ssize_t end = n;
+    for (Py_ssize_t k = i; k < n; k++)
+        if (s[k] == '.') {
+            if (dot >= 0)
+                return 0;
+            dot = k;
+        } else if (s[k] < '0' || s[k] > '9') {
+            return 0;
+        }
+    if (dot == i || dot == n - 1)
+        return 0;
+    Py_ssize_t frac = dot < 0 ? 0 : n - dot - 1;
+    if (variable) {
+        while (frac > 0 && s[dot + frac] == '0')
+            frac--;
+        end = dot < 0 ? n : dot + 1 + frac;
+        *scale = (int)frac;
+    } else if (frac > *scale) {
+        return 0;
+    }
+    /* 38 digits fit in 127 bits. */
+    Py_ssize_t ndigits = (end - i) - (dot >= 0 && dot < end) + (variable ? 0 : *scale - frac);
+    if (ndigits > 38)
+        return 0;
+    unsigned __int128 v = 0;
+    for (Py_ssize_t k = i; k < end; k++)
+        if (k != dot)
+            v = v * 10 + (unsigned)(s[k] - '0');
+    for (Py_ssize_t k = frac; !variable && k < *scale; k++)
+        v *= 10;
+    *unscaled = v;
+    return 1;
+}
+
+/* An integer as a JSON string of Java's BigInteger.toByteArray() (minimal two's complement,
+   big-endian) in base64: how a Connect Decimal travels in JSON. */
+static int put_unscaled(Buf *b, int negative, unsigned __int128 magnitude) {
+    unsigned __int128 v = negative ? -magnitude : magnitude; /* two's complement */
+    unsigned __int128 m = negative && magnitude ? ~v : v;
+    int bits = 0;
+    while (m) {
+        bits++;
+        m >>= 1;
+    }
+    int size = bits / 8 + 1;
+    unsigned char raw[17];
+    for (int k = size - 1; k >= 0; k--) {
+        raw[k] = (unsigned char)v;
+        v >>= 8;
+    }
+    if (buf_grow(b, 2 + (size + 2) / 3 * 4) < 0)
+        return -1;
+    char *out = b->data + b->len;
+    *out++ = '"';
+    out = base64_at(out, raw, (size_t)size);
+    *out++ = '"';
+    b->len = out - b->data;
+    return 0;
+}
+
+/* A Connect kind's value of text s[0:n]: 1 written, 0 when the text is not one this reads
+   (the converter's), -1 on error. */
+static int put_connect(Buf *b, char kind, int param, const char *s, Py_ssize_t n) {
+    long long v;
+    int negative, scale = param;
+    unsigned __int128 unscaled;
+    switch (kind) {
+    case K_DECIMAL:
+        if (!read_decimal(s, n, &scale, 0, &negative, &unscaled))
+            return 0;
+        return put_unscaled(b, negative, unscaled) < 0 ? -1 : 1;
+    case K_VARIABLE_DECIMAL:
+        if (!read_decimal(s, n, &scale, 1, &negative, &unscaled))
+            return 0;
+        if (buf_put(b, "{\"scale\":", 9) < 0 || put_int(b, scale) < 0 ||
+            buf_put(b, ",\"value\":", 9) < 0 || put_unscaled(b, negative, unscaled) < 0)
+            return -1;
+        return buf_byte(b, '}') < 0 ? -1 : 1;
+    case K_ZONED_TIMESTAMP:
+        return put_zoned_timestamp(b, s, n, param);
+    case K_MICRO_TIMESTAMP:
+    case K_MILLI_TIMESTAMP:
+        if (!read_timestamp(s, n, &v))
+            return 0;
+        return put_int(b, kind == K_MILLI_TIMESTAMP ? floor_div(v, 1000) : v) < 0 ? -1 : 1;
+    case K_DATE:
+        if (!read_date(s, n, &v))
+            return 0;
+        return put_int(b, v) < 0 ? -1 : 1;
+    case K_MICRO_TIME:
+    case K_MILLI_TIME:
+        if (!read_clock(s, n, &v))
+            return 0;
+        return put_int(b, kind == K_MILLI_TIME ? v / 1000 : v) < 0 ? -1 : 1;
+    }
     return 0;
 }
 
@@ -331,6 +640,17 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
         if (self->has_hash_key)
             return put_hash(b, &self->hash_key, s, n, self->kinds[i] == K_HASH_BASE64);
         break;
+    case K_BYTEA: {
+        int rc = put_bytea(b, s, n);
+        if (rc != 0)
+            return rc < 0 ? -1 : 0;
+        break;
+    }
+    default: {
+        int rc = put_connect(b, self->kinds[i], self->params[i], s, n);
+        if (rc != 0)
+            return rc < 0 ? -1 : 0;
+    }
     }
     PyObject *text = col->text;
     if (text == NULL) {
@@ -354,15 +674,25 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     return rc;
 }
 
-/* A non-negative integer in decimal (an LSN, a position in the transaction). */
-static int put_uint(Buf *b, unsigned long long v) {
+/* A non-negative integer (an LSN, a position in the transaction, a time) in decimal,
+   digits[start:]: printed once, written into as many records and places as take it. */
+typedef struct {
     char digits[24];
-    int n = 0;
+    int start;
+} Number;
+
+static void set_number(Number *number, unsigned long long v) {
+    int at = (int)sizeof(number->digits);
     do {
-        digits[sizeof(digits) - 1 - n++] = (char)('0' + v % 10);
+        number->digits[--at] = (char)('0' + v % 10);
         v /= 10;
     } while (v);
-    return buf_put(b, digits + sizeof(digits) - n, n);
+    number->start = at;
+}
+
+static int put_number(Buf *b, const Number *number) {
+    return buf_put(b, number->digits + number->start,
+                   (Py_ssize_t)sizeof(number->digits) - number->start);
 }
 
 /* The row's JSON object appended to b: every column of cols, or with key_only its key
@@ -402,7 +732,7 @@ static int put_piece(Buf *b, PyObject *pieces, Py_ssize_t j) {
    key_only the row is the key columns alone (a delete's old key, which is how the Python
    path writes it). 0, or -1 with an exception set. */
 static int emit(RowPlan *self, const Col *before, const Col *cols, PyObject *pieces,
-                const unsigned long long *numbers, Py_ssize_t nnumbers, int key_only,
+                const Number *const *numbers, Py_ssize_t nnumbers, int key_only,
                 PyObject **value, PyObject **key) {
     Buf b = {.len = 0, .cap = sizeof(b.small)};
     b.data = b.small;
@@ -425,7 +755,7 @@ static int emit(RowPlan *self, const Col *before, const Col *cols, PyObject *pie
     if (write_row(self, &b, cols, key_only, spans) < 0 || put_piece(&b, pieces, at++) < 0)
         goto done;
     for (Py_ssize_t j = 0; j < nnumbers; j++)
-        if (put_uint(&b, numbers[j]) < 0 || put_piece(&b, pieces, at++) < 0)
+        if (put_number(&b, numbers[j]) < 0 || put_piece(&b, pieces, at++) < 0)
             goto done;
     Py_ssize_t value_len = b.len;
     if (self->nkeys > 0) {
@@ -464,18 +794,18 @@ done:
     return rc;
 }
 
-#define MAX_NUMBERS 8
+#define MAX_NUMBERS 16
 
 /* pieces as emit() needs them (a tuple of bytes, two more than the numbers), and numbers, a
    tuple of non-negative ints, into out (MAX_NUMBERS at most); their count, or -1. */
-static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long long *out) {
+static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, Number *out) {
     if (!PyTuple_Check(pieces) || !PyTuple_Check(numbers)) {
         PyErr_SetString(PyExc_TypeError, "pieces and numbers must be tuples");
         return -1;
     }
     Py_ssize_t npieces = PyTuple_GET_SIZE(pieces), nnumbers = PyTuple_GET_SIZE(numbers);
     if (npieces != nnumbers + 2 || nnumbers > MAX_NUMBERS) {
-        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers, at most 8");
+        PyErr_SetString(PyExc_ValueError, "pieces must be two more than numbers, at most 16");
         return -1;
     }
     for (Py_ssize_t j = 0; j < npieces; j++)
@@ -484,9 +814,10 @@ static Py_ssize_t check_frame(PyObject *pieces, PyObject *numbers, unsigned long
             return -1;
         }
     for (Py_ssize_t j = 0; j < nnumbers; j++) {
-        out[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(numbers, j));
-        if (out[j] == (unsigned long long)-1 && PyErr_Occurred())
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(numbers, j));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
             return -1;
+        set_number(&out[j], v);
     }
     return nnumbers;
 }
@@ -526,10 +857,13 @@ static PyObject *plan_record(RowPlan *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "record(values, pieces: tuple, numbers: tuple)");
         return NULL;
     }
-    unsigned long long numbers[MAX_NUMBERS];
-    Py_ssize_t nnumbers = check_frame(args[1], args[2], numbers);
+    Number values[MAX_NUMBERS];
+    const Number *numbers[MAX_NUMBERS];
+    Py_ssize_t nnumbers = check_frame(args[1], args[2], values);
     if (nnumbers < 0)
         return NULL;
+    for (Py_ssize_t j = 0; j < nnumbers; j++)
+        numbers[j] = &values[j];
     PyObject *seq = PySequence_Fast(args[0], "values must be a list or tuple");
     if (seq == NULL)
         return NULL;
@@ -625,7 +959,7 @@ static int read_tuple(RowPlan *self, TupleData *td, Col *cols, Py_ssize_t *read)
    IDENTITY FULL): the record's before row is the old one, and an unchanged TOAST value of
    the new row is the old row's value, as the Python path takes it. */
 static int build_tuple(RowPlan *self, const unsigned char *buf, Py_ssize_t len, Py_ssize_t pos,
-                       PyObject *pieces, const unsigned long long *numbers, Py_ssize_t nnumbers,
+                       PyObject *pieces, const Number *const *numbers, Py_ssize_t nnumbers,
                        int key_only, int two_rows, PyObject **value, PyObject **key) {
     TupleData td = {.buf = buf, .len = len, .pos = pos};
     int rc = 0;
@@ -731,36 +1065,50 @@ static int append_record(PyObject *records, PyObject *topic, PyObject *key, PyOb
 }
 
 /* records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit,
-   trailing) -> (records, total, order, leftover): the change records of a run of row changes to
-   one relation, as the builder's loop would make them one by one (numbers lsn, lsn, total + 1,
-   order + 1, then trailing; a delete's record followed by its tombstone), without a Python frame
-   per row. kinds holds the pieces of an insert's, an update's and a delete's record (6 +
-   len(trailing) each), and of an update's with its old row (one more, between the rows). The run
-   starts with (lsn, payload), a change whose relation oid starts at payload[at], and goes on with
-   the items the iterator gives while they are changes to the same relation this reads in place
-   (see change_frame), up to limit records. leftover is the item taken from the iterator that the
-   run stopped at, which the caller handles itself (another message, a row only the decoder reads,
-   a record over max_bytes), or None; with no records, the caller's own (lsn, payload) is what it
-   handles. */
+   trailing, slots) -> (records, total, order, leftover): the change records of a run of row
+   changes to one relation, as the builder's loop would make them one by one (a delete's record
+   followed by its tombstone), without a Python frame per row. A record's numbers are picked by
+   slots, each byte an index into (lsn, total + 1, order + 1, *trailing): the record's own and
+   the run's (the transaction's, the processing times), so that the pieces between them may be
+   the same for every transaction. kinds holds the pieces of an insert's, an update's and a
+   delete's record (2 + len(slots) each), and of an update's with its old row (one more, between
+   the rows). The run starts with (lsn, payload), a change whose relation oid starts at
+   payload[at], and goes on with the items the iterator gives while they are changes to the
+   same relation this reads in place (see change_frame), up to limit records. leftover is the
+   item taken from the iterator that the run stopped at, which the caller handles itself
+   (another message, a row only the decoder reads, a record over max_bytes), or None; with no
+   records, the caller's own (lsn, payload) is what it handles. */
 static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] = "records(items, lsn: int, payload: bytes, at: int, kinds: "
-                                "tuple of four tuples of 6 + len(trailing) pieces (7 + for the fourth), total: int, "
-                                "order: int, topic: str, headers, max_bytes: int, limit: int, "
-                                "trailing: tuple of ints)";
-    if (nargs != 12 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
+    static const char usage[] =
+        "records(items, lsn: int, payload: bytes, at: int, kinds: tuple of four tuples of 2 + "
+        "len(slots) pieces (3 + for the fourth), total: int, order: int, topic: str, headers, "
+        "max_bytes: int, limit: int, trailing: tuple of ints, slots: bytes)";
+    if (nargs != 13 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
         !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 4 || !PyTuple_Check(args[11]) ||
-        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 4) {
+        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 3 || !PyBytes_Check(args[12]) ||
+        PyBytes_GET_SIZE(args[12]) > MAX_NUMBERS) {
         PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
-    /* Every record's numbers: its lsn twice, total and per-table order, then the run's
-       trailing numbers (the Debezium format's processing times). */
-    unsigned long long numbers[MAX_NUMBERS];
-    Py_ssize_t nnumbers = 4 + PyTuple_GET_SIZE(args[11]);
-    for (Py_ssize_t j = 4; j < nnumbers; j++) {
-        numbers[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 4));
-        if (numbers[j] == (unsigned long long)-1 && PyErr_Occurred())
+    /* What the slots pick from: the record's lsn, total and per-table order, then the run's
+       trailing numbers. */
+    Number from[MAX_NUMBERS];
+    const Number *numbers[MAX_NUMBERS];
+    Py_ssize_t nfrom = 3 + PyTuple_GET_SIZE(args[11]);
+    for (Py_ssize_t j = 3; j < nfrom; j++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 3));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
             return NULL;
+        set_number(&from[j], v);
+    }
+    const unsigned char *slots = (const unsigned char *)PyBytes_AS_STRING(args[12]);
+    Py_ssize_t nnumbers = PyBytes_GET_SIZE(args[12]);
+    for (Py_ssize_t j = 0; j < nnumbers; j++) {
+        if (slots[j] >= nfrom) {
+            PyErr_SetString(PyExc_ValueError, "records: a slot past the numbers");
+            return NULL;
+        }
+        numbers[j] = &from[slots[j]];
     }
     PyObject *items = args[0], *payload = args[2], *kinds = args[4];
     PyObject *topic = args[7], *headers = args[8];
@@ -802,9 +1150,9 @@ static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t n
     PyObject *pieces =
         change_frame(self, payload, at, relid, kinds, &key_only, &tombstone, &two_rows);
     while (pieces != NULL) {
-        numbers[0] = numbers[1] = lsn;
-        numbers[2] = total + 1;
-        numbers[3] = order + 1;
+        set_number(&from[0], lsn);
+        set_number(&from[1], total + 1);
+        set_number(&from[2], order + 1);
         PyObject *value, *key;
         int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
                                 PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
@@ -857,7 +1205,7 @@ static PyMethodDef plan_methods[] = {
      "followed by the next piece"},
     {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
      "records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, "
-     "trailing) "
+     "trailing, slots) "
      "-> (records, total, order, leftover): the records of a run of changes to one relation"},
     {NULL, NULL, 0, NULL},
 };

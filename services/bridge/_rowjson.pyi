@@ -14,6 +14,7 @@ class RowPlan:
         whole_old_key: bool = ...,
         placeholders: tuple[bytes, ...] | None = ...,
         hash_key: bytes | None = ...,
+        params: tuple[int, ...] | None = ...,
         /,
     ) -> None: ...
     def record(
@@ -33,6 +34,7 @@ class RowPlan:
         max_bytes: int,
         limit: int,
         trailing: tuple[int, ...],
+        slots: bytes,
         /,
     ) -> tuple[list[Any], int, int, tuple[int, Any] | None]: ...
 

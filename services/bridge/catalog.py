@@ -12,7 +12,7 @@ primary and unique keys) come through a callback the daemon supplies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,10 @@ from services.bridge.masking import (
 from services.bridge.routing import Routing, RoutingRefused, TableShape
 from services.bridge.values import (
     TYPE_NAMES,
+    Converter,
     JsonValue,
     bool_from_text,
+    bytea_base64,
     converter_for,
     raw_json,
     timestamp_iso,
@@ -326,28 +328,39 @@ _KINDS: dict[Callable[[str], JsonValue], bytes] = {
     # Written as it is; a row with a JSON null, which the record names (``json_nulls``),
     # is left to the Python path.
     raw_json: b"j",
+    # Printed in hex (bytea_output's default; escape: the converter's).
+    bytea_base64: b"B",
     # Left out of the row (a transform's other converters are called: 'p').
     drop_column: b"x",
 }
 
 
 def row_plan(
-    info: RelationInfo, key_frame: tuple[bytes, bytes] = (b"", b""), whole_old_key: bool = False
+    info: RelationInfo,
+    key_frame: tuple[bytes, bytes] = (b"", b""),
+    whole_old_key: bool = False,
+    own_kinds: Mapping[Converter, tuple[bytes, int]] | None = None,
 ) -> RowPlan | None:
     """The compiled builder of a relation version's row and key JSON (the key object
     between ``key_frame``): the same bytes as ``_dumps`` of the row and key dicts the
     Python path builds with ``info.converters``, several times faster, an unchanged TOAST
     value as its ``info.placeholders`` JSON. ``whole_old_key``: a delete's old key is
-    written as a whole row (its other columns null). None without the extension."""
+    written as a whole row (its other columns null). ``own_kinds``: a record format's own
+    converters the builder writes itself, with their kind and its parameter. None without
+    the extension."""
     if RowPlan is None:
         return None
     masks = info.masks or (None,) * len(info.names)
+    own = own_kinds or {}
+    kinds = [
+        (mask.compiled, 0)
+        if mask is not None and mask.compiled
+        else own.get(conv) or (_KINDS.get(conv, b"p"), 0)
+        for conv, mask in zip(info.converters, masks, strict=True)
+    ]
     return RowPlan(
         tuple(_dumps(name) + b":" for name in info.names),
-        b"".join(
-            mask.compiled if mask is not None and mask.compiled else _KINDS.get(conv, b"p")
-            for conv, mask in zip(info.converters, masks, strict=True)
-        ),
+        b"".join(kind for kind, _ in kinds),
         info.key_idx,
         info.converters,
         _dumps,
@@ -356,6 +369,7 @@ def row_plan(
         tuple(_dumps(placeholder) for placeholder in info.placeholders),
         # Every hash transform of a plan has the settings' one key.
         next((mask.key for mask in masks if mask is not None and mask.key), None),
+        tuple(param for _, param in kinds),
     )
 
 

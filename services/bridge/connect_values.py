@@ -25,6 +25,7 @@ Pure: no I/O; a converter raises ``ValueError`` on text its type cannot print.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import re
 import struct
@@ -72,11 +73,13 @@ def _unscaled(text: str, scale: int) -> int | None:
     return int(whole + frac.ljust(scale, "0"))
 
 
+@functools.cache  # one converter per scale: the compiled kinds know it (COMPILED_KINDS)
 def _decimal(scale: int) -> Converter:
     def convert(text: str) -> JsonValue:
         n = _unscaled(text, scale)
         return None if n is None else _bytes(n)
 
+    COMPILED_KINDS[convert] = (b"D", scale)
     return convert
 
 
@@ -194,6 +197,7 @@ def _zoned_time(text: str) -> JsonValue:
     return _iso_clock(micros, None) + "Z"
 
 
+@functools.cache  # one converter per width: the compiled kinds know it (COMPILED_KINDS)
 def _zoned_timestamp(width: int) -> Converter:
     """timestamptz -> ISO 8601 in UTC with exactly ``width`` fraction digits (the column's
     precision; ISO_OFFSET_DATE_TIME's minimal fraction for precision 0).
@@ -215,6 +219,7 @@ def _zoned_timestamp(width: int) -> Converter:
         fraction = iso[19:26].rstrip("0")
         return iso[:19] + (fraction if fraction != "." else "") + "Z"
 
+    COMPILED_KINDS[convert] = (b"Z", width)
     return convert
 
 
@@ -282,6 +287,21 @@ def _point(text: str) -> JsonValue:
     # WKB, little-endian, type 1 (Point): what io.debezium.data.geometry.Point carries.
     wkb = base64.b64encode(struct.pack("<BIdd", 1, 1, x, y)).decode("ascii")
     return {"x": x, "y": y, "wkb": wkb, "srid": None}
+
+
+# How the compiled row builder (catalog.row_plan, _rowjson.c) writes these converters'
+# values: its kind and the kind's parameter (a scale, fraction digits). Keyed by the
+# converter itself, so the two cannot disagree on a type; the builder calls the converter
+# for any text its kind does not read (infinity, BC, NaN, longer numbers), so this module
+# stays the reference, which tests/unit/test_rowjson.py holds the builder to.
+COMPILED_KINDS: dict[Converter, tuple[bytes, int]] = {
+    _variable_decimal: (b"V", 0),
+    _micro_timestamp: (b"M", 0),
+    _milli_timestamp: (b"m", 0),
+    _date: (b"d", 0),
+    _micro_time: (b"U", 0),
+    _milli_time: (b"u", 0),
+}
 
 
 @dataclass(frozen=True, slots=True)

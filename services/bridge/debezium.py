@@ -35,7 +35,13 @@ import orjson
 
 from services.bridge import messages as m
 from services.bridge.catalog import RelationCatalog, RelationInfo, TableFacts, row_plan
-from services.bridge.connect_values import ColumnType, Schema, column_encoding, placeholder
+from services.bridge.connect_values import (
+    COMPILED_KINDS,
+    ColumnType,
+    Schema,
+    column_encoding,
+    placeholder,
+)
 from services.bridge.events import (
     EventBuilder,
     Headers,
@@ -239,7 +245,7 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
     )
     # Connect writes a struct's every field: a delete's old key is a whole row of nulls but
     # for its key columns (which pgoutput sends as such).
-    info.plan = row_plan(info, (shape.key_head, b"}"), whole_old_key=True)
+    info.plan = row_plan(info, (shape.key_head, b"}"), whole_old_key=True, own_kinds=COMPILED_KINDS)
 
 
 def run_id(now_ms: int, random: bytes) -> str:
@@ -268,9 +274,98 @@ def context_headers(topic_prefix: str, run: str) -> Headers:
 
 
 _TXN_KEY = b'{"schema":%b,"payload":{"id":"%%b"}}' % _TXN_KEY_SCHEMA
-# What follows a change record's lsn, up to its total_order, in the compiled plan's pieces
-# (see ``DebeziumEventBuilder._envelope``).
-_TXN_HEAD = b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":{"id":"%b","total_order":'
+# The pieces of the compiled plan's records (see ``DebeziumEventBuilder._row_pieces``).
+_AFTER = b',"after":'
+_NULL_AFTER = _AFTER + b"null"
+_COLLECTION_ORDER = b',"data_collection_order":'
+# After the orders: the op, then between the processing times (ts_ms, ts_us, ts_ns).
+_OP_TAILS = tuple(
+    (b'},"op":"%b","ts_ms":' % op, b',"ts_us":', b',"ts_ns":', b"}}") for op in (b"c", b"u", b"d")
+)
+# A compiled record's numbers, as indexes into (lsn, total_order, data_collection_order,
+# *DebeziumEventBuilder._run_numbers): the source block's ts_ms, its sequence's previous
+# commit and lsn, its ts_us, ts_ns, txId and lsn, the transaction id's xid and commit LSN,
+# the orders, then the processing times; in the first transaction, the sequence has no
+# previous commit.
+_SLOTS = bytes((3, 4, 0, 5, 6, 7, 0, 7, 8, 1, 2, 9, 10, 11))
+_FIRST_SLOTS = bytes((3, 0, 5, 6, 7, 0, 7, 8, 1, 2, 9, 10, 11))
+
+
+@dataclass(frozen=True, slots=True)
+class _RelationShape:
+    """A relation version's pieces of its change records, the same in every transaction:
+    the value's start (Connect schema) before the before row, with and without a null before
+    row, the ``source`` block as two templates for the records built in Python, up to its
+    sequence's first LSN (taking ts_ms, the snapshot flag and that LSN) and from its second
+    LSN to its ``lsn`` (taking ts_us, ts_ns and txId), and the compiled plan's pieces."""
+
+    info: RelationInfo
+    framed: bytes
+    created: bytes
+    head: bytes
+    middle: bytes
+    # The compiled plan's pieces (``DebeziumEventBuilder._row_pieces``).
+    compiled: RowPieces
+    compiled_first: RowPieces
+
+    @classmethod
+    def of(cls, info: RelationInfo, topic_prefix: str, db: str) -> _RelationShape:
+        value_head: bytes = info.encoded.value_head
+        created = value_head + b'null,"after":'
+        name, database = _dumps(topic_prefix), _dumps(db)
+        relation = b',"schema":%b,"table":%b' % (_dumps(info.schema), _dumps(info.table))
+        source = b',"source":{"version":"%b","connector":"%b","name":%b,"ts_ms":' % (
+            VERSION.encode(),
+            CONNECTOR.encode(),
+            name,
+        )
+
+        def compiled(sequence: tuple[bytes, ...]) -> RowPieces:
+            """The pieces with ``sequence``, those from the snapshot flag to the lsn of the
+            sequence's second element."""
+
+            def after(op: int) -> tuple[bytes, ...]:
+                return (
+                    source,
+                    *sequence,
+                    b'\\"]","ts_us":',
+                    b',"ts_ns":',
+                    relation + b',"txId":',
+                    b',"lsn":',
+                    b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":{"id":"',
+                    b":",
+                    b'","total_order":',
+                    _COLLECTION_ORDER,
+                    *_OP_TAILS[op],
+                )
+
+            deleted = after(2)
+            return (
+                (created, *after(0)),
+                (created, *after(1)),
+                (value_head, _NULL_AFTER + deleted[0], *deleted[1:]),
+                # With its old row: the before row, then this piece, then the after row.
+                (value_head, _AFTER, *after(1)),
+            )
+
+        flag = b',"snapshot":"false","db":%b,"sequence":"[' % database
+
+        def named(value: bytes) -> bytes:
+            # Names may hold a %: the templates' own are the only ones left.
+            return value.replace(b"%", b"%%")
+
+        return cls(
+            info,
+            value_head,
+            created,
+            source.replace(b"%", b"%%")
+            + b'%d,"snapshot":"%b","db":'
+            + named(database)
+            + b',"sequence":"[%b,\\"',
+            b'\\"]","ts_us":%d,"ts_ns":%d' + named(relation) + b',"txId":%b,"lsn":',
+            compiled((flag + b'\\"', b'\\",\\"')),
+            compiled((flag + b'null,\\"',)),
+        )
 
 
 class DebeziumEventBuilder(EventBuilder):
@@ -292,6 +387,8 @@ class DebeziumEventBuilder(EventBuilder):
         # The end of the last published transaction: source.sequence's first element (null
         # before the first one, as for a connector without an offset).
         self.last_end_lsn = last_end_lsn
+        # Relation oid -> its version's pieces (see ``_RelationShape``).
+        self._shapes: dict[int, _RelationShape] = {}
 
     def transaction(
         self,
@@ -350,64 +447,61 @@ class DebeziumEventBuilder(EventBuilder):
         )
 
     def _source_pieces(
-        self, info: RelationInfo, xid: int | None, commit_ts: int, snapshot: str
+        self, info: RelationInfo, xid: int | None, commit_ts: int, snapshot: bytes
     ) -> tuple[bytes, bytes]:
         """The ``source`` block around its sequence's LSN and its ``lsn``, constant for a
-        relation in one transaction."""
+        relation in one transaction: the relation version's templates (``_shape``) with the
+        transaction's numbers."""
         us = commit_ts + m.PG_EPOCH_UNIX_US
-        prev = "null" if self.last_end_lsn is None else f'\\"{self.last_end_lsn}\\"'
-        head = (
-            f',"source":{{"version":"{VERSION}","connector":"{CONNECTOR}","name":'
-            f'{_dumps(self.topic_prefix).decode()},"ts_ms":{us // 1000},'
-            f'"snapshot":"{snapshot}","db":{_dumps(self.db).decode()},'
-            f'"sequence":"[{prev},\\"'
-        ).encode()
-        middle = (
-            f'\\"]","ts_us":{us},"ts_ns":{us * 1000},"schema":'
-            f'{_dumps(info.schema).decode()},"table":{_dumps(info.table).decode()},'
-            f'"txId":{"null" if xid is None else xid},"lsn":'
-        ).encode()
-        return head, middle
+        prev = b"null" if self.last_end_lsn is None else b'\\"%d\\"' % self.last_end_lsn
+        shape = self._shape(info)
+        return (
+            shape.head % (us // 1000, snapshot, prev),
+            shape.middle % (us, us * 1000, b"null" if xid is None else b"%d" % xid),
+        )
+
+    def _shape(self, info: RelationInfo) -> _RelationShape:
+        """What a relation version's change records share in every transaction, made once."""
+        shape = self._shapes.get(info.oid)
+        if shape is None or shape.info is not info:
+            shape = self._shapes[info.oid] = _RelationShape.of(info, self.topic_prefix, self.db)
+        return shape
 
     def _templates(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
         """The ``source`` pieces of a relation's records in ``txn`` (see ``_source_pieces``)."""
         return txn.templates.get(info.oid) or txn.templates.setdefault(
-            info.oid, self._source_pieces(info, txn.xid, txn.commit_ts, "false")
+            info.oid, self._source_pieces(info, txn.xid, txn.commit_ts, b"false")
         )
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
-        """What the compiled plan puts around the row, the lsn twice, the orders and the
-        three processing times (``_run_numbers``) of an insert, of an update without an old
-        tuple, of a delete and of an update with its old row: ``_envelope``'s bytes, cut at
-        those numbers (and between the two rows)."""
-        head, middle = self._templates(txn, info)
-        value_head: bytes = info.encoded.value_head
-        transaction = _TXN_HEAD % txn.txid
-
-        def framed(before: bytes, after: bytes, op: bytes) -> tuple[bytes, ...]:
-            return (
-                value_head + before,
-                after + head,
-                middle,
-                transaction,
-                b',"data_collection_order":',
-                b'},"op":"%b","ts_ms":' % op,
-                b',"ts_us":',
-                b',"ts_ns":',
-                b"}}",
-            )
-
-        updated = framed(b"", b"", b"u")
+        """What the compiled plan puts around the rows and the numbers (``_run_numbers``)
+        of an insert, of an update without an old tuple, of a delete and of an update with
+        its old row: ``_envelope``'s bytes cut at them, the same for a relation version in
+        every transaction but the first (whose sequence names no previous commit)."""
+        shape = self._shape(info)
         pieces = txn.row_pieces[info.oid] = (
-            framed(b'null,"after":', b"", b"c"),
-            framed(b'null,"after":', b"", b"u"),
-            framed(b"", b',"after":null', b"d"),
-            # With its old row: the before row, then this piece, then the after row.
-            (updated[0], b',"after":', *updated[1:]),
+            shape.compiled if self.last_end_lsn is not None else shape.compiled_first
         )
         return pieces
 
-    def _run_numbers(self) -> tuple[int, ...]:
+    def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
+        """The slots and numbers of ``_row_pieces``' records: the transaction's (its
+        commit time in three units, the previous commit, xid, commit LSN) and the processing
+        times."""
+        us = txn.commit_ts + m.PG_EPOCH_UNIX_US
+        trailing = (
+            us // 1000,
+            self.last_end_lsn or 0,
+            us,
+            us * 1000,
+            txn.xid,
+            txn.commit_lsn,
+            *self._now(),
+        )
+        return (_SLOTS if self.last_end_lsn is not None else _FIRST_SLOTS), trailing
+
+    @staticmethod
+    def _now() -> tuple[int, int, int]:
         """The processing time a record carries (ts_ms, ts_us, ts_ns): read once for the
         records of consecutive compiled runs, as a record built alone reads it once."""
         now = time.time_ns()
@@ -447,7 +541,7 @@ class DebeziumEventBuilder(EventBuilder):
         after: dict[str, JsonValue] | None,
         transaction: bytes,
     ) -> bytes:
-        now_ms, now_us, now_ns = self._run_numbers()
+        now_ms, now_us, now_ns = self._now()
         out = b"".join(
             (
                 info.encoded.value_head,
@@ -486,7 +580,7 @@ class DebeziumEventBuilder(EventBuilder):
     ) -> Iterator[Record]:
         if not info.published:
             yield self._schema_record(info)
-        head, middle = self._source_pieces(info, None, commit_ts, "true")
+        head, middle = self._source_pieces(info, None, commit_ts, b"true")
         topic, headers, plan = info.topic, self.headers, info.plan
         pieces = (
             info.encoded.value_head + b'null,"after":',
@@ -499,9 +593,7 @@ class DebeziumEventBuilder(EventBuilder):
         )
         for values in rows:
             made = (
-                plan.record(values, pieces, (lsn, lsn, *self._run_numbers()))
-                if plan is not None
-                else None
+                plan.record(values, pieces, (lsn, lsn, *self._now())) if plan is not None else None
             )
             if made is not None:
                 value, key = made

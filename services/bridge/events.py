@@ -87,8 +87,6 @@ class Txn:
     # Relation oid -> the pieces of its insert, update and delete records for the compiled
     # builder (see ``EventBuilder._row_pieces``).
     row_pieces: dict[int, RowPieces] = field(default_factory=dict)
-    # The ``transaction`` pieces of its insert, update and delete records.
-    op_pieces: tuple[bytes, ...] | None = None
     # Its xid, commit LSN and commit time as text, for the source blocks.
     source_numbers: tuple[bytes, bytes, bytes] | None = None
     # Change records so far: in all (total_order), and per topic (data_collection_order).
@@ -102,9 +100,9 @@ class Txn:
         return self.total, order
 
 
-# What RowPlan.records puts around the row of an insert's, an update's and a delete's
-# record, six pieces each (see ``_VALUE``), and around the rows of an update's with its old
-# row (REPLICA IDENTITY FULL), seven.
+# What RowPlan.records puts around the row and the numbers (``EventBuilder._run_numbers``) of an
+# insert's, an update's and a delete's record, and around the rows and the numbers of an
+# update's with its old row (REPLICA IDENTITY FULL): a piece more.
 RowPieces = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]
 
 
@@ -141,6 +139,8 @@ class EventBuilder:
         # Relation oid -> (the version, its source block's two templates): the same for
         # every transaction, and made again only for a new version.
         self._source_templates: dict[int, tuple[RelationInfo, bytes, bytes]] = {}
+        # Relation oid -> (the version, its compiled records' pieces), likewise.
+        self._version_pieces: dict[int, tuple[RelationInfo, RowPieces]] = {}
         # One handler per message class: a dict lookup rather than an isinstance chain,
         # which every row change would walk.
         self._handlers: dict[type, Callable[[Txn, int, Any], Sequence[Record]]] = {
@@ -215,7 +215,8 @@ class EventBuilder:
         streamed = undecoded.streamed
         relid_at = change_relid_at(streamed)
         by_oid, row_pieces, per_table = self.catalog.by_oid, txn.row_pieces, txn.per_table
-        headers, limit, trailing = self.headers, self.max_record_bytes, self._run_numbers()
+        headers, limit = self.headers, self.max_record_bytes
+        slots, trailing = self._run_numbers(txn)
         while True:
             oid = in_place_change_relation(payload, streamed)
             target = by_oid.get(oid) if oid is not None else None
@@ -235,6 +236,7 @@ class EventBuilder:
                 limit,
                 _RUN,
                 trailing,
+                slots,
             )
             if not built:
                 return lsn, undecoded.decode(payload)
@@ -244,10 +246,19 @@ class EventBuilder:
                 return None
             lsn, payload = leftover
 
-    def _run_numbers(self) -> tuple[int, ...]:
-        """What the compiled plan writes after a record's orders (pieces between them, see
-        ``_row_pieces``): nothing in this format."""
-        return ()
+    def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
+        """Which number goes between each two pieces of a compiled record of ``txn`` (see
+        ``_row_pieces``), as indexes into (lsn, total_order, data_collection_order, *the
+        numbers its run's records share), and those numbers: here the transaction's xid,
+        commit LSN, commit time and processing time, so that a relation version's pieces
+        are the same in every transaction."""
+        return _SLOTS, (txn.xid, txn.commit_lsn, txn.ts_ms, txn.now_ms)
+
+    def _numbers(self, txn: Txn, lsn: int, total: int, order: int) -> tuple[int, ...]:
+        """A compiled record's numbers (``_run_numbers``) when it is built alone."""
+        slots, trailing = self._run_numbers(txn)
+        numbers = (lsn, total, order, *trailing)
+        return tuple(numbers[i] for i in slots)
 
     def _insert(self, txn: Txn, lsn: int, msg: m.Insert) -> Sequence[Record]:
         info = self.catalog.by_oid[msg.relation_oid]
@@ -255,7 +266,7 @@ class EventBuilder:
         plan = info.plan
         if plan is not None:
             pieces = txn.row_pieces.get(info.oid) or self._row_pieces(txn, info)
-            numbers = (lsn, lsn, total, order, *self._run_numbers())
+            numbers = self._numbers(txn, lsn, total, order)
             made = plan.record(msg.new, pieces[0], numbers)  # type: ignore[arg-type]
             if made is not None:
                 out, key_json = made
@@ -477,22 +488,14 @@ class EventBuilder:
         return out
 
     def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
-        """What ``RowPlan`` puts around the row, lsn and orders (``_VALUE`` cut at them) of
-        an insert, of an update without an old tuple (no ``before``), of a delete (its old
-        row or key is the ``before``) and of an update with its old row (the ``before``),
-        made once per relation per transaction."""
-        source, sequence = self._pieces(txn, info)
-        ops = txn.op_pieces
-        if ops is None:  # the same for every relation of the transaction
-            ops = txn.op_pieces = tuple(
-                _TRANSACTION % (op, txn.now_ms, txn.txid) for op in (b"c", b"u", b"d")
-            )
-        pieces = txn.row_pieces[info.oid] = (
-            (_NO_BEFORE, source, sequence, ops[0], _ORDER, _END),
-            (_NO_BEFORE, source, sequence, ops[1], _ORDER, _END),
-            (_BEFORE_FIELD, _NULL_AFTER + source, sequence, ops[2], _ORDER, _END),
-            (_BEFORE_FIELD, _AFTER_FIELD, source, sequence, ops[1], _ORDER, _END),
-        )
+        """What ``RowPlan`` puts around the row and the numbers (``_run_numbers``) of an insert,
+        of an update without an old tuple (no ``before``), of a delete (its old row or key
+        is the ``before``) and of an update with its old row (the ``before``): ``_VALUE``
+        cut at them, the same for a relation version in every transaction, so made once."""
+        made = self._version_pieces.get(info.oid)
+        if made is None or made[0] is not info:
+            made = self._version_pieces[info.oid] = (info, _compiled_pieces(self, info))
+        pieces = txn.row_pieces[info.oid] = made[1]
         return pieces
 
     def _pieces(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
@@ -544,6 +547,10 @@ class EventBuilder:
         )
 
 
+# The numbers of a compiled record (see ``EventBuilder._run_numbers``): the source block's
+# txId, lsn, commit_lsn, ts_ms and its sequence's two LSNs, the record's ts_ms, the
+# transaction id's xid and commit LSN, then the orders.
+_SLOTS = bytes((3, 0, 4, 5, 4, 0, 6, 3, 4, 1, 2))
 # A change record's value is these pieces around, in turn, its after row, its lsn (twice),
 # total_order and data_collection_order; the pieces' own fields are the transaction's.
 _BEFORE_FIELD = b'{"before":'
@@ -567,7 +574,16 @@ def _source_templates(builder: EventBuilder, info: RelationInfo) -> tuple[bytes,
     ``lsn`` (taking the transaction id), and from after the ``lsn`` to the sequence's
     second LSN (taking the commit LSN, the commit time, the snapshot flag and the commit
     LSN again). Only numbers are formatted per transaction."""
-    fields = _dumps(
+    # Names may hold a %: the template's own are escaped.
+    fields = _source_fields(builder, info).replace(b"%", b"%%")
+    head = b',"source":' + fields + b',"txId":%b,"lsn":'
+    tail = b',"commit_lsn":%%b,"ts_ms":%%b,"snapshot":"%%b","schema_version":%d' % info.version
+    return head, tail + b',"sequence":"[\\"%b\\",\\"'
+
+
+def _source_fields(builder: EventBuilder, info: RelationInfo) -> bytes:
+    """The ``source`` block's fields that name the relation, as an unclosed JSON object."""
+    return _dumps(
         {
             "connector": CONNECTOR,
             "version": VERSION,
@@ -576,10 +592,37 @@ def _source_templates(builder: EventBuilder, info: RelationInfo) -> tuple[bytes,
             "schema": info.schema,
             "table": info.table,
         }
-    )[:-1].replace(b"%", b"%%")  # names may hold a %: the template's own are escaped
-    head = b',"source":' + fields + b',"txId":%b,"lsn":'
-    tail = b',"commit_lsn":%%b,"ts_ms":%%b,"snapshot":"%%b","schema_version":%d' % info.version
-    return head, tail + b',"sequence":"[\\"%b\\",\\"'
+    )[:-1]
+
+
+def _compiled_pieces(builder: EventBuilder, info: RelationInfo) -> RowPieces:
+    """``_VALUE`` of a relation version's insert, update, delete and update with its old
+    row, cut at the rows and at the numbers (``_SLOTS``)."""
+    source = b',"source":' + _source_fields(builder, info) + b',"txId":'
+    numbers = (
+        b',"lsn":',
+        b',"commit_lsn":',
+        b',"ts_ms":',
+        b',"snapshot":"false","schema_version":%d,"sequence":"[\\"' % info.version,
+        b'\\",\\"',
+    )
+
+    def tail(op: bytes) -> tuple[bytes, ...]:
+        return (
+            b'\\"]"},"op":"%b","ts_ms":' % op,
+            b',"transaction":{"id":"',
+            b":",
+            b'","total_order":',
+            _ORDER,
+            _END,
+        )
+
+    return (
+        (_NO_BEFORE, source, *numbers, *tail(b"c")),
+        (_NO_BEFORE, source, *numbers, *tail(b"u")),
+        (_BEFORE_FIELD, _NULL_AFTER + source, *numbers, *tail(b"d")),
+        (_BEFORE_FIELD, _AFTER_FIELD, source, *numbers, *tail(b"u")),
+    )
 
 
 def _with_json_nulls(

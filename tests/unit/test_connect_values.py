@@ -236,3 +236,41 @@ def test_zoned_timestamps_through_datetime_equal_the_exact_path(width: int) -> N
         texts.append(f"{year:04d}-{month:02d}-{day:02d} {clock}{fraction}{offset}")
     for text in texts:
         assert fast(text) == exact(text), text
+
+
+def test_the_source_block_names_its_relation_whatever_the_names_hold() -> None:
+    # Its pieces are templates made once per relation version: a % in a name is text.
+    builder = DebeziumEventBuilder(
+        RelationCatalog("db%z", lambda oid: None), "db%z", "d%sb", 1 << 20, 40
+    )
+    relation = m.Relation(None, 16_400, "pub%dlic", "t%b", "d", (m.Column("id", 23, -1, True),))
+    commit_ts = 785_000_000_123_456
+    changes: list[tuple[int, m.Message]] = [(100, relation), (120, m.Insert(None, 16_400, ["1"]))]
+    records = list(builder.transaction(7, 200, commit_ts, iter(changes), end_lsn=250))
+    info = builder.catalog.by_oid[16_400]
+    streamed = [r for r in records if r[0] == info.topic]
+    snapshot = list(builder.snapshot_rows(info, [["2"]], 300, commit_ts, 290))
+    us = commit_ts + m.PG_EPOCH_UNIX_US
+    for record, xid, lsn, flag, sequence in (
+        (streamed[0], 7, 120, "false", '["40","120"]'),
+        (snapshot[0], None, 290, "true", '["250","290"]'),
+    ):
+        source = orjson.loads(record[2])["payload"]["source"]  # type: ignore[arg-type]
+        assert source == {
+            "version": source["version"],
+            "connector": "postgresql",
+            "name": "db%z",
+            "ts_ms": us // 1000,
+            "snapshot": flag,
+            "db": "d%sb",
+            "sequence": sequence,
+            "ts_us": us,
+            "ts_ns": us * 1000,
+            "schema": "pub%dlic",
+            "table": "t%b",
+            "txId": xid,
+            "lsn": lsn,
+            "xmin": None,
+            "origin": None,
+            "origin_lsn": None,
+        }

@@ -37,7 +37,15 @@ CONTROL = "".join(chr(i) for i in range(0x20))
 # Texts per type OID as the server prints them, plus the odd ones a converter must judge.
 SAMPLES: dict[int, list[str]] = {
     16: ["t", "f"],
-    17: ["\\x", "\\x00ff10", "ab\\\\c\\001"],
+    17: [
+        "\\x",
+        "\\x00ff10",
+        "\\xDEADbeef",
+        "\\x" + "0123456789abcdef" * 100,
+        "ab\\\\c\\001",
+        "\\x0",  # an odd digit count, and not hex: the converter refuses them
+        "\\xzz",
+    ],
     18: ["a", '"'],
     19: ["pg_class", ""],
     20: ["0", "-1", "9223372036854775807", "-9223372036854775808", "007", "+5", "-0", "-"],
@@ -88,6 +96,8 @@ def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
 # What RowPlan.records puts around a row (six pieces, four numbers): nothing, for the tests
 # (the same for an insert, an update and a delete).
 SIX = (b"",) * 6
+# The numbers between them (indexes into lsn, total, order): the lsn twice, the orders.
+LSN_TWICE_AND_ORDERS = bytes((0, 0, 1, 2))
 
 
 def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
@@ -95,7 +105,9 @@ def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
     plan leaves it to the decoder."""
     message = b"I" + struct.pack("!I", 16_401) + b"N" + data
     kinds = (SIX, SIX, SIX, (b"",) * 7)
-    records, *_ = plan.records(iter(()), 0, message, 1, kinds, 0, 0, "t", None, 1 << 30, 1, ())
+    records, *_ = plan.records(
+        iter(()), 0, message, 1, kinds, 0, 0, "t", None, 1 << 30, 1, (), LSN_TWICE_AND_ORDERS
+    )
     return (records[0][2], records[0][1]) if records else None
 
 
@@ -487,6 +499,159 @@ def test_debezium_records_of_every_type_read_in_place_equal_the_decoded(
     assert all(info.plan is not None for info in builder.catalog.by_oid.values())
 
 
+def _typmod(precision: int, scale: int) -> int:
+    """numeric(precision, scale)'s type modifier."""
+    return (precision << 16 | scale) + 4
+
+
+_BIG = "12345678901234567890123456789012345678"  # 38 digits: the compiled builder's most
+# The texts of the types the Debezium format writes its own way in the compiled builder (the
+# decimals, dates and times), by (type oid, modifier), with those it hands to the converter.
+_CONNECT_SAMPLES: dict[tuple[int, int], list[str]] = {
+    (1700, -1): [
+        *("0", "-0", "1.50", "100", "100.000", "-12345.6789", "0.000001", "-0.000000000000001"),
+        *("127", "128", "-128", "-129", "255", "256", "32767", "-32768", "-32769", "65536"),
+        *(_BIG, "-" + _BIG, "1" + _BIG, "9" * 38, "-" + "9" * 38, "1234567890.1234567890"),
+        *("NaN", "Infinity", "-Infinity", "1.", ".5", "1.2.3", "-", "1e5"),
+    ],
+    (1700, _typmod(10, 2)): ["1.50", "-1.50", "0.00", "-0.01", "12345678.90", "127.00", "NaN"],
+    (1700, _typmod(38, 0)): ["0", _BIG, "-" + _BIG, "-1"],
+    (1700, _typmod(38, 10)): ["1.5", "-1234567890123456789012345678.1234567891", "1.12345678901"],
+    (1700, _typmod(1000, 500)): ["1.5", "-2"],
+    **{
+        (1184, typmod): [
+            *(
+                "2024-01-02 03:04:05.123456+00",
+                "2024-01-02 03:04:05+00",
+                "2024-01-02 03:04:05.5+02",
+            ),
+            *("2024-01-01 01:00:00+05:30", "2024-03-01 00:30:00+01", "2023-03-01 00:30:00+01"),
+            *(
+                "2024-02-28 23:30:00-01",
+                "2024-01-02 03:04:05+05:30:15",
+                "2024-01-02 03:04:05-00:30",
+            ),
+            *("1969-12-31 23:59:59.999999-00:30", "1900-01-01 00:00:00.000001+00"),
+            *("0001-01-01 00:00:00+01", "0001-01-01 00:00:00-01", "9999-12-31 23:00:00-02"),
+            *("2024-01-02 03:04:05.1+00", "2024-01-02 03:04:05.100+00", "2000-02-29 12:00:00+14"),
+            *("infinity", "-infinity", "0044-03-15 10:00:00+00 BC", "12024-01-01 00:00:00+00"),
+            *("2024-01-02 03:04:05", "2024-01-02 03:04:05+5", "2024-01-02T03:04:05+00"),
+        ]
+        for typmod in (-1, 0, 3)
+    },
+    **{
+        (1114, typmod): [
+            *("2024-01-02 03:04:05.5", "2024-01-02 03:04:05", "1969-12-31 23:59:59.9995"),
+            *("1969-12-31 23:59:59.999999", "1900-01-01 00:00:00", "0001-01-01 00:00:00.000001"),
+            *("infinity", "-infinity", "0044-03-15 10:00:00 BC", "294276-12-31 23:59:59.999999"),
+            *("2024-01-02 03:04:05.1234567", "2024-01-02 3:04:05"),
+        ]
+        for typmod in (-1, 3, 6)
+    },
+    (1082, -1): [
+        *("2024-02-29", "1970-01-01", "1969-12-31", "0001-01-01", "9999-12-31", "1900-03-01"),
+        *("infinity", "-infinity", "0044-03-15 BC", "10000-01-01"),
+    ],
+    **{
+        (1083, typmod): ["00:00:00", "23:59:59.999999", "24:00:00", "12:34:56.7", "13:14:15.123"]
+        for typmod in (-1, 3)
+    },
+    (17, -1): ["\\x", "\\x00ff10", "\\x" + "ff" * 1001, "ab\\\\c\\001"],
+}
+
+
+@pytest.mark.parametrize(("oid", "typmod"), sorted(_CONNECT_SAMPLES))
+def test_each_debezium_type_matches_the_python_path(oid: int, typmod: int) -> None:
+    # connect_values.py is the reference; the compiled kinds read the texts PostgreSQL
+    # prints and hand any other to it (which may refuse it), so both paths agree on all.
+    columns = (m.Column("id", 20, -1, True), m.Column("v", oid, typmod, False))
+    builder = builder_of("debezium")
+    info = builder.catalog.apply(m.Relation(None, 16_401, "public", "t", "d", columns))
+    plan = info.plan
+    assert plan is not None
+    for text in [*_CONNECT_SAMPLES[(oid, typmod)], None]:
+        values = ["1", text]
+        try:
+            expected = orjson.dumps(whole_row(info, values))
+        except ValueError as exc:
+            with pytest.raises(ValueError, match=re.escape(str(exc)[:20])):
+                built(plan, values)
+            continue
+        assert built(plan, values)[0] == expected, (oid, typmod, text)
+
+
+def test_the_compiled_kinds_write_what_the_server_prints_without_the_converter() -> None:
+    # The test above would pass on the converters alone: here they refuse every text, so
+    # what the kinds read themselves comes out, and the rest reaches the converter.
+    def refuse(text: str) -> str:
+        raise ValueError(f"converter called for {text!r}")
+
+    texts = {
+        b"D": ("-1.50", "NaN"),
+        b"V": ("1.50", "Infinity"),
+        b"Z": ("2024-01-02 03:04:05.5+02", "infinity"),
+        b"M": ("2024-01-02 03:04:05.5", "infinity"),
+        b"m": ("1969-12-31 23:59:59.9995", "-infinity"),
+        b"d": ("2024-02-29", "0044-03-15 BC"),
+        b"U": ("23:59:59.999999", "25:00"),
+        b"u": ("13:14:15.123", "1:2:3"),
+        b"B": ("\\x00ff10", "ab\\\\c"),
+    }
+    for kind, (read, handed_over) in texts.items():
+        plan = RowPlan(
+            (b'"v":',), kind, (), (refuse,), orjson.dumps, b"", b"", False, None, None, (3,)
+        )
+        assert plan.record([read], (b"", b""), ()) is not None
+        with pytest.raises(ValueError, match="converter called"):
+            plan.record([handed_over], (b"", b""), ())
+    with_scale = RowPlan(
+        (b'"v":',), b"Z", (), (refuse,), orjson.dumps, b"", b"", False, None, None, (3,)
+    )
+    assert with_scale.record(["2024-01-02 03:04:05.5+02"], (b"", b""), ()) == (
+        b'{"v":"2024-01-02T01:04:05.500Z"}',
+        None,
+    )
+
+
+@pytest.mark.usefixtures("fixed_clock")
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+def test_transactions_after_the_first_read_in_place_equal_the_decoded(value_format: str) -> None:
+    # The compiled pieces are a relation version's, the transaction's numbers slotted in;
+    # a Debezium record's sequence names the previous commit from the second on.
+    changes = row_changes(
+        None, (20, 25, 1184), ["0", "x", "2024-01-02 03:04:05+00"], ["0", "u", None]
+    )
+    decoder = PgOutputDecoder()
+    how = Undecoded(False, lambda p: decoder.decode(p, False))
+
+    def records(undecoded: bool) -> list[Record]:
+        builder = builder_of(value_format)
+        made: list[Record] = []
+        for n in range(3):
+            given: list[tuple[int, m.Message | bytes]] = [
+                (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
+            ]
+            made += builder.transaction(
+                700 + n,
+                0x200 + n,
+                785_000_000_123_456 + n,
+                iter(given),
+                end_lsn=0x210 + n,
+                undecoded=how if undecoded else None,
+            )
+        return made
+
+    compiled = records(True)
+    assert compiled == records(False)
+    if value_format == "debezium":
+        sequences = {
+            orjson.loads(v)["payload"]["source"]["sequence"].split(",")[0]
+            for t, _, v, _ in compiled
+            if v is not None and t.endswith(".plain")
+        }
+        assert sequences == {"[null", '["528"', '["529"'}
+
+
 def test_updates_and_deletes_are_read_in_place() -> None:
     # RowPlan.records itself builds them (the test above would pass on the decoder alone).
     info = info_of(relation((20, 25, 1184)))
@@ -500,7 +665,19 @@ def test_updates_and_deletes_are_read_in_place() -> None:
     full = b"U" + relid + b"O" + tuple_data(["7", "o", None])
     full += b"N" + tuple_data(["7", m.UNCHANGED_TOAST, "2024-01-02 03:04:05+00"])
     made, total, order, leftover = info.plan.records(
-        iter([(2, delete), (3, full)]), 1, update, 1, kinds, 0, 0, "t", None, 1 << 30, 10, ()
+        iter([(2, delete), (3, full)]),
+        1,
+        update,
+        1,
+        kinds,
+        0,
+        0,
+        "t",
+        None,
+        1 << 30,
+        10,
+        (),
+        LSN_TWICE_AND_ORDERS,
     )
     key = b'{"c0_bigint":7}'
     # After the row: the lsn twice, total and per-table order (empty pieces between).
@@ -518,6 +695,19 @@ def test_updates_and_deletes_are_read_in_place() -> None:
         ),
     ]
     assert (total, order, leftover) == (3, 3, None)
+    # The slots pick each number from the record's (lsn, total, order) and the run's own.
+    slots = bytes((3, 0, 4, 3, 2))
+    numbered = ((b"<",) + (b"|",) * 6,) * 3 + ((b"<",) + (b"|",) * 7,)
+    made, *_ = info.plan.records(
+        iter(()), 5, update, 1, numbered, 6, 0, "t", None, 1 << 30, 10, (70, 80), slots
+    )
+    row = b'{"c0_bigint":7,"c1_text":"x","c2_timestamp with time zone":null}'
+    assert made == [("t", key, b"<" + row + b"|70|5|80|70|1|", None)]
+    for wrong in (bytes((5,)), bytes(17)):
+        with pytest.raises((ValueError, TypeError)):
+            info.plan.records(
+                iter(()), 5, update, 1, numbered, 6, 0, "t", None, 1, 1, (70, 80), wrong
+            )
 
 
 @pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
