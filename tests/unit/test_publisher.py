@@ -37,7 +37,7 @@ from services.bridge.metrics import BridgeMetrics
 from services.bridge.publisher import GapError, Publisher, TxnQueue
 from services.bridge.settings import BridgeSettings
 from services.bridge.snapshot import WATERMARK, Chunk, SnapshotBook
-from services.bridge.spool import SpoolStats
+from services.bridge.spool import Spool, SpoolStats
 from services.common import failpoints
 from services.common.failpoints import FailpointError
 from tests.unit.memory import Journal, MemoryOrigin, MemorySink
@@ -426,3 +426,20 @@ def test_a_batch_waits_for_a_transaction_on_its_way_in(tmp_path: Path) -> None:
     assert publisher.error is None
     assert len(kafka.sink.transactions) == 1
     assert kafka.keys() == [1, 2]
+
+
+def test_a_backlog_of_small_transactions_fills_the_queue(tmp_path: Path) -> None:
+    # The bound is on memory, not on payload bytes: one-row transactions of 20 bytes fill
+    # it long before their payload would (a thousand of them are a third of the bound).
+    queue = TxnQueue(60_000)
+    stats = SpoolStats()
+    for xid in range(1, 1001):
+        spool = Spool(tmp_path, str(xid), 1 << 20, stats)
+        spool.append(xid, bytes(20))
+        queue.put(Transaction(xid, xid, xid, 0, spool, False, frozenset()))
+        if queue.full:
+            break
+    assert queue.full and xid < 100, xid
+    while not queue.empty:
+        queue.get(0)
+    assert not queue.full
