@@ -826,6 +826,16 @@ def cpu_budget(plan: Plan, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict
     return budget
 
 
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """--stack-dir and --keep-stack, which ``bench_stack`` reads."""
+    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    parser.add_argument(
+        "--keep-stack",
+        action="store_true",
+        help="leave a stack this bench started running when it ends",
+    )
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, rows: int) -> None:
     """The workload, repeat, stack and clean-up options (``rows`` is --rows' default)."""
     parser.add_argument(
@@ -842,12 +852,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, rows: int) -> None:
         help="small: --txn-size transactions; big: one --rows transaction (oltp: small only)",
     )
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
-    parser.add_argument(
-        "--keep-stack",
-        action="store_true",
-        help="leave a stack this bench started running when it ends",
-    )
+    add_stack_arguments(parser)
     parser.add_argument(
         "--no-verify",
         dest="verify",

@@ -1,7 +1,8 @@
 """Insert-to-visible latency of the bridge at a steady write rate, on the local stack.
 
     python bench/latency_bench.py [--rate 5000] [--txn-rows 50] [--seconds 30] [--warm-up 0]
-                                  [--modes new,old] [--stack-dir .stack/bench] [--json]
+                                  [--modes new,old] [--stack-dir .stack/bench] [--keep-stack]
+                                  [--json]
 
 For each mode, on a fresh table, publication, slot and topics: the real daemon
 (``python -m services.cli run`` of this checkout) streams the table; a writer commits
@@ -21,7 +22,6 @@ Figures, not assertions: the machine is shared, so run it a few times.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import subprocess
@@ -41,6 +41,8 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bridge_bench import (
+    add_stack_arguments,
+    bench_stack,
     daemon_env,
     drop_pipeline,
     free_port,
@@ -50,7 +52,6 @@ from bench.bridge_bench import (
 )
 from bench.workloads import OLTP_CHANGES_PER_TXN, Oltp
 from services.bridge.settings import BridgeSettings
-from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_MAX_MS = BridgeSettings.model_fields["batch_max_ms"].default
@@ -417,7 +418,7 @@ def main() -> None:
         default="new,old",
         help=f"comma-separated, of {', '.join(MODES)} (see the module doc)",
     )
-    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    add_stack_arguments(parser)
     parser.add_argument(
         "--workload",
         choices=("insert", "oltp"),
@@ -433,17 +434,16 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
 
-    stack = Stack(args.stack_dir)
-    with contextlib.redirect_stdout(sys.stderr):  # keep --json output clean
-        stack.up()
-    work = args.stack_dir / "latency-bench"
-    work.mkdir(parents=True, exist_ok=True)
-    if args.workload == "oltp":
-        results = [run_oltp(args, stack.primary_dsn, stack.kafka_bootstrap, work)]
-    else:
-        results = [
-            run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work) for mode in modes
-        ]
+    with bench_stack(args) as stack:
+        work = args.stack_dir / "latency-bench"
+        work.mkdir(parents=True, exist_ok=True)
+        if args.workload == "oltp":
+            results = [run_oltp(args, stack.primary_dsn, stack.kafka_bootstrap, work)]
+        else:
+            results = [
+                run_mode(mode, args, stack.primary_dsn, stack.kafka_bootstrap, work)
+                for mode in modes
+            ]
     if args.json:
         print(json.dumps(results, indent=2))
         return

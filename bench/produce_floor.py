@@ -1,6 +1,7 @@
 """The cost of handing records to librdkafka alone: the floor under any bridge built on it.
 
     python bench/produce_floor.py [--records 500000] [--compression lz4] [--stack-dir DIR]
+                                  [--keep-stack]
 
 Pre-built records (a typical 1000-row-transaction change record and its key) go to a fresh
 one-partition topic of the local stack, in Kafka transactions of 20,000 records as the bridge
@@ -40,13 +41,13 @@ from confluent_kafka import Producer
 # NewTopic's public home (the stubs do not declare the re-export).
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from bench.bridge_bench import add_stack_arguments, bench_stack
 from services.bridge.debezium import context_headers
 from services.bridge.events import Headers
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink import KafkaSink, producer_config
 from slotbridge_dev.stack.stack import Stack
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH = 20_000  # batch_max_events' default
 VALUE = (
     b'{"before":null,"after":{"id":123456,"a":42,"b":"customer 123456 note","c":"1543.75",'
@@ -139,15 +140,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=500_000)
     parser.add_argument("--compression", default="lz4", help="compression.type")
-    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    add_stack_arguments(parser)
     parser.add_argument(
         "--headers",
         action="store_true",
         help="also each way with the Debezium format's four context headers on every record",
     )
     args = parser.parse_args()
-    stack = Stack(args.stack_dir)
-    stack.up()
+    with bench_stack(args) as stack:
+        _compare(args, stack)
+
+
+def _compare(args: argparse.Namespace, stack: Stack) -> None:
+    """Each way over the same records, then the ratios."""
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     keys = [b'{"id":%d}' % i for i in range(args.records)]
     results = {}

@@ -1,6 +1,7 @@
 """Initial-snapshot throughput of the bridge next to the bare read rate, on the local stack.
 
     python bench/snapshot_bench.py [--rows 1000000] [--repeat 1] [--stack-dir .stack/bench]
+                                   [--keep-stack]
 
 For each repeat, on a fresh table of ``--rows`` rows (bigint key, int, text, numeric,
 timestamptz; the load time is printed, never part of a rate):
@@ -46,7 +47,13 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg.types.string import TextLoader
 
-from bench.bridge_bench import broker_pid, cpu_seconds, delete_topics
+from bench.bridge_bench import (
+    add_stack_arguments,
+    bench_stack,
+    broker_pid,
+    cpu_seconds,
+    delete_topics,
+)
 from slotbridge_dev.stack.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,7 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    add_stack_arguments(parser)
     parser.add_argument(
         "--py-spy",
         type=Path,
@@ -242,8 +249,12 @@ def main() -> None:
         help="a bridge setting for the run, e.g. snapshot_workers=4",
     )
     args = parser.parse_args()
-    stack = Stack(args.stack_dir)
-    stack.up()
+    with bench_stack(args) as stack:
+        _measure(args, stack)
+
+
+def _measure(args: argparse.Namespace, stack: Stack) -> None:
+    """The snapshot of --rows rows, --repeat times, each against its read ceiling."""
     work = args.stack_dir / "snapshot-bench"
     work.mkdir(parents=True, exist_ok=True)
     postmaster = int((stack.node("primary").data_dir / "postmaster.pid").read_text().split()[0])

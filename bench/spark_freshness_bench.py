@@ -2,7 +2,8 @@
 the current-state Delta table, at a steady OLTP write rate, on the local stack.
 
     .venv/bin/python bench/spark_freshness_bench.py [--rate 2000] [--seconds 120]
-        [--warm-up 30] [--stack-dir .stack/bench] [--trigger-interval-s DEFAULT]
+        [--warm-up 30] [--stack-dir .stack/bench] [--keep-stack]
+        [--trigger-interval-s DEFAULT]
 
 The real pipeline, each part as its own process: pgbench's TPC-B-like script (three
 UPDATEs and one INSERT into ``pgbench_history`` per transaction) rate-limited to
@@ -44,7 +45,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from bench.bridge_bench import daemon_env, drop_pipeline, say, stop_process
+from bench.bridge_bench import (
+    add_stack_arguments,
+    bench_stack,
+    daemon_env,
+    drop_pipeline,
+    say,
+    stop_process,
+)
 from bench.latency_bench import start_daemon, wait_streaming
 from bench.workloads import OLTP_CHANGES_PER_TXN, Oltp
 from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
@@ -251,14 +259,13 @@ def main() -> None:
     parser.add_argument(
         "--trigger-interval-s", type=float, default=None, help="default: the job's own"
     )
-    parser.add_argument("--stack-dir", type=Path, default=ROOT / ".stack" / "bench")
+    add_stack_arguments(parser)
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
     args = parser.parse_args()
-    stack = Stack(args.stack_dir)
-    stack.up()
-    work = args.stack_dir / "spark-freshness-bench"
-    work.mkdir(parents=True, exist_ok=True)
-    result = run(args, stack, work)
+    with bench_stack(args) as stack:
+        work = args.stack_dir / "spark-freshness-bench"
+        work.mkdir(parents=True, exist_ok=True)
+        result = run(args, stack, work)
     print(json.dumps(result))
     print(
         f"commit -> readable in the current-state table, trigger {result['trigger_interval_s']}s, "
