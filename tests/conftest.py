@@ -176,14 +176,18 @@ def sasl_kafka() -> Iterator[Kafka]:
 @pytest.fixture
 def small_disk_kafka() -> Iterator[Kafka]:
     """A broker of the stack's Kafka version whose log dir is a filesystem of its own, a
-    64 MiB tmpfs, so that it can fill up. Mounting one needs root: skipped otherwise."""
-    if os.geteuid() != 0:
-        pytest.skip("a broker on a small filesystem needs root (mount -t tmpfs)")
+    64 MiB tmpfs, so that it can fill up. Mounting one needs root and a machine that lets
+    root mount (not every container does): skipped otherwise, with the reason."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a broker on a small filesystem needs root and mount(8) (mount -t tmpfs)")
     root = _broker_root("slotbridge-kafka-disk-")
     broker = _lone_broker(root, bootstrap.KAFKA_SET)
     broker.data_dir.mkdir(parents=True)
     mount = ["mount", "-t", "tmpfs", "-o", "size=64m,mode=0755", "slotbridge-kafka-disk"]
-    subprocess.run([*mount, str(broker.data_dir)], check=True)
+    mounted = subprocess.run([*mount, str(broker.data_dir)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         with _running(root, "small-disk Kafka", broker):
             yield broker
