@@ -42,6 +42,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
+from services.bridge.topic_id_probe import ProbeError, TopicIdProbe
 from services.common.errors import SlotbridgeError
 from services.common.kafka import KafkaLog, cause, check_reachable, explain
 from services.common.logs import log_event
@@ -224,11 +225,12 @@ class TopicIds:
     ``expected`` comes from the published progress record (what earlier sessions wrote),
     ``learned`` is what this session found when it made a topic ready; both are published
     with every progress record, so a topic recreated while the bridge was down is caught at
-    the session's start. Checked again before every commit (one DescribeTopics request, 0.9
-    ms alone on the local stack, up to ~7 ms per commit on a loaded machine): a transaction
-    that wrote into a topic recreated meanwhile is aborted, never confirmed to PostgreSQL. A
-    new id means new partitions that this producer never wrote: the session ends, and the
-    next one starts with ``FirstWrites`` empty, so nothing there counts as proven.
+    the session's start. Checked again before every commit (one DescribeTopics request, asked
+    by ``TopicIdProbe``'s child process: ~1 ms on the local stack, more on a loaded one): a
+    transaction that wrote into a topic recreated meanwhile is aborted, never confirmed to
+    PostgreSQL. A new id means new partitions that this producer never wrote: the session
+    ends, and the next one starts with ``FirstWrites`` empty, so nothing there counts as
+    proven.
     """
 
     def __init__(self) -> None:
@@ -354,6 +356,7 @@ class KafkaSink:
         check_reachable(base, _REACH_S, _SECURITY_HINT)  # KafkaUnreachable: retryable
         self._admin = AdminClient(base)
         self._client_config = base  # for a fresh admin client (see _why_unacknowledged)
+        self._ids_probe = TopicIdProbe(base)  # not the admin client: see topic_id_probe
         self._producer = Producer(
             {
                 **producer_config(settings, self.record_limit),
@@ -497,19 +500,10 @@ class KafkaSink:
 
     def _describe(self, topics: list[str], timeout_s: float = 30.0) -> dict[str, str | None]:
         """Each topic's id now; None for one that does not exist."""
-        found: dict[str, str | None] = {}
-        described = self._admin.describe_topics(TopicCollection(topics), request_timeout=timeout_s)
-        for topic, future in described.items():
-            try:
-                found[topic] = str(future.result().topic_id)
-            except KafkaException as exc:
-                err = cause(exc)
-                if not (
-                    isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
-                ):
-                    raise SinkError(f"cannot describe topic {topic}: {explain(exc)}") from None
-                found[topic] = None
-        return found
+        try:
+            return self._ids_probe.describe(topics, timeout_s)
+        except ProbeError as exc:
+            raise SinkError(str(exc)) from None
 
     def _create(self, topics: dict[str, bool]) -> list[str]:
         """Create the topics; returns those that someone else created meanwhile."""
@@ -750,7 +744,9 @@ class KafkaSink:
             return "no topic written yet: check the brokers", True
         # A client of its own, whose metadata is fresh from the bootstrap servers: the
         # sink's may still name a broker that has just gone away as the controller, where
-        # these requests go, and wait for it for minutes.
+        # these requests go, and wait for it for minutes. In this process, though
+        # describe_topics keeps ~100 bytes per topic (see topic_id_probe): it runs once a
+        # minute of a wait, and needs the partitions' replicas, which the probe does not say.
         admin = AdminClient(self._client_config)
         try:
             described = admin.describe_topics(TopicCollection(topics), request_timeout=_REACH_S)
@@ -919,6 +915,7 @@ class KafkaSink:
         """Abort what is open and let go; never raises, so the error that ended the session
         is the one reported."""
         self.abort()
+        self._ids_probe.close()
         if self._fence_group is not None:
             self._fence_group.close()
         try:

@@ -68,7 +68,7 @@ _PIPELINE = (
     ("decoder",),
     ("assembler", "spool"),
     ("events", "catalog", "masking", "routing", "debezium", "connect_values", "values"),
-    ("sink", "partitioner"),
+    ("sink", "partitioner", "topic_id_probe"),
     ("publisher",),
 )
 

@@ -1,0 +1,85 @@
+"""The topic id probe against the real broker: right answers, and none of confluent-kafka's
+describe_topics leak left in the daemon (see services/bridge/topic_id_probe.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable
+
+# Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
+from confluent_kafka import TopicCollection
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from services.bridge.topic_id_probe import TopicIdProbe
+from slotbridge_dev.stack.stack import Stack
+
+
+def _children() -> set[int]:
+    """This process's child processes (the probe's children are its only ones here)."""
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as listing:
+            pids.update(int(pid) for pid in listing.read().split())
+    return pids
+
+
+def _blocks_kept(calls: int, describe: Callable[[], object]) -> int:
+    """Python heap blocks still allocated after ``calls`` describes (after a warm-up)."""
+    for _ in range(50):
+        describe()
+    before = sys.getallocatedblocks()
+    for _ in range(calls):
+        describe()
+    return sys.getallocatedblocks() - before
+
+
+def test_the_probe_tells_topic_ids_and_topics_that_do_not_exist(stack: Stack) -> None:
+    topic, missing = f"probe{uuid.uuid4().hex[:8]}", f"absent{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
+    known = str(admin.describe_topics(TopicCollection([topic]))[topic].result().topic_id)
+    probe = TopicIdProbe({"bootstrap.servers": stack.kafka_bootstrap})
+    try:
+        assert probe.describe([topic, missing], timeout_s=30) == {topic: known, missing: None}
+    finally:
+        probe.close()
+    assert not _children()
+
+
+def test_the_daemon_keeps_nothing_per_described_topic(stack: Stack) -> None:
+    """Through the probe, the asking process keeps nothing per question, while its child,
+    replaced every ``topics_per_child``, holds the leak; asked directly, describe_topics
+    keeps a block per topic. When that second figure drops to nothing, confluent-kafka has
+    fixed the leak, and the probe can go."""
+    topic = f"probe{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
+    calls = 3_000
+
+    probe = TopicIdProbe({"bootstrap.servers": stack.kafka_bootstrap}, topics_per_child=1_000)
+    seen: set[int] = set()
+    most_at_once = 0
+
+    def ask_probe() -> None:
+        nonlocal most_at_once
+        assert probe.describe([topic], timeout_s=30)[topic] is not None
+        alive = _children()
+        seen.update(alive)
+        most_at_once = max(most_at_once, len(alive))
+
+    try:
+        kept_by_probe = _blocks_kept(calls, ask_probe)
+    finally:
+        probe.close()
+    assert len(seen) >= calls // 1_000  # replaced as it went
+    assert most_at_once <= 2  # the one answering, and the next one starting
+    assert not _children()  # close() ends them
+
+    def ask_directly() -> None:
+        admin.describe_topics(TopicCollection([topic]), request_timeout=30)[topic].result()
+
+    kept_directly = _blocks_kept(calls, ask_directly)
+    assert kept_by_probe < calls // 10, kept_by_probe
+    assert kept_directly >= calls * 9 // 10, kept_directly
