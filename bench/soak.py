@@ -60,6 +60,17 @@ ACCOUNTS, TELLERS, BRANCHES = 10_000, 100, 10
 STALL_S = 300.0
 
 
+def _rss_mb(pid: int) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
 def _say(msg: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -210,14 +221,19 @@ class Soak:
 
     def rss_mb(self) -> float | None:
         proc = self.pipe.proc
+        return _rss_mb(proc.pid) if proc else None
+
+    def children_rss_mb(self) -> float | None:
+        """The RSS of the bridge's child processes (its topic id probe)."""
+        proc = self.pipe.proc
+        if proc is None:
+            return None
         try:
-            status = Path(f"/proc/{proc.pid}/status").read_text() if proc else ""
+            tasks = Path(f"/proc/{proc.pid}/task").iterdir()
+            pids = [int(p) for t in tasks for p in (t / "children").read_text().split()]
         except OSError:
             return None
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return None
+        return sum(rss for pid in pids if (rss := _rss_mb(pid)) is not None)
 
     def wait_streaming(self, since: int) -> float:
         """Seconds until the bridge's log after offset ``since`` says it streams."""
@@ -321,6 +337,9 @@ class Soak:
             "committed": self.mix.committed,
             "lag_bytes": self.lag_bytes(),
             "rss_mb": round(rss, 1) if (rss := self.rss_mb()) is not None else None,
+            "children_rss_mb": (
+                round(kids, 1) if (kids := self.children_rss_mb()) is not None else None
+            ),
             "faults": sum(self.faults.values()),
         }
         self.minutes.append(line)
@@ -365,6 +384,7 @@ class Soak:
         for problem in report.problems[:20]:
             _say(f"AUDIT: {problem}")
         rss = [m["rss_mb"] for m in self.minutes if m["rss_mb"] is not None]
+        kids = [m["children_rss_mb"] for m in self.minutes if m["children_rss_mb"] is not None]
         return {
             "transactions": self.mix.committed,
             "client_errors": self.mix.errors,
@@ -384,6 +404,7 @@ class Soak:
                 round(rss[-1], 1) if rss else None,
                 round(max(rss), 1) if rss else None,
             ],
+            "children_rss_mb_max": round(max(kids), 1) if kids else None,
         }
 
 
