@@ -17,12 +17,20 @@ from slotbridge_dev.stack.stack import Stack
 
 
 def _children() -> set[int]:
-    """This process's child processes (the probe's children are its only ones here)."""
+    """The probe's child processes of this one (the stack's servers may be children too)."""
     pids: set[int] = set()
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/children") as listing:
             pids.update(int(pid) for pid in listing.read().split())
-    return pids
+    return {pid for pid in pids if _is_probe(pid)}
+
+
+def _is_probe(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"services.bridge.topic_id_probe" in cmdline.read()
+    except OSError:
+        return False  # it has ended
 
 
 def _blocks_kept(calls: int, describe: Callable[[], object]) -> int:
