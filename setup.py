@@ -1,10 +1,10 @@
 """The compiled parts of slotbridge; everything else is in pyproject.toml.
 
-Three C extensions for the hot path: ``services.bridge._tuples`` reads pgoutput TupleData
-(the decoder), ``services.bridge._rowjson`` writes the default record format's rows and
-keys (the event builder) and ``services.bridge._spoolread`` splits spool files into their
-records. All are optional: where no C compiler is at hand the build goes on without them
-and the bridge does the same in Python, only slower.
+Three C extensions for the hot path: ``services.bridge.decode._tuples`` reads pgoutput
+TupleData (the decoder), ``services.bridge.records._rowjson`` writes the default record
+format's rows and keys (the event builder) and ``services.bridge.assemble._spoolread`` splits
+spool files into their records. All are optional: where no C compiler is at hand the build
+goes on without them and the bridge does the same in Python, only slower.
 """
 
 from setuptools import Extension, setup
@@ -12,12 +12,14 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            f"services.bridge.{name}",
-            [f"services/bridge/{name}.c"],
-            depends=["services/bridge/_tupledata.h", "services/bridge/_hmac.h"],
+            f"services.bridge.{module}",
+            [f"services/bridge/{module.replace('.', '/')}.c"],
+            # _rowjson reads TupleData in place, as _tuples does (decode/_tupledata.h).
+            include_dirs=["services/bridge/decode"],
+            depends=["services/bridge/decode/_tupledata.h", "services/bridge/records/_hmac.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         )
-        for name in ("_tuples", "_rowjson", "_spoolread")
+        for module in ("decode._tuples", "records._rowjson", "assemble._spoolread")
     ]
 )

@@ -17,9 +17,9 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-from services.bridge import messages as m
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.values import Converter, JsonValue, converter_for
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
+from services.bridge.records.values import Converter, JsonValue, converter_for
 
 RELATION_OID = 16_401
 

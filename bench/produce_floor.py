@@ -42,10 +42,10 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench.bridge_bench import add_stack_arguments, bench_stack
-from services.bridge.debezium import context_headers
-from services.bridge.events import Headers
+from services.bridge.records.debezium import context_headers
+from services.bridge.records.events import Headers
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink, producer_config
+from services.bridge.sink.kafka import KafkaSink, producer_config
 from slotbridge_dev.stack.stack import Stack
 
 BATCH = 20_000  # batch_max_events' default

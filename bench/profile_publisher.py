@@ -28,18 +28,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bridge.assembler import Transaction
-from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
-from services.bridge.confirm import ConfirmTracker
-from services.bridge.debezium import DebeziumEventBuilder
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import EventBuilder, Record
-from services.bridge.highwater import ServerIdentity
+from services.bridge.assemble.assembler import Transaction
+from services.bridge.assemble.spool import Spool, SpoolStats
+from services.bridge.decode.decoder import PgOutputDecoder
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.publisher import Publisher, TxnQueue
+from services.bridge.progress.confirm import ConfirmTracker
+from services.bridge.progress.highwater import ServerIdentity
+from services.bridge.publish.publisher import Publisher, TxnQueue
+from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts
+from services.bridge.records.debezium import DebeziumEventBuilder
+from services.bridge.records.events import EventBuilder, Record
 from services.bridge.settings import BridgeSettings
-from services.bridge.snapshot import SnapshotBook
-from services.bridge.spool import Spool, SpoolStats
+from services.bridge.snapshot.reader import SnapshotBook
 
 OID = 16_384
 Columns = tuple[tuple[str, int, int], ...]  # name, type oid, key flag

@@ -111,7 +111,7 @@ def debezium_tuning(poll_ms: int) -> dict[str, str]:
         "max.batch.size": str(BATCH),
         "max.queue.size": str(4 * BATCH),
         "poll.interval.ms": str(poll_ms),
-        # services/bridge/sink.py's producer settings: the same batching and the same codec.
+        # services/bridge/sink/kafka.py's producer settings: the same batching and the same codec.
         "producer.override.linger.ms": "5",
         "producer.override.batch.size": "1000000",
         "producer.override.compression.type": "lz4",

@@ -100,8 +100,8 @@ def snapshot(
 ) -> None:
     """Snapshot TABLE again (or the rows matching --where) while the bridge streams."""
     settings = _settings(config)
-    from services.bridge import ondemand
-    from services.bridge.kafka_reader import TopicReadError
+    from services.bridge.progress.kafka_reader import TopicReadError
+    from services.bridge.snapshot import ondemand
 
     try:
         if cancel is not None:

@@ -34,36 +34,39 @@ from types import FrameType
 import psycopg
 from psycopg.errors import DuplicateObject, ObjectInUse, UndefinedObject
 
-from services.bridge import catalog, decoder
-from services.bridge import messages as m
-from services.bridge.assembler import Assembler
-from services.bridge.catalog import KnownVersion, RelationCatalog, known_versions
-from services.bridge.confirm import ConfirmTracker
-from services.bridge.debezium import DebeziumEventBuilder
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import EventBuilder, max_change_bytes
-from services.bridge.feedback import StreamPosition
-from services.bridge.highwater import high_water
-from services.bridge.kafka_reader import read_kafka_progress, read_topic
-from services.bridge.masking import Masking
+from services.bridge.assemble.assembler import Assembler
+from services.bridge.assemble.spool import Spool, SpoolStats, prepare_spool_dir
+from services.bridge.decode import decoder
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
-from services.bridge.origin import OriginStore
 from services.bridge.poller import POLL_OPTIONS, CatalogPoller
-from services.bridge.progress_record import is_gap_key
-from services.bridge.publisher import (
+from services.bridge.progress.confirm import ConfirmTracker
+from services.bridge.progress.highwater import high_water
+from services.bridge.progress.kafka_reader import read_kafka_progress, read_topic
+from services.bridge.progress.origin import OriginStore
+from services.bridge.progress.record import is_gap_key
+from services.bridge.publish.publisher import (
     HEARTBEAT_S,
     Publisher,
     TxnQueue,
 )
+from services.bridge.receive.feedback import StreamPosition
+from services.bridge.receive.stream import ReplicationConnection, StreamError, drop_slot
+from services.bridge.records import catalog
+from services.bridge.records.catalog import KnownVersion, RelationCatalog, known_versions
+from services.bridge.records.debezium import DebeziumEventBuilder
+from services.bridge.records.events import EventBuilder, max_change_bytes
+from services.bridge.records.masking import Masking
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import (
+from services.bridge.sink.kafka import (
     FencedError,
     KafkaSink,
     SinkError,
     kafka_client_config,
 )
-from services.bridge.snapshot import ChunkReader, SnapshotBook
+from services.bridge.snapshot.reader import ChunkReader, SnapshotBook
 from services.bridge.source import (
     check_published,
     check_slot,
@@ -76,14 +79,12 @@ from services.bridge.source import (
     table_facts,
     warn_keyless_tables,
 )
-from services.bridge.spool import Spool, SpoolStats, prepare_spool_dir
-from services.bridge.stream import ReplicationConnection, StreamError, drop_slot
 from services.bridge.takeover import end_walsender, slot_holder
 from services.common.errors import retryable
 from services.common.failpoints import failpoint
 from services.common.httpserver import HealthServer, HttpServerError
 from services.common.logs import log_event, log_failure, one_line
-from services.common.lsn import format_lsn
+from services.common.lsn import PG_EPOCH_UNIX_US, format_lsn
 from services.common.pg import SourceError, SourceRefused, connect, with_password
 from services.contract.records import ProgressRecord
 from services.contract.topics import schema_topic
@@ -811,4 +812,4 @@ class Bridge:
 def _lag_seconds(commit_ts_us: int) -> float:
     if not commit_ts_us:
         return 0.0
-    return max(0.0, time.time() - (commit_ts_us + m.PG_EPOCH_UNIX_US) / 1_000_000)
+    return max(0.0, time.time() - (commit_ts_us + PG_EPOCH_UNIX_US) / 1_000_000)

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.bridge.spool import SpoolStats
+from services.bridge.assemble.spool import SpoolStats
 
 # From a quiet stream's few milliseconds to a backlog's seconds.
 COMMIT_TO_VISIBLE_BUCKETS = (

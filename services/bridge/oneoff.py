@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from services.bridge.kafka_reader import read_kafka_progress
+from services.bridge.progress.kafka_reader import read_kafka_progress
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink, kafka_client_config
+from services.bridge.sink.kafka import KafkaSink, kafka_client_config
 from services.common.pg import with_password
 from services.contract.records import ProgressRecord
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from services.bridge.chunks import TableName
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.publisher import Publisher, SnapshotRequest, TxnQueue
+from services.bridge.publish.publisher import Publisher, SnapshotRequest, TxnQueue
+from services.bridge.snapshot.chunks import TableName
 from services.bridge.source import published_tables
 from services.common.logs import log_event
 

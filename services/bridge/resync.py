@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from services.bridge.chunks import TableName
 from services.bridge.oneoff import fenced_slot, source_dsn
-from services.bridge.progress_record import gap_key, progress_again, progress_key
+from services.bridge.progress.record import gap_key, progress_again, progress_key
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink
+from services.bridge.sink.kafka import KafkaSink
+from services.bridge.snapshot.chunks import TableName
 from services.bridge.source import SlotState, published_tables, slot_state
 from services.common.errors import SlotbridgeError
 from services.common.logs import log_event

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from services.bridge.highwater import IdentityError, ServerIdentity, check_identity
-from services.bridge.stream import ReplicationConnection, StreamError, SystemInfo
+from services.bridge.progress.highwater import IdentityError, ServerIdentity, check_identity
+from services.bridge.receive.stream import ReplicationConnection, StreamError, SystemInfo
 from services.common.logs import log_event, one_line
 from services.common.pg import SourceError, connect, host_dsns, server_address
 from services.contract.records import ProgressRecord

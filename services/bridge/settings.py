@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from services.bridge.masking import HashRule, Masking, MaskingRefused, TransformRule
-from services.bridge.routing import KeyChoice, Route, Routing
+from services.bridge.records.masking import HashRule, Masking, MaskingRefused, TransformRule
+from services.bridge.records.routing import KeyChoice, Route, Routing
 from services.common.pg import check_dsn
 from services.common.settings import (
     HTTP_HOST,

@@ -13,9 +13,9 @@ from typing import cast
 import psycopg
 from psycopg import sql
 
-from services.bridge.catalog import ColumnFacts, TableFacts
-from services.bridge.masking import Masking, MaskingRefused, PublishedColumn
-from services.bridge.routing import Routing, RoutingRefused, TableShape
+from services.bridge.records.catalog import ColumnFacts, TableFacts
+from services.bridge.records.masking import Masking, MaskingRefused, PublishedColumn
+from services.bridge.records.routing import Routing, RoutingRefused, TableShape
 from services.bridge.settings import BridgeSettings
 from services.common.logs import log_event
 from services.common.pg import SourceError, SourceRefused

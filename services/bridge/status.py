@@ -8,9 +8,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from services.bridge.kafka_reader import TopicReadError, read_kafka_progress
+from services.bridge.progress.kafka_reader import TopicReadError, read_kafka_progress
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import kafka_client_config
+from services.bridge.sink.kafka import kafka_client_config
 from services.common.lsn import format_lsn
 from services.common.pg import connect, with_password
 

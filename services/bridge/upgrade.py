@@ -25,14 +25,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from services.bridge.highwater import ServerIdentity
 from services.bridge.oneoff import fenced_slot, source_dsn
-from services.bridge.origin import OriginStore
-from services.bridge.progress_record import progress_again, progress_key
+from services.bridge.progress.highwater import ServerIdentity
+from services.bridge.progress.origin import OriginStore
+from services.bridge.progress.record import progress_again, progress_key
+from services.bridge.receive.stream import ReplicationConnection
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink
+from services.bridge.sink.kafka import KafkaSink
 from services.bridge.source import Conn, slot_state
-from services.bridge.stream import ReplicationConnection
 from services.common.errors import SlotbridgeError
 from services.common.logs import log_event
 from services.common.lsn import format_lsn, parse_lsn

@@ -1,4 +1,4 @@
-"""PostgreSQL log sequence numbers.
+"""PostgreSQL log sequence numbers, and its clock on the wire.
 
 An LSN is a 64-bit byte position in the WAL. On the wire and in the protocol it is an
 integer; PostgreSQL prints it as two hex halves (``16/B374D848``). We keep it an ``int``
@@ -6,6 +6,12 @@ everywhere (comparisons and arithmetic are then free) and convert only at the ed
 """
 
 from __future__ import annotations
+
+from typing import Final
+
+# Replication timestamps (pgoutput's, the walsender's and the standby status messages')
+# count microseconds from PostgreSQL's epoch, 2000-01-01 UTC.
+PG_EPOCH_UNIX_US: Final = 946_684_800_000_000
 
 
 def parse_lsn(text: str) -> int:

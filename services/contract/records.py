@@ -5,7 +5,7 @@ These models are the contract with consumers: ``schemas/*.json`` is generated fr
 record builders do not instantiate them on the hot path (building bytes directly is
 several times faster); tests validate what the builders produce against them instead.
 
-Column values are typed JSON by PostgreSQL type (see ``services/bridge/values.py``):
+Column values are typed JSON by PostgreSQL type (see ``services/bridge/records/values.py``):
 integers as numbers, numeric and money as exact decimal strings, timestamps as ISO 8601
 strings, json/jsonb as the very JSON text PostgreSQL printed (embedded, not re-encoded:
 duplicate keys, number precision and whitespace kept), bytea as base64, arrays as JSON

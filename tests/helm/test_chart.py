@@ -25,9 +25,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from services.bridge.assemble.spool import SpoolStats
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.settings import BridgeSettings
-from services.bridge.spool import SpoolStats
 from services.cli import cli
 from services.common.settings import ServiceSettings, load_settings
 from services.failover.settings import FailoverSettings

@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from services.bridge.kafka_reader import read_kafka_progress
+from services.bridge.progress.kafka_reader import read_kafka_progress
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
 from slotbridge_dev.stack.stack import Stack
@@ -542,7 +542,7 @@ class CounterWorkload(threading.Thread):
             records = pipe.changes(table)
             # Each id inserted once and snapshotted at most once. Both may come: a chunk
             # read after a restart can hold a row the stream inserted before it
-            # (services/bridge/chunks.py), never a stale one.
+            # (services/bridge/snapshot/chunks.py), never a stale one.
             for op in ("c", "r"):
                 ids = [r.value["after"]["id"] for r in records if r.value["op"] == op]
                 assert len(ids) == len(set(ids)), f"rows of {table} published twice as {op!r}"

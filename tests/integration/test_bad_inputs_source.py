@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bridge.publisher import HEARTBEAT_S
-from services.bridge.stream import ReplicationConnection
+from services.bridge.publish.publisher import HEARTBEAT_S
+from services.bridge.receive.stream import ReplicationConnection
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import Pipeline, _lsn, one_line_error, sql, wait_for
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from services.bridge.masking import HashRule, column_mask
+from services.bridge.records.masking import HashRule, column_mask
 from services.bridge.settings import MASKING_KEY_ENV
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.kafka import Kafka

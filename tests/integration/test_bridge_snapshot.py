@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from services.bridge.kafka_reader import read_kafka_progress
+from services.bridge.progress.kafka_reader import read_kafka_progress
 from services.contract.records import ProgressRecord
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack

@@ -2,7 +2,7 @@
 Connect standalone (jars from the bootstrap) and the bridge with ``value_format: debezium``
 stream the same table through the same changes; their records must agree field by field,
 but for what must differ (times, LSNs, transaction ids, names) and the documented choices
-(``services/bridge/debezium.py``)."""
+(``services/bridge/records/debezium.py``)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from psycopg import errors
 
-from services.bridge.stream import ReplicationConnection, StreamError
+from services.bridge.receive.stream import ReplicationConnection, StreamError
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import sql
 

@@ -26,9 +26,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     NewTopic,
 )
 
-from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import KafkaSink
+from services.bridge.sink.kafka import KafkaSink
+from services.bridge.sink.partitioner import partition_for
 from slotbridge_dev.stack.kafka_audit import audit_topics
 from slotbridge_dev.stack.kafka_proxy import KafkaFaultProxy
 from slotbridge_dev.stack.stack import Stack

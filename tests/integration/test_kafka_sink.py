@@ -16,9 +16,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     NewTopic,
 )
 
-from services.bridge.events import Record
+from services.bridge.records.events import Record
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import (
+from services.bridge.sink.kafka import (
     FencedError,
     KafkaRefused,
     KafkaSink,

@@ -19,7 +19,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     NewTopic,
 )
 
-from services.bridge.kafka_reader import read_kafka_progress, read_topic
+from services.bridge.progress.kafka_reader import read_kafka_progress, read_topic
 from slotbridge_dev.stack.kafka_audit import audit
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from services.bridge.kafka_reader import read_topic
+from services.bridge.progress.kafka_reader import read_topic
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (

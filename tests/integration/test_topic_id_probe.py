@@ -1,5 +1,5 @@
 """The topic id probe against the real broker: right answers, and none of confluent-kafka's
-describe_topics leak left in the daemon (see services/bridge/topic_id_probe.py)."""
+describe_topics leak left in the daemon (see services/bridge/sink/topic_id_probe.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from confluent_kafka import TopicCollection
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from services.bridge.topic_id_probe import TopicIdProbe
+from services.bridge.sink.topic_id_probe import TopicIdProbe
 from slotbridge_dev.stack.stack import Stack
 
 
@@ -28,7 +28,7 @@ def _children() -> set[int]:
 def _is_probe(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"services.bridge.topic_id_probe" in cmdline.read()
+            return b"services.bridge.sink.topic_id_probe" in cmdline.read()
     except OSError:
         return False  # it has ended
 

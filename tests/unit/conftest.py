@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services.bridge import events
+from services.bridge.records import events
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Container, Iterable
 
-from services.bridge.events import Record
+from services.bridge.records.events import Record
 from services.contract.records import ProgressRecord
 
 Journal = list[tuple[str, int]]  # ("kafka commit", progress end_lsn) / ("origin", lsn)

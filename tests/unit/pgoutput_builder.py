@@ -1,4 +1,4 @@
-"""Builds pgoutput message payloads from ``services.bridge.messages`` dataclasses.
+"""Builds pgoutput message payloads from ``services.bridge.decode.messages`` dataclasses.
 
 An encoder written from the "Logical Replication Message Formats" page, independent of
 the decoder, so tests (decoder, assembler) can generate byte streams. A column value of
@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from services.bridge import messages as m
+from services.bridge.decode import messages as m
 
 ColumnValue = m.TupleValue | bytes
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from services.bridge import messages as m
-from services.bridge.assembler import Assembler, Transaction
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.spool import Spool, SpoolStats
+from services.bridge.assemble.assembler import Assembler, Transaction
+from services.bridge.assemble.spool import Spool, SpoolStats
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
 from tests.unit.pgoutput_builder import encode
 
 TS = 785_000_000_123_456  # µs since 2000-01-01, ~2024-11

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.bridge import messages as m
-from services.bridge.assembler import AssemblyError, Transaction
-from services.bridge.decoder import PgOutputDecoder
+from services.bridge.assemble.assembler import AssemblyError, Transaction
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
 from tests.unit.pgoutput_builder import encode
 from tests.unit.replication import TS, Source
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from services.bridge.assemble.spool import Spool, SpoolError, SpoolStats
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import producer_config
-from services.bridge.spool import Spool, SpoolError, SpoolStats
+from services.bridge.sink.kafka import producer_config
 from services.failover.settings import FailoverSettings
 from spark_consumers.settings import ConsumerSettings
 

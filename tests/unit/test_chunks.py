@@ -1,8 +1,8 @@
-"""Reconciling snapshot chunks with the stream (services/bridge/chunks.py)."""
+"""Reconciling snapshot chunks with the stream (services/bridge/snapshot/chunks.py)."""
 
 from __future__ import annotations
 
-from services.bridge.chunks import Row, StreamWatch, XidSnapshot
+from services.bridge.snapshot.chunks import Row, StreamWatch, XidSnapshot
 
 T = ("s", "t")
 

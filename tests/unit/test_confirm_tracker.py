@@ -3,7 +3,7 @@ whose transaction is not published yet (the server would not send its content ag
 
 from __future__ import annotations
 
-from services.bridge.confirm import ConfirmTracker
+from services.bridge.progress.confirm import ConfirmTracker
 
 
 def test_the_confirmable_position_follows_what_kafka_holds() -> None:

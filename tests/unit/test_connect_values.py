@@ -12,11 +12,12 @@ import random
 import orjson
 import pytest
 
-from services.bridge import connect_values
-from services.bridge import messages as m
-from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
-from services.bridge.connect_values import ColumnType, column_encoding, placeholder
-from services.bridge.debezium import DebeziumEventBuilder, run_id
+from services.bridge.decode import messages as m
+from services.bridge.records import connect_values
+from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts
+from services.bridge.records.connect_values import ColumnType, column_encoding, placeholder
+from services.bridge.records.debezium import DebeziumEventBuilder, run_id
+from services.common.lsn import PG_EPOCH_UNIX_US
 
 NUMERIC_10_2 = ((10 << 16) | 2) + 4
 NUMERIC_7 = (7 << 16) + 4
@@ -250,7 +251,7 @@ def test_the_source_block_names_its_relation_whatever_the_names_hold() -> None:
     info = builder.catalog.by_oid[16_400]
     streamed = [r for r in records if r[0] == info.topic]
     snapshot = list(builder.snapshot_rows(info, [["2"]], 300, commit_ts, 290))
-    us = commit_ts + m.PG_EPOCH_UNIX_US
+    us = commit_ts + PG_EPOCH_UNIX_US
     for record, xid, lsn, flag, sequence in (
         (streamed[0], 7, 120, "false", '["40","120"]'),
         (snapshot[0], None, 290, "true", '["250","290"]'),

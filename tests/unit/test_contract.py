@@ -20,13 +20,13 @@ import pytest
 from pgoutput_builder import encode
 from pydantic import BaseModel
 
-from services.bridge import messages as m
-from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts
-from services.bridge.debezium import DebeziumEventBuilder
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import EventBuilder
-from services.bridge.highwater import ServerIdentity
-from services.bridge.progress_record import ProgressRecordError, parse_progress, progress_value
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
+from services.bridge.progress.highwater import ServerIdentity
+from services.bridge.progress.record import ProgressRecordError, parse_progress, progress_value
+from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts
+from services.bridge.records.debezium import DebeziumEventBuilder
+from services.bridge.records.events import EventBuilder
 from services.contract.debezium import DebeziumChangeValue, DebeziumKey, DebeziumTransactionValue
 from services.contract.records import (
     OPS,

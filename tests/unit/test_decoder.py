@@ -9,9 +9,9 @@ import orjson
 import pytest
 from pgoutput_builder import encode, tuple_data
 
-from services.bridge import messages as m
-from services.bridge.decoder import DecodeError, PgOutputDecoder
-from services.bridge.values import converter_for
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import DecodeError, PgOutputDecoder
+from services.bridge.records.values import converter_for
 
 LSN = 0x1_6B37_4D48
 TS = 785_000_000_123_456  # ~2024-11 in microseconds since 2000-01-01
@@ -417,7 +417,7 @@ def test_recorded_streamed_transactions() -> None:
 
 def test_the_compiled_tuple_reader_matches_the_python_one(monkeypatch: pytest.MonkeyPatch) -> None:
     # CI installs with a C compiler; the Python loop is the reference the reader is held to.
-    assert importlib.util.find_spec("services.bridge._tuples") is not None
+    assert importlib.util.find_spec("services.bridge.decode._tuples") is not None
     values: list[m.TupleValue] = [
         "42",
         None,
@@ -434,5 +434,5 @@ def test_the_compiled_tuple_reader_matches_the_python_one(monkeypatch: pytest.Mo
         m.Insert(None, 7, []),
     ]
     compiled = [PgOutputDecoder().decode(encode(msg)) for msg in messages]
-    monkeypatch.setattr("services.bridge.decoder._read_compiled", None)
+    monkeypatch.setattr("services.bridge.decode.decoder._read_compiled", None)
     assert compiled == [PgOutputDecoder().decode(encode(msg)) for msg in messages] == messages

@@ -12,26 +12,26 @@ import psycopg
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from services.bridge.assembler import AssemblyError
+from services.bridge.assemble.assembler import AssemblyError
+from services.bridge.assemble.spool import SpoolError
 from services.bridge.daemon import Bridge, SlotBusy, retry_session
-from services.bridge.decoder import DecodeError
-from services.bridge.events import RowTooLarge
-from services.bridge.highwater import IdentityError
-from services.bridge.kafka_reader import TopicReadError, _scan
-from services.bridge.masking import MaskingRefused
-from services.bridge.progress_record import ProgressRecordError
-from services.bridge.publisher import GapError
-from services.bridge.routing import RoutingRefused
+from services.bridge.decode.decoder import DecodeError
+from services.bridge.progress.highwater import IdentityError
+from services.bridge.progress.kafka_reader import TopicReadError, _scan
+from services.bridge.progress.record import ProgressRecordError
+from services.bridge.publish.publisher import GapError
+from services.bridge.receive.stream import StreamError
+from services.bridge.records.events import RowTooLarge
+from services.bridge.records.masking import MaskingRefused
+from services.bridge.records.routing import RoutingRefused
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import (
+from services.bridge.sink.kafka import (
     FencedError,
     KafkaRefused,
     ProducerFailed,
     SinkError,
     TopicReplaced,
 )
-from services.bridge.spool import SpoolError
-from services.bridge.stream import StreamError
 from services.common.errors import SlotbridgeError
 from services.common.failpoints import FailpointError
 from services.common.httpserver import HttpServerError

@@ -9,9 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
-from services.bridge import messages as m
-from services.bridge.catalog import RelationCatalog, known_versions
-from services.bridge.events import EventBuilder, Record, RowTooLarge, begin_value, end_value
+from services.bridge.decode import messages as m
+from services.bridge.records.catalog import RelationCatalog, known_versions
+from services.bridge.records.events import EventBuilder, Record, RowTooLarge, begin_value, end_value
 from services.contract.records import TOAST_PLACEHOLDER
 
 TS = 785_000_000_123_456

@@ -3,8 +3,8 @@ flight, the keepalive's WAL end (an idle database's slot must not pin WAL)."""
 
 from __future__ import annotations
 
-from services.bridge.confirm import ConfirmTracker
-from services.bridge.feedback import StreamPosition
+from services.bridge.progress.confirm import ConfirmTracker
+from services.bridge.receive.feedback import StreamPosition
 
 
 def test_with_transactions_in_flight_only_what_kafka_holds_is_confirmed() -> None:

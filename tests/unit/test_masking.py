@@ -12,12 +12,12 @@ import orjson
 import pytest
 from pydantic import TypeAdapter
 
-from services.bridge import messages as m
-from services.bridge.catalog import RelationCatalog, known_versions
-from services.bridge.debezium import DebeziumEventBuilder, context_headers
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import EventBuilder, Record, Undecoded
-from services.bridge.masking import (
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
+from services.bridge.records.catalog import RelationCatalog, known_versions
+from services.bridge.records.debezium import DebeziumEventBuilder, context_headers
+from services.bridge.records.events import EventBuilder, Record, Undecoded
+from services.bridge.records.masking import (
     Masking,
     MaskingRefused,
     PublishedColumn,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.bridge.partitioner import murmur2, partition_for
-from services.bridge.sink import FirstWrites
+from services.bridge.sink.kafka import FirstWrites
+from services.bridge.sink.partitioner import murmur2, partition_for
 
 # Kafka's own UtilsTest.testMurmur2 vectors (signed Java ints).
 JAVA = [

@@ -24,20 +24,20 @@ from typing import Any
 
 import pytest
 
-from services.bridge import messages as m
-from services.bridge import publisher as publisher_module
-from services.bridge.assembler import Transaction
-from services.bridge.catalog import RelationCatalog
-from services.bridge.chunks import TableName, XidSnapshot
-from services.bridge.confirm import ConfirmTracker
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.events import EventBuilder
-from services.bridge.highwater import ServerIdentity, high_water
+from services.bridge.assemble.assembler import Transaction
+from services.bridge.assemble.spool import Spool, SpoolStats
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.publisher import GapError, Publisher, TxnQueue
+from services.bridge.progress.confirm import ConfirmTracker
+from services.bridge.progress.highwater import ServerIdentity, high_water
+from services.bridge.publish import publisher as publisher_module
+from services.bridge.publish.publisher import GapError, Publisher, TxnQueue
+from services.bridge.records.catalog import RelationCatalog
+from services.bridge.records.events import EventBuilder
 from services.bridge.settings import BridgeSettings
-from services.bridge.snapshot import WATERMARK, Chunk, SnapshotBook
-from services.bridge.spool import Spool, SpoolStats
+from services.bridge.snapshot.chunks import TableName, XidSnapshot
+from services.bridge.snapshot.reader import WATERMARK, Chunk, SnapshotBook
 from services.common import failpoints
 from services.common.failpoints import FailpointError
 from tests.unit.memory import Journal, MemoryOrigin, MemorySink

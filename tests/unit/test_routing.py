@@ -5,10 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from services.bridge import messages as m
-from services.bridge.catalog import ColumnFacts, RelationCatalog, TableFacts, known_versions
-from services.bridge.events import EventBuilder
-from services.bridge.routing import KeyChoice, Route, Routing, RoutingRefused, TableShape
+from services.bridge.decode import messages as m
+from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts, known_versions
+from services.bridge.records.events import EventBuilder
+from services.bridge.records.routing import KeyChoice, Route, Routing, RoutingRefused, TableShape
 
 ORDERS = (
     m.Column("id", 20, -1, True),

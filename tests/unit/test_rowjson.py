@@ -21,15 +21,21 @@ from typing import Any, Literal
 import orjson
 import pytest
 
-from services.bridge import _rowjson, events
-from services.bridge import messages as m
-from services.bridge._rowjson import RowPlan
-from services.bridge.catalog import ColumnFacts, RelationCatalog, RelationInfo, TableFacts, row_plan
-from services.bridge.debezium import DebeziumEventBuilder, context_headers
-from services.bridge.decoder import DecodeError, PgOutputDecoder
-from services.bridge.events import EventBuilder, Record, Undecoded, whole_row
-from services.bridge.masking import HashRule, column_mask
-from services.bridge.values import TYPE_NAMES
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import DecodeError, PgOutputDecoder
+from services.bridge.records import _rowjson, events
+from services.bridge.records._rowjson import RowPlan
+from services.bridge.records.catalog import (
+    ColumnFacts,
+    RelationCatalog,
+    RelationInfo,
+    TableFacts,
+    row_plan,
+)
+from services.bridge.records.debezium import DebeziumEventBuilder, context_headers
+from services.bridge.records.events import EventBuilder, Record, Undecoded, whole_row
+from services.bridge.records.masking import HashRule, column_mask
+from services.bridge.records.values import TYPE_NAMES
 from services.contract.records import TOAST_PLACEHOLDER
 from tests.unit.pgoutput_builder import encode, tuple_data
 
@@ -135,7 +141,7 @@ def python_path(info: RelationInfo, values: Sequence[str | None]) -> tuple[bytes
 def test_the_compiled_builder_is_built() -> None:
     # CI installs with a C compiler: without the extension the benches would measure the
     # slow path while everything else passed.
-    assert importlib.util.find_spec("services.bridge._rowjson") is not None
+    assert importlib.util.find_spec("services.bridge.records._rowjson") is not None
     assert row_plan(info_of(relation((20,)))) is not None
 
 

@@ -1,12 +1,12 @@
-"""The snapshot book's chunk bookkeeping (services/bridge/snapshot.py SnapshotBook): a
+"""The snapshot book's chunk bookkeeping (services/bridge/snapshot/reader.py SnapshotBook): a
 table's next chunk is read while the previous one waits for its watermark, and the
 progress cursor only ever moves to what the publisher published, in order."""
 
 from __future__ import annotations
 
-from services.bridge import messages as m
-from services.bridge.chunks import XidSnapshot
-from services.bridge.snapshot import ENDED_KEPT, Chunk, SnapshotBook
+from services.bridge.decode import messages as m
+from services.bridge.snapshot.chunks import XidSnapshot
+from services.bridge.snapshot.reader import ENDED_KEPT, Chunk, SnapshotBook
 
 T = ("s", "t")
 _RELATION = m.Relation(None, 1, "s", "t", "d", (m.Column("id", 23, -1, True),))

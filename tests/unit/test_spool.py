@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from services.bridge import spool as spool_module
-from services.bridge.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
+from services.bridge.assemble import spool as spool_module
+from services.bridge.assemble.spool import Spool, SpoolError, SpoolStats, prepare_spool_dir
 
 Splitter = Callable[[bytes, int], tuple[list[tuple[int, bytes]], int]]
 SPLITTERS: dict[str, Splitter] = {"python": spool_module._split_python}
-if importlib.util.find_spec("services.bridge._spoolread") is not None:
-    from services.bridge._spoolread import split
+if importlib.util.find_spec("services.bridge.assemble._spoolread") is not None:
+    from services.bridge.assemble._spoolread import split
 
     SPLITTERS["compiled"] = split
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bridge.sink import TopicIds, TopicReplaced
+from services.bridge.sink.kafka import TopicIds, TopicReplaced
 
 
 def test_an_id_learned_or_published_must_stay_the_same() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.bridge import messages as m
-from services.bridge.assembler import Assembler
-from services.bridge.decoder import PgOutputDecoder
-from services.bridge.spool import Spool, SpoolStats
+from services.bridge.assemble.assembler import Assembler
+from services.bridge.assemble.spool import Spool, SpoolStats
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import PgOutputDecoder
 from tests.unit.pgoutput_builder import encode
 
 

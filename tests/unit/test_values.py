@@ -9,7 +9,7 @@ import json
 import orjson
 import pytest
 
-from services.bridge.values import (
+from services.bridge.records.values import (
     ARRAY_ELEMENT,
     JSON_NULL,
     TYPE_NAMES,

@@ -173,7 +173,7 @@ def _split_python(buf: bytes, pos: int) -> tuple[list[tuple[int, bytes]], int]:
 
 
 try:
-    from services.bridge._spoolread import split as _split
+    from services.bridge.assemble._spoolread import split as _split
 except ImportError:  # installed where no C compiler was at hand
     _split = _split_python
 

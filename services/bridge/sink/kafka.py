@@ -40,9 +40,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from services.bridge.partitioner import partition_for
 from services.bridge.settings import BridgeSettings
-from services.bridge.topic_id_probe import ProbeError, TopicIdProbe
+from services.bridge.sink.partitioner import partition_for
+from services.bridge.sink.topic_id_probe import ProbeError, TopicIdProbe
 from services.common.errors import SlotbridgeError
 from services.common.kafka import KafkaLog, cause, check_reachable, explain
 from services.common.logs import log_event

@@ -57,7 +57,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "services.bridge._spoolread",
+    .m_name = "services.bridge.assemble._spoolread",
     .m_doc = "Spool file records, split in one call",
     .m_size = -1,
     .m_methods = methods,

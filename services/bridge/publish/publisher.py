@@ -11,7 +11,7 @@ mark on restart; the failpoints below let tests crash in each window on purpose.
 
 Snapshots meet the stream here: a transaction that holds nothing but a message of ours
 is a chunk's watermark (its rows, less what the stream overtook, go into the open batch
-at that place, see ``snapshot.py`` and ``chunks.py``) or a signal (an on-demand snapshot
+at that place, see ``snapshot/reader.py`` and ``snapshot/chunks.py``) or a signal (an on-demand snapshot
 or its cancellation, so it takes effect in stream order). A table published but not yet
 in Kafka (added to the publication later) gets a snapshot when the socket loop finds it
 missing (``SnapshotRequest``) or the stream first describes it, whichever comes first
@@ -30,19 +30,19 @@ from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.bridge import messages as m
-from services.bridge.assembler import Transaction
-from services.bridge.catalog import RelationInfo
-from services.bridge.chunks import StreamWatch, TableName
-from services.bridge.confirm import ConfirmTracker
-from services.bridge.decoder import is_logical_message, is_relation, streamed_xid
-from services.bridge.events import EventBuilder, Record, Undecoded
-from services.bridge.highwater import ServerIdentity
+from services.bridge.assemble.assembler import Transaction
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import is_logical_message, is_relation, streamed_xid
 from services.bridge.metrics import BridgeMetrics
-from services.bridge.progress_record import progress_key, progress_value
+from services.bridge.progress.confirm import ConfirmTracker
+from services.bridge.progress.highwater import ServerIdentity
+from services.bridge.progress.record import progress_key, progress_value
+from services.bridge.receive.stream import now_pg_us
+from services.bridge.records.catalog import RelationInfo
+from services.bridge.records.events import EventBuilder, Record, Undecoded
 from services.bridge.settings import BridgeSettings
-from services.bridge.snapshot import SIGNAL, WATERMARK, Chunk, SnapshotBook
-from services.bridge.stream import now_pg_us
+from services.bridge.snapshot.chunks import StreamWatch, TableName
+from services.bridge.snapshot.reader import SIGNAL, WATERMARK, Chunk, SnapshotBook
 from services.common.errors import SlotbridgeError
 from services.common.failpoints import failpoint
 from services.common.logs import log_event

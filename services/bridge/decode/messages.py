@@ -26,9 +26,6 @@ class _UnchangedToast:
 
 UNCHANGED_TOAST: Final = _UnchangedToast()
 
-# pgoutput timestamps count microseconds from PostgreSQL's epoch, 2000-01-01 UTC.
-PG_EPOCH_UNIX_US: Final = 946_684_800_000_000
-
 TupleValue = str | None | _UnchangedToast
 # A row's values in column order: pgoutput's TupleData, held in a list.
 TupleData = list[TupleValue]

@@ -1,3 +1,3 @@
-from services.bridge.messages import TupleData
+from services.bridge.decode.messages import TupleData
 
 def read(buf: bytes, pos: int, unchanged: object, /) -> tuple[TupleData, int] | None: ...

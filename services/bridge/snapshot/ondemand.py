@@ -16,10 +16,10 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
-from services.bridge.kafka_reader import read_kafka_progress
+from services.bridge.progress.kafka_reader import read_kafka_progress
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink import kafka_client_config
-from services.bridge.snapshot import SIGNAL
+from services.bridge.sink.kafka import kafka_client_config
+from services.bridge.snapshot.reader import SIGNAL
 from services.bridge.source import published_tables
 from services.common.lsn import parse_lsn
 from services.common.pg import SourceRefused, connect, with_password

@@ -62,7 +62,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "services.bridge._tuples",
+    .m_name = "services.bridge.decode._tuples",
     .m_doc = "pgoutput TupleData decoding, compiled: the decoder's hot path",
     .m_size = -1,
     .m_methods = methods,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.bridge.highwater import ServerIdentity
+from services.bridge.progress.highwater import ServerIdentity
 from services.common.errors import SlotbridgeError
 from services.contract.records import EndedSnapshot, ProgressRecord, TableSnapshot
 

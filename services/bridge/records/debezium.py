@@ -33,16 +33,16 @@ from dataclasses import dataclass
 
 import orjson
 
-from services.bridge import messages as m
-from services.bridge.catalog import RelationCatalog, RelationInfo, TableFacts, row_plan
-from services.bridge.connect_values import (
+from services.bridge.decode import messages as m
+from services.bridge.records.catalog import RelationCatalog, RelationInfo, TableFacts, row_plan
+from services.bridge.records.connect_values import (
     COMPILED_KINDS,
     ColumnType,
     Schema,
     column_encoding,
     placeholder,
 )
-from services.bridge.events import (
+from services.bridge.records.events import (
     EventBuilder,
     Headers,
     Record,
@@ -53,8 +53,9 @@ from services.bridge.events import (
     status_value,
     whole_row,
 )
-from services.bridge.masking import OUTPUT_TYPE_OID
-from services.bridge.values import JsonValue
+from services.bridge.records.masking import OUTPUT_TYPE_OID
+from services.bridge.records.values import JsonValue
+from services.common.lsn import PG_EPOCH_UNIX_US
 from services.contract.records import VERSION
 
 _dumps = orjson.dumps
@@ -452,7 +453,7 @@ class DebeziumEventBuilder(EventBuilder):
         """The ``source`` block around its sequence's LSN and its ``lsn``, constant for a
         relation in one transaction: the relation version's templates (``_shape``) with the
         transaction's numbers."""
-        us = commit_ts + m.PG_EPOCH_UNIX_US
+        us = commit_ts + PG_EPOCH_UNIX_US
         prev = b"null" if self.last_end_lsn is None else b'\\"%d\\"' % self.last_end_lsn
         shape = self._shape(info)
         return (
@@ -488,7 +489,7 @@ class DebeziumEventBuilder(EventBuilder):
         """The slots and numbers of ``_row_pieces``' records: the transaction's (its
         commit time in three units, the previous commit, xid, commit LSN) and the processing
         times."""
-        us = txn.commit_ts + m.PG_EPOCH_UNIX_US
+        us = txn.commit_ts + PG_EPOCH_UNIX_US
         trailing = (
             us // 1000,
             self.last_end_lsn or 0,

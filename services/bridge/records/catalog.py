@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
-from services.bridge import messages as m
-from services.bridge.masking import (
+from services.bridge.decode import messages as m
+from services.bridge.records.masking import (
     OUTPUT_TYPE,
     OUTPUT_TYPE_OID,
     ColumnMask,
@@ -28,8 +28,8 @@ from services.bridge.masking import (
     PublishedColumn,
     drop_column,
 )
-from services.bridge.routing import Routing, RoutingRefused, TableShape
-from services.bridge.values import (
+from services.bridge.records.routing import Routing, RoutingRefused, TableShape
+from services.bridge.records.values import (
     TYPE_NAMES,
     Converter,
     JsonValue,
@@ -44,7 +44,7 @@ from services.contract.records import TOAST_PLACEHOLDER
 from services.contract.topics import table_topic
 
 try:
-    from services.bridge._rowjson import RowPlan
+    from services.bridge.records._rowjson import RowPlan
 except ImportError:  # installed where no C compiler was at hand: rows are built in Python
     RowPlan = None  # type: ignore[assignment,misc]
 COMPILED = RowPlan is not None

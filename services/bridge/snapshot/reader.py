@@ -42,10 +42,10 @@ from psycopg import sql
 from psycopg.rows import RowMaker
 from psycopg.types.string import TextLoader
 
-from services.bridge import messages as m
-from services.bridge.chunks import Row, TableName, XidSnapshot
+from services.bridge.decode import messages as m
+from services.bridge.receive.stream import SESSION_OPTIONS
+from services.bridge.snapshot.chunks import Row, TableName, XidSnapshot
 from services.bridge.source import PublishedTable, published_tables
-from services.bridge.stream import SESSION_OPTIONS
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
 from services.common.pg import SourceRefused, connect

@@ -19,22 +19,22 @@ from typing import Any
 
 import orjson
 
-from services.bridge import messages as m
-from services.bridge.catalog import COMPILED, RelationCatalog, RelationInfo
-from services.bridge.decoder import change_relid_at, in_place_change_relation
-from services.bridge.masking import (
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import change_relid_at, in_place_change_relation
+from services.bridge.records.catalog import COMPILED, RelationCatalog, RelationInfo
+from services.bridge.records.masking import (
     drop_column,
 )
-from services.bridge.values import (
+from services.bridge.records.values import (
     JSON_NULL,
     JsonValue,
 )
 from services.common.errors import SlotbridgeError
-from services.common.lsn import format_lsn
+from services.common.lsn import PG_EPOCH_UNIX_US, format_lsn
 from services.contract.records import CONNECTOR, VERSION
 from services.contract.topics import message_topic, schema_topic, transaction_topic
 
-_PG_EPOCH_MS = m.PG_EPOCH_UNIX_US // 1000
+_PG_EPOCH_MS = PG_EPOCH_UNIX_US // 1000
 
 # orjson: several times faster than the standard library's C encoder on row-sized dicts,
 # and its Fragment embeds json/jsonb text as is (see values.py).

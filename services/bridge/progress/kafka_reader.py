@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from services.bridge.progress_record import parse_progress, progress_key
+from services.bridge.progress.record import parse_progress, progress_key
 from services.common.errors import SlotbridgeError
 from services.common.kafka import explain
 from services.contract.records import ProgressRecord

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from services.bridge.values import (
+from services.bridge.records.values import (
     ARRAY_ELEMENT,
     Converter,
     JsonValue,

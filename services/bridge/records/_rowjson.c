@@ -1211,7 +1211,7 @@ static PyMethodDef plan_methods[] = {
 };
 
 static PyTypeObject RowPlanType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.bridge._rowjson.RowPlan",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "services.bridge.records._rowjson.RowPlan",
     .tp_basicsize = sizeof(RowPlan),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "How one relation version's rows become JSON (see catalog.row_plan)",
@@ -1239,7 +1239,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "services.bridge._rowjson",
+    .m_name = "services.bridge.records._rowjson",
     .m_doc = "Rows' text values to JSON, compiled: the default record format's hot path",
     .m_size = -1,
     .m_methods = module_methods,

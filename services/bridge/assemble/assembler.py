@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.bridge import messages as m
-from services.bridge.decoder import (
+from services.bridge.assemble.spool import Spool
+from services.bridge.decode import messages as m
+from services.bridge.decode.decoder import (
     is_catalog,
     is_data,
     is_relation,
@@ -29,7 +30,6 @@ from services.bridge.decoder import (
     oversized_stand_in,
     with_streamed_xid,
 )
-from services.bridge.spool import Spool
 from services.common.errors import SlotbridgeError
 
 

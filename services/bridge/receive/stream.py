@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import conninfo, pq
 
-from services.bridge import messages as m
 from services.common.errors import SlotbridgeError
-from services.common.lsn import format_lsn, parse_lsn
+from services.common.lsn import PG_EPOCH_UNIX_US, format_lsn, parse_lsn
 from services.common.pg import complete_dsn, redact_dsn
 
 _XLOGDATA = struct.Struct("!QQQ")  # dataStart, walEnd, sendTime
@@ -72,7 +71,7 @@ class SlotCreated:
 
 def now_pg_us() -> int:
     """Now, as pgoutput and standby status messages count time."""
-    return int(time.time() * 1_000_000) - m.PG_EPOCH_UNIX_US
+    return int(time.time() * 1_000_000) - PG_EPOCH_UNIX_US
 
 
 class ReplicationConnection:

@@ -1,4 +1,4 @@
-"""pgoutput message payloads -> ``services.bridge.messages`` dataclasses (protocol 1-4).
+"""pgoutput message payloads -> ``services.bridge.decode.messages`` dataclasses (protocol 1-4).
 
 Pure: no sockets, no clocks. This runs once per row change, so the data messages are
 decoded with precompiled ``struct.Struct`` objects at explicit offsets and the tuple loop
@@ -22,11 +22,11 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from services.bridge import messages as m
+from services.bridge.decode import messages as m
 from services.common.errors import SlotbridgeError
 
 try:
-    from services.bridge._tuples import read as _read_compiled
+    from services.bridge.decode._tuples import read as _read_compiled
 except ImportError:  # installed where no C compiler was at hand
     _read_compiled = None  # type: ignore[assignment]
 COMPILED = _read_compiled is not None

@@ -1,0 +1,1 @@
+"""Messages -> whole committed transactions in commit order, spilled to disk when large."""

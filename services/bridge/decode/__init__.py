@@ -1,0 +1,1 @@
+"""pgoutput bytes -> messages: the only code that knows the protocol's bytes."""

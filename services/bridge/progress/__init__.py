@@ -1,0 +1,1 @@
+"""Where the bridge stands: the progress record, the replication origin, what may be confirmed."""

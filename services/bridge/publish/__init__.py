@@ -1,0 +1,1 @@
+"""The publisher thread: records into Kafka transactions, then the progress they make."""

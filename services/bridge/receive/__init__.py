@@ -1,0 +1,1 @@
+"""The replication connection: the streaming protocol over libpq, and the feedback it sends."""

@@ -1,0 +1,1 @@
+"""Sealed transactions -> Kafka records, in the default or the Debezium format."""

@@ -1,0 +1,1 @@
+"""Kafka: the transactional producer, the topics it writes and their ids."""

@@ -1,0 +1,1 @@
+"""Chunked snapshots of tables, reconciled with the stream."""
