@@ -223,6 +223,14 @@ class Soak:
         proc = self.pipe.proc
         return _rss_mb(proc.pid) if proc else None
 
+    def dump_stacks(self) -> None:
+        """Where each of the bridge's threads stands, into its log (SIGUSR1: faulthandler)."""
+        proc = self.pipe.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            _say(f"the bridge's threads are in {self.pipe.log_path}")
+
     def children_rss_mb(self) -> float | None:
         """The RSS of the bridge's child processes (its topic id probe)."""
         proc = self.pipe.proc
@@ -466,19 +474,25 @@ def main() -> int:
     stack = Stack(args.stack_dir / "stack")
     stack.up()
     soak = Soak(stack, args.stack_dir, args.rate, rotation)
+    finished = False
     try:
         soak.run(args.minutes, args.fault_every_s)
         result = soak.verdict()
+        finished = True
     finally:
         soak.mix.stop()
+        if not finished:
+            soak.dump_stacks()
         soak.pipe.kill()
         soak.proxy.stop()
-        if not args.keep_stack:
+        # A run that broke off keeps its servers' logs and data: they are the evidence.
+        if finished and not args.keep_stack:
             stack.down(purge=True)
             shutil.rmtree(args.stack_dir / "stack", ignore_errors=True)
             _say(f"stopped and removed the stack in {args.stack_dir / 'stack'}")
         else:
-            _say(f"kept the stack in {args.stack_dir / 'stack'} (slotbridge stack down --dir ...)")
+            stack.down()
+            _say(f"stopped the stack, kept in {args.stack_dir} with the bridge's log")
     if args.json:
         print(json.dumps(result, indent=2))
     else:

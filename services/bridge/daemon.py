@@ -21,6 +21,7 @@ streamed: each outage is waited out on its own terms, whatever happened before i
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import signal
@@ -209,6 +210,9 @@ class Bridge:
         """Run until SIGTERM/SIGINT or a fatal error; returns the process exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        # A bridge that stands still without a word: `kill -USR1 <pid>` writes where each of
+        # its threads is to stderr, and it goes on.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         server = None
         try:
             if self.settings.http_port:

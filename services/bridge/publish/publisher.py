@@ -11,11 +11,12 @@ mark on restart; the failpoints below let tests crash in each window on purpose.
 
 Snapshots meet the stream here: a transaction that holds nothing but a message of ours
 is a chunk's watermark (its rows, less what the stream overtook, go into the open batch
-at that place, see ``snapshot/reader.py`` and ``snapshot/chunks.py``) or a signal (an on-demand snapshot
-or its cancellation, so it takes effect in stream order). A table published but not yet
-in Kafka (added to the publication later) gets a snapshot when the socket loop finds it
-missing (``SnapshotRequest``) or the stream first describes it, whichever comes first
-(planned from the transaction's Relation messages before its records are built).
+at that place, see ``snapshot/reader.py`` and ``snapshot/chunks.py``) or a signal (an
+on-demand snapshot or its cancellation, so it takes effect in stream order). A table
+published but not yet in Kafka (added to the publication later) gets a snapshot when the
+socket loop finds it missing (``SnapshotRequest``) or the stream first describes it,
+whichever comes first (planned from the transaction's Relation messages before its
+records are built).
 The progress record of every batch carries how far each snapshot got.
 """
 
