@@ -362,7 +362,8 @@ def print_batches(label: str, run: Run) -> None:
     print(f"{label}: {run.wall_s:.1f} s wall, {run.cpu_s:.1f} s JVM CPU")
     for b in run.batches:
         phases = " | ".join(
-            f"{name.removeprefix(TABLE + ' ')} {sec:.1f}" for name, sec in b.timings.phases.items()
+            f"{name.removeprefix(TABLE + ' ')} {sec:.1f} ({b.timings.jobs.get(name, 0)} jobs)"
+            for name, sec in b.timings.phases.items()
         )
         print(
             f"  batch {b.batch_id}: {b.applied:>7} changes, {b.seconds:5.1f} s wall, "

@@ -87,7 +87,7 @@ class BatchProcessor:
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
-        timings = BatchTimings()
+        timings = BatchTimings(context=self.spark.sparkContext)
         envs = envelopes(raw, self.settings.topic_prefix).persist()
         try:
             counts = self._process(raw, envs, batch_id, timings)
