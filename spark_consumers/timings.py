@@ -3,8 +3,10 @@ per MERGE.
 
 A slow batch is explained by this breakdown (in the "batch applied" log line and the
 status file), not by guessing: reading and parsing the Kafka records (the survey is the
-first action on them), typing each table's rows, each MERGE with Delta's
-``operationMetrics`` of its commit (execution, source materialization, scan, rewrite).
+first action on them), typing each table's rows, each MERGE with the rows it inserted,
+updated and deleted (what the MERGE returns: reading its commit's ``operationMetrics``
+back would cost a Spark job per MERGE; ``bench/spark_merge_bench.py`` reads them once
+the run is over).
 The jobs are counted because each costs Spark's fixed scheduling and planning time
 whatever its rows: on a small table they, not the rows, decide the phase's seconds.
 """
@@ -16,24 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from delta.tables import DeltaTable
 from pyspark import SparkContext
-
-# The operationMetrics of a MERGE commit worth a line: time and what was written.
-_MERGE_METRICS = (
-    "executionTimeMs",
-    "materializeSourceTimeMs",
-    "scanTimeMs",
-    "rewriteTimeMs",
-    "numSourceRows",
-    "numTargetRowsInserted",
-    "numTargetRowsUpdated",
-    "numTargetRowsDeleted",
-    "numTargetRowsCopied",
-    "numTargetFilesAdded",
-    "numTargetFilesRemoved",
-    "numTargetDeletionVectorsAdded",
-)
+from pyspark.sql import DataFrame
 
 
 @dataclass
@@ -64,9 +50,11 @@ class BatchTimings:
         group = self.context.getLocalProperty("spark.jobGroup.id")
         return set(self.context.statusTracker().getJobIdsForGroup(group))
 
-    def merged(self, name: str, table: DeltaTable) -> None:
-        """Keep the metrics Delta recorded for the MERGE just committed to ``table``."""
-        commit = table.history(1).select("operation", "operationMetrics").first()
-        if commit is not None and commit["operation"] == "MERGE":
-            metrics = commit["operationMetrics"] or {}
-            self.merges[name] = {k: int(metrics[k]) for k in _MERGE_METRICS if k in metrics}
+    def merged(self, name: str, result: DataFrame) -> None:
+        """Keep the row counts of the MERGE that returned ``result`` (num_inserted_rows...).
+
+        The MERGE has run: ``result`` is its command's output, held by the driver, so
+        reading it starts no job."""
+        row = result.first()
+        if row is not None:
+            self.merges[name] = {k: int(v) for k, v in row.asDict().items() if v is not None}
