@@ -8,7 +8,9 @@ updated and deleted (what the MERGE returns: reading its commit's ``operationMet
 back would cost a Spark job per MERGE; ``bench/spark_merge_bench.py`` reads them once
 the run is over).
 The jobs are counted because each costs Spark's fixed scheduling and planning time
-whatever its rows: on a small table they, not the rows, decide the phase's seconds.
+whatever its rows: on a small table they, not the rows, decide the phase's seconds. They
+are the jobs the query started during the phase: with tables applied side by side, the
+other tables' jobs of that time are in it too.
 """
 
 from __future__ import annotations
