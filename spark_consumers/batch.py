@@ -155,9 +155,10 @@ class BatchProcessor:
         workers = max(1, min(len(tables), self.spark.sparkContext.defaultParallelism))
         # Every table's writes finish (or fail) before the batch ends; a failure then
         # fails the batch, which is replayed on restart. Worker threads inherit the
-        # query's job group, so stopping the query cancels their jobs too.
+        # query's job group and tags, so stopping the query cancels their jobs too.
+        target = inheritable_thread_target(self.spark)(one_table)
         with ThreadPoolExecutor(workers, thread_name_prefix="slotbridge-table") as pool:
-            futures = {t: pool.submit(inheritable_thread_target(one_table), t) for t in tables}
+            futures = {table: pool.submit(target, table) for table in tables}
         return {table: future.result() for table, future in futures.items()}
 
     def _quarantine(self, bad: DataFrame, raw: DataFrame, batch_id: int) -> None:
