@@ -307,15 +307,16 @@ class TableWriter:
         )
         try:
             changes = rows if toasted is None else toasted
-            target = self._target(self.paths.history, table, history_struct(table))
-            new_keys = self._only_new_keys(table, facts)
             with timings.phase(f"{table.name} history"):
+                target = self._target(self.paths.history, table, history_struct(table))
+                new_keys = self._only_new_keys(table, facts)
                 merged = self._merge_history(changes, table, facts, target, new_keys)
                 if merged is not None:
                     timings.merged(f"{table.name} history", merged)
             if facts.key_range is not None and self._key_ceiling is not None:
                 name, ceiling = self._key_ceiling
-                self._key_ceiling = name, max(facts.key_range[1], ceiling or facts.key_range[1])
+                high = facts.key_range[1]
+                self._key_ceiling = name, high if ceiling is None else max(ceiling, high)
             # Crash tests kill the job here: history committed, current state not yet.
             failpoint("consume_after_history")
             if table.key_columns:

@@ -439,6 +439,26 @@ def test_new_serial_keys_are_appended_and_replay_after_a_restart_changes_nothing
     assert sorted(whole.current()) == [1, 2, 3, 5]
 
 
+def test_a_change_of_a_stored_key_is_merged_after_a_batch_of_smaller_keys(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The largest stored key only grows: a batch of smaller keys must not lower it, or a
+    later change of the largest key would be appended as a second row."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run(t.change("c", row(0), 100, 1, 1))
+    h.run(t.change("c", row(-5), 200, 1, 2))
+    h.run(t.change("u", row(0, "x"), 300, 1, 3))
+    path = table_paths(h.settings.warehouse, "public.t").current
+    assert spark.read.format("delta").load(path).count() == 2
+    assert h.current()[0]["name"] == "x"
+    assert sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in h.history()) == [
+        (-5, 200, None),
+        (0, 100, 300),
+        (0, 300, None),
+    ]
+
+
 def test_deletion_vectors_give_every_delta_reader_the_same_tables(
     spark: SparkSession, tmp_path: Path
 ) -> None:
