@@ -30,9 +30,11 @@ Fairness:
 - JVM CPU seconds are printed next to wall seconds: on a shared machine the wall time
   moves with the neighbours' load, the CPU time much less.
 
-Per batch it prints the consumer's own phase breakdown (wall seconds of read/parse/survey,
-typing, history, current state and, inside it, tombstones), the JVM CPU seconds of the
-batch, and Delta's operationMetrics of each MERGE (files rewritten and added, rows copied).
+Per batch it prints the consumer's own phase breakdown (wall seconds and Spark jobs of
+read/parse/survey, typing, history, current state and, inside it, tombstones) and the JVM
+CPU seconds of the batch; after the run, Delta's operationMetrics of each MERGE commit
+(files rewritten and added, rows copied), read from the tables' logs once the timed run
+is over.
 
 Afterwards the results are verified, and the script exits non-zero when they are wrong:
 the current-state table holds exactly the live keys, each with its last change's values;
@@ -362,14 +364,29 @@ def print_batches(label: str, run: Run) -> None:
     print(f"{label}: {run.wall_s:.1f} s wall, {run.cpu_s:.1f} s JVM CPU")
     for b in run.batches:
         phases = " | ".join(
-            f"{name.removeprefix(TABLE + ' ')} {sec:.1f}" for name, sec in b.timings.phases.items()
+            f"{name.removeprefix(TABLE + ' ')} {sec:.1f} ({b.timings.jobs.get(name, 0)} jobs)"
+            for name, sec in b.timings.phases.items()
         )
         print(
             f"  batch {b.batch_id}: {b.applied:>7} changes, {b.seconds:5.1f} s wall, "
             f"{b.cpu_s:5.1f} s JVM CPU; {phases}"
         )
-        for name, metrics in b.timings.merges.items():
-            print(_merge_line(name.removeprefix(TABLE + " "), metrics))
+
+
+def print_merges(spark: SparkSession, settings: ConsumerSettings) -> None:
+    """Delta's metrics of every MERGE commit of both tables, oldest first."""
+    paths = table_paths(settings.warehouse, TABLE)
+    for kind, path in (("history", paths.history), ("current", paths.current)):
+        commits = (
+            DeltaTable.forPath(spark, path)
+            .history()
+            .where(F.col("operation") == "MERGE")
+            .orderBy("version")
+            .collect()
+        )
+        for commit in commits:
+            metrics = {k: int(v) for k, v in (commit["operationMetrics"] or {}).items()}
+            print(_merge_line(f"{kind} v{commit['version']}", metrics))
 
 
 @dataclass
@@ -399,6 +416,7 @@ def run_shape(
     merged = consume(spark, settings)
     plain = append(spark, settings, sent.topic, folder, args.batch)
     print_batches("consumer", merged)
+    print_merges(spark, settings)
     print(f"parquet append: {plain.wall_s:.1f} s wall, {plain.cpu_s:.1f} s JVM CPU")
     problems = verify(spark, settings, sent, folder / "parquet")
     merge_rate, append_rate = sent.records / merged.wall_s, sent.records / plain.wall_s

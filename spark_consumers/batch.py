@@ -4,19 +4,24 @@ Per batch the driver runs one small aggregation to learn which tables, schema ve
 truncates and deletes the batch holds, refreshes the schema registry if a version is new
 or snapshot rows are in the batch (a resync's gap record, see gaps.py),
 and then, table by table, counts bad rows (and TOAST markers among the good ones),
-quarantines the bad rows and merges the good ones.
+quarantines the bad rows and merges the good ones. Tables are applied side by side (as
+many at once as Spark has cores): each is a chain of small Spark jobs whose fixed costs
+(planning, scheduling, Delta's log) would otherwise leave cores idle between them.
 Every write is idempotent (see merge.py), so Spark replaying a batch after a crash is safe.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import reduce
 from operator import or_
 
+from pyspark import inheritable_thread_target
 from pyspark.errors import AnalysisException
 from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
@@ -84,10 +89,12 @@ class BatchProcessor:
         self.stopped: dict[str, str] | None = None
         # The gaps already in the ``_gaps`` table.
         self.gaps_stored: set[tuple[str, int]] = set()
+        # Tables share one dead-letter table, and two MERGEs into it at once would conflict.
+        self._dead_letter_lock = threading.Lock()
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
-        timings = BatchTimings()
+        timings = BatchTimings(context=self.spark.sparkContext)
         envs = envelopes(raw, self.settings.topic_prefix).persist()
         try:
             counts = self._process(raw, envs, batch_id, timings)
@@ -119,21 +126,21 @@ class BatchProcessor:
             self._record_gaps()
         if self.stopped is None:
             self.stopped = stopped_tables(self.spark, dead_letter_path(self.settings.warehouse))
-        counts: dict[str, TableCounts] = {}
-        for table, survey in sorted(surveys.items()):
+        stopped = self.stopped
+
+        def one_table(table: str) -> TableCounts:
             table_envs = envs.where(F.col(TABLE) == table)
-            why = self.stopped.get(table)
+            why = stopped.get(table)
             if why is None:
                 try:
-                    counts[table] = self._apply_table(
-                        raw, table_envs, table, survey, batch_id, timings
+                    return self._apply_table(
+                        raw, table_envs, table, surveys[table], batch_id, timings
                     )
-                    continue
                 except (AnalysisException, TableRefused) as exc:
                     # Raised by this table's shape or data, so a retry would raise it again:
                     # stop this table alone. Anything else (Kafka, disk, memory) fails the
                     # job, and the batch is replayed on restart.
-                    why = self.stopped[table] = error_line(exc)
+                    why = stopped[table] = error_line(exc)
                     log_event(
                         log,
                         logging.ERROR,
@@ -142,8 +149,26 @@ class BatchProcessor:
                         reason=why,
                         batch_id=batch_id,
                     )
-            counts[table] = self._set_aside(raw, table_envs, table, why, batch_id)
-        return counts
+            return self._set_aside(raw, table_envs, table, why, batch_id)
+
+        tables = sorted(surveys)
+        workers = max(1, min(len(tables), self.spark.sparkContext.defaultParallelism))
+        # Every table's writes finish (or fail) before the batch ends; a failure then
+        # fails the batch, which is replayed on restart. Worker threads inherit the
+        # query's job group and tags, so stopping the query cancels their jobs too.
+        target = inheritable_thread_target(self.spark)(one_table)
+        with ThreadPoolExecutor(workers, thread_name_prefix="slotbridge-table") as pool:
+            futures = {table: pool.submit(target, table) for table in tables}
+        return {table: future.result() for table, future in futures.items()}
+
+    def _quarantine(self, bad: DataFrame, raw: DataFrame, batch_id: int) -> None:
+        with self._dead_letter_lock:
+            quarantine(
+                self.spark,
+                dead_letter_path(self.settings.warehouse),
+                _with_texts(bad, raw),
+                batch_id,
+            )
 
     def _record_gaps(self) -> None:
         """Every gap of the registry in the ``_gaps`` table (see gaps.py) and the status."""
@@ -159,9 +184,7 @@ class BatchProcessor:
         """A stopped table's records of this batch, dead-lettered with the reason. Applying
         later changes over the ones set aside would build a wrong table."""
         bad = envs.select(*COORDINATES, F.col(TABLE), F.lit(STOPPED + why).alias(REASON))
-        quarantine(
-            self.spark, dead_letter_path(self.settings.warehouse), _with_texts(bad, raw), batch_id
-        )
+        self._quarantine(bad, raw, batch_id)
         count = bad.count()
         log_event(
             log,
@@ -217,13 +240,12 @@ class BatchProcessor:
         batch_id: int,
         timings: BatchTimings,
     ) -> TableCounts:
-        dead_letters = dead_letter_path(self.settings.warehouse)
         known = sorted(self.registry.versions.get(table, {}))
         if not known:
             bad = envs.select(
                 *COORDINATES, F.col(TABLE), F.lit("no schema record for this table").alias(REASON)
             )
-            quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
+            self._quarantine(bad, raw, batch_id)
             return TableCounts(quarantined=bad.count())
         schema = self.registry.merged(table)
         collisions = schema.case_collisions()
@@ -256,7 +278,7 @@ class BatchProcessor:
             bad_n = int(split[False]["n"]) if False in split else 0
             if bad_n:
                 bad = typed.where(F.col(REASON).isNotNull()).select(*COORDINATES, TABLE, REASON)
-                quarantine(self.spark, dead_letters, _with_texts(bad, raw), batch_id)
+                self._quarantine(bad, raw, batch_id)
                 log_event(
                     log,
                     logging.WARNING,

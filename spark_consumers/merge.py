@@ -282,6 +282,11 @@ class TableWriter:
         self._floor: Position | None = None
         self._truncates: set[Position] | None = None
         self._tombstones: bool | None = None
+        # (key column, largest key the history holds, None when it holds none), for a key
+        # of one integer column; None until read.
+        self._key_ceiling: tuple[str, int | None] | None = None
+        # Whether the last batch's history write ended stored versions (took a MERGE).
+        self._history_merged = False
 
     def apply(
         self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts, timings: BatchTimings
@@ -303,13 +308,20 @@ class TableWriter:
         try:
             changes = rows if toasted is None else toasted
             with timings.phase(f"{table.name} history"):
-                if self._merge_history(changes, table, facts):
-                    timings.merged(f"{table.name} history", self.history)
+                target = self._target(self.paths.history, table, history_struct(table))
+                new_keys = self._only_new_keys(table, facts)
+                merged = self._merge_history(changes, table, facts, target, new_keys)
+                if merged is not None:
+                    timings.merged(f"{table.name} history", merged)
+            if facts.key_range is not None and self._key_ceiling is not None:
+                name, ceiling = self._key_ceiling
+                high = facts.key_range[1]
+                self._key_ceiling = name, high if ceiling is None else max(ceiling, high)
             # Crash tests kill the job here: history committed, current state not yet.
             failpoint("consume_after_history")
             if table.key_columns:
                 with timings.phase(f"{table.name} current"):
-                    self._merge_current(changes, table, facts, timings)
+                    self._merge_current(changes, table, facts, timings, new_keys)
         finally:
             if toasted is not None:
                 toasted.unpersist()
@@ -325,6 +337,27 @@ class TableWriter:
             )
         return known[1]
 
+    def _only_new_keys(self, table: s.TableSchema, facts: BatchFacts) -> bool:
+        """Every key of the batch is larger than every key the history holds (a serial
+        key's new rows) and the batch truncates nothing.
+
+        Then no stored version can end or be replayed, and neither the current state nor
+        the tombstones (both only hold keys the history has) hold a row of these keys:
+        both writes are appends, without a look at the stored rows. The largest stored
+        key is read once (a Spark job), then kept up to date in memory.
+        """
+        if facts.key_range is None or facts.truncates:
+            return False
+        key = table.key_columns[0]
+        if self._key_ceiling is None or self._key_ceiling[0] != key:
+            stored = None
+            if self.paths.history not in self._empty:
+                row = self.history.toDF().agg(F.max(F.col(quote(key)))).first()
+                stored = None if row is None or row[0] is None else int(row[0])
+            self._key_ceiling = key, stored
+        ceiling = self._key_ceiling[1]
+        return ceiling is None or facts.key_range[0] > ceiling
+
     def _load_tombstone_state(self, table: s.TableSchema) -> None:
         if not DeltaTable.isDeltaTable(self.spark, self.paths.tombstones):
             self._tombstones = False  # created on the first delete or truncate
@@ -334,9 +367,16 @@ class TableWriter:
         self._floor = None if row is None else (int(row[0]), int(row[1]))
         self._tombstones = stones.where(~F.col(IS_TRUNCATE)).limit(1).count() > 0
 
-    def _merge_history(self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts) -> bool:
-        """Insert each change once and keep SCD type 2 validity right; True when that
-        took a MERGE (False: an append).
+    def _merge_history(
+        self,
+        rows: DataFrame,
+        table: s.TableSchema,
+        facts: BatchFacts,
+        target: StructType,
+        new_keys: bool,
+    ) -> DataFrame | None:
+        """Insert each change once and keep SCD type 2 validity right; the MERGE's result
+        when that took one (None: an append). ``new_keys``: see ``_only_new_keys``.
 
         A change is valid from its commit LSN to the commit LSN of the first thing after it
         that ends it: the key's next change or the next truncate, whichever comes first
@@ -349,7 +389,6 @@ class TableWriter:
         including late records (a truncate and the changes around it sit on different
         Kafka partitions) and replays.
         """
-        target = self._target(self.paths.history, table, history_struct(table))
         keys = table.key_columns
         truncates = self._history_truncates() | set(facts.truncates)
         # A truncate before the batch's oldest change ends nothing this batch recomputes:
@@ -361,7 +400,7 @@ class TableWriter:
         # Without a truncate, only stored rows of the batch's keys are reachable.
         key_range = None if facts.truncates else facts.key_range
         # A table this writer created holds nothing yet: no stored row to look for.
-        only_new = self.paths.history in self._empty
+        only_new = self.paths.history in self._empty or new_keys
         if not only_new and (keys or facts.truncates):
             stored = history.toDF().where(
                 f"{_reachable(facts.oldest_lsn)} AND {_in_key_range(table, key_range)}"
@@ -375,7 +414,10 @@ class TableWriter:
                 )
             # No stored row within reach: nothing to close, no change stored before (a
             # replay), so the batch only adds rows. Looking stops at the first row found.
-            only_new = stored.isEmpty()
+            # It is a Spark job, spent for nothing when there are such rows: after a batch
+            # that ended stored versions (updates), the next most likely does too, so it
+            # MERGEs without looking (a MERGE that ends nothing only inserts).
+            only_new = not self._history_merged and stored.isEmpty()
             identity = [*keys, s.OP, s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO]
             if not only_new:
                 union = fresh.unionByName(
@@ -384,6 +426,7 @@ class TableWriter:
                     )
                 )
         ends = _recompute_ends(union, table, later)
+        result = None
         if only_new:
             _align(ends, target).write.format("delta").mode("append").save(self.paths.history)
             self._empty.discard(self.paths.history)
@@ -391,23 +434,24 @@ class TableWriter:
             # Stored rows whose end did not move and batch rows already stored (a replay)
             # are left out: a MERGE rewrites every file holding a matched row.
             moved = ~F.col(_STORED) | ~F.col(s.VALID_TO).eqNullSafe(F.col(_OLD_END))
-            self._close_and_insert(
+            result = self._close_and_insert(
                 history, ends.where(moved), target, _in_key_range(table, key_range, "t."), facts
             )
         self._truncates = truncates
-        return not only_new
+        self._history_merged = not only_new
+        return result
 
     @staticmethod
     def _close_and_insert(
         history: DeltaTable, ends: DataFrame, target: StructType, in_range: str, facts: BatchFacts
-    ) -> None:
+    ) -> DataFrame:
         """One MERGE: move the ends of stored rows and insert the new rows."""
         same_change = " AND ".join(
             f"t.{quote(c)} = s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP)
         )
         # The stored side of the join is narrowed by the same predicates that chose the
         # reachable rows, so Delta skips files and Spark filters rows before joining.
-        (
+        return (
             history.alias("t")
             .merge(
                 ends.alias("s"),
@@ -439,9 +483,15 @@ class TableWriter:
         return self._truncates
 
     def _merge_current(
-        self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts, timings: BatchTimings
+        self,
+        rows: DataFrame,
+        table: s.TableSchema,
+        facts: BatchFacts,
+        timings: BatchTimings,
+        new_keys: bool,
     ) -> None:
-        """Bring the current-state table to the newest change of every key in the batch."""
+        """Bring the current-state table to the newest change of every key in the batch;
+        ``new_keys`` (see ``_only_new_keys``): the table holds none of them."""
         target = self._target(self.paths.current, table, current_struct(table))
         keys = list(table.key_columns)
         current = DeltaTable.forPath(self.spark, self.paths.current)
@@ -458,7 +508,7 @@ class TableWriter:
         floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
         if floor is not None:
             latest = latest.where(_newer_than(floor))
-        if self._tombstones and stones is not None:
+        if self._tombstones and stones is not None and not new_keys:
             # Tombstones are appended, so a key deleted several times has several: its
             # newest delete is the one a change must come after.
             deleted = (
@@ -472,16 +522,17 @@ class TableWriter:
                 .where(F.col("_d").isNull() | (F.struct(*_position_order()) > F.col("_d")))
                 .drop("_d")
             )
-        latest = latest.persist()
+        if facts.has_deletes:
+            latest = latest.persist()  # read again for the tombstones
         in_range = _in_key_range(table, facts.key_range, "t.")
         try:
-            if self.paths.current in self._empty:
+            if self.paths.current in self._empty or new_keys:
                 # What the MERGE would insert into a table without rows, without its join.
                 live = latest.where(F.col(s.OP) != "d")
                 _align(live, target).write.format("delta").mode("append").save(self.paths.current)
                 self._empty.discard(self.paths.current)
             else:
-                (
+                result = (
                     current.alias("t")
                     .merge(
                         _align(latest, target, (s.OP,)).alias("s"),
@@ -494,7 +545,7 @@ class TableWriter:
                     )
                     .execute()
                 )
-                timings.merged(f"{table.name} current", current)
+                timings.merged(f"{table.name} current", result)
             if facts.has_deletes and tombstones is not None:
                 with timings.phase(f"{table.name} tombstones"):
                     _append_tombstones(latest, tombstones, self.paths.tombstones)

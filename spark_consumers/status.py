@@ -82,6 +82,7 @@ class Status:
             tables={t: _counts(c) for t, c in counts.items()},
             phases=self.last_batch_timings.phases,
             merges=self.last_batch_timings.merges,
+            jobs=self.last_batch_timings.jobs,
         )
 
     @property
@@ -107,6 +108,7 @@ class Status:
             "last_batch_seconds": self.last_batch_seconds,
             "last_batch_phases": self.last_batch_timings.phases,
             "last_batch_merges": self.last_batch_timings.merges,
+            "last_batch_jobs": self.last_batch_timings.jobs,
             "tables": {t: _counts(c) for t, c in sorted(self.tables.items())},
             "stopped_tables": sorted(t for t, c in self.tables.items() if c.stopped),
             "quarantined": self.quarantined,

@@ -218,7 +218,7 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
         (200, 300),
         (300, None),
     ]
-    # Where the batch's time went, with Delta's own metrics of each MERGE.
+    # Where the batch's time went, with the Spark jobs and the rows of each MERGE.
     status = h.processor.status.as_dict()
     assert set(status["last_batch_phases"]) == {
         "read, parse, survey",
@@ -226,11 +226,13 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
         "public.t history",
         "public.t current",
     }
+    assert set(status["last_batch_jobs"]) == set(status["last_batch_phases"])
+    assert all(n > 0 for n in status["last_batch_jobs"].values())
     merges = status["last_batch_merges"]
     assert set(merges) == {"public.t history", "public.t current"}
-    assert merges["public.t history"]["numTargetRowsInserted"] == 1
-    assert merges["public.t history"]["numTargetRowsUpdated"] == 1
-    assert merges["public.t current"]["executionTimeMs"] > 0
+    assert merges["public.t history"]["num_inserted_rows"] == 1
+    assert merges["public.t history"]["num_updated_rows"] == 1
+    assert merges["public.t current"]["num_updated_rows"] == 1
 
 
 def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
@@ -384,6 +386,77 @@ def test_late_truncate_and_late_changes_end_versions_as_in_one_batch(
         ]
     )
     assert split.current() == whole.current()
+
+
+def test_new_serial_keys_are_appended_and_replay_after_a_restart_changes_nothing(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A batch whose keys all lie above every stored key is appended to both tables
+    without a MERGE; replayed by a new job (which reads the largest stored key again) and
+    followed by other batches, the tables are those one batch of every change gives."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    first = [*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)]
+    serial = [
+        *t.change("c", row(3), 200, 1, 2),
+        *t.change("u", row(3, "x"), 300, 1, 3),
+        *t.change("c", row(4), 300, 2, 3),
+        *t.change("d", {"id": 4}, 400, 1, 4),
+    ]
+    last = [*t.change("c", row(5), 500, 1, 5), *t.change("u", row(1, "y"), 500, 2, 5)]
+    whole = Harness(spark, tmp_path / "whole", t)
+    whole.run([*first, *serial, *last])
+    split = Harness(spark, tmp_path / "split", t)
+    split.run(first)
+    split.run(serial)
+    assert split.processor.status.last_batch_timings.merges == {}  # two appends
+    # A new job on the same tables (killed before its checkpoint): the batch again.
+    split = Harness(spark, tmp_path / "split", t)
+    split.run(serial)
+    split.run(last)
+    assert set(split.processor.status.last_batch_timings.merges) == {
+        "public.t history",
+        "public.t current",
+    }
+
+    def ends(h: Harness) -> list[tuple[Any, ...]]:
+        return sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in h.history())
+
+    assert (
+        ends(split)
+        == ends(whole)
+        == [
+            (1, 100, 500),
+            (1, 500, None),
+            (2, 100, None),
+            (3, 200, 300),
+            (3, 300, None),
+            (4, 300, 400),
+            (4, 400, 400),
+            (5, 500, None),
+        ]
+    )
+    assert split.current() == whole.current()
+    assert sorted(whole.current()) == [1, 2, 3, 5]
+
+
+def test_a_change_of_a_stored_key_is_merged_after_a_batch_of_smaller_keys(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The largest stored key only grows: a batch of smaller keys must not lower it, or a
+    later change of the largest key would be appended as a second row."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    h.run(t.change("c", row(0), 100, 1, 1))
+    h.run(t.change("c", row(-5), 200, 1, 2))
+    h.run(t.change("u", row(0, "x"), 300, 1, 3))
+    path = table_paths(h.settings.warehouse, "public.t").current
+    assert spark.read.format("delta").load(path).count() == 2
+    assert h.current()[0]["name"] == "x"
+    assert sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in h.history()) == [
+        (-5, 200, None),
+        (0, 100, 300),
+        (0, 300, None),
+    ]
 
 
 def test_deletion_vectors_give_every_delta_reader_the_same_tables(
