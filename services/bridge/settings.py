@@ -352,8 +352,3 @@ class BridgeSettings(ServiceSettings):
     def transactional_id(self) -> str:
         """One id per slot: a second bridge on the same slot fences the first."""
         return self.kafka_transactional_id or f"slotbridge-{self.slot_name}"
-
-    @property
-    def fence_group(self) -> str:
-        """The consumer group an idle bridge commits to, to learn whether it was fenced."""
-        return f"{self.transactional_id}-fence"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import time
 import uuid
 
@@ -238,3 +239,49 @@ def test_abort_that_timed_out_is_finished_before_the_next_transaction(stack: Sta
         sink.close()
         proxy.stop()
     assert _values(stack, name) == ["after"]
+
+
+def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None:
+    """An idle bridge asks every 5 s whether a successor fenced it, and a bridge whose
+    stream broke asks before anything else. Asked with a consumer-group offset, librdkafka
+    2.16 waited past the call's timeout, for good, once the broker had restarted
+    (confluentinc/librdkafka#5511): a soak's bridge stood silent after a broker restart and
+    a failover. The check must end within its timeout after a restart, still tell a fenced
+    producer, and leave nothing a read_committed reader sees."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    timeout_s = 60
+    settings = _settings(stack, name, kafka_transaction_timeout_ms=timeout_s * 1000)
+    sink = KafkaSink(settings)
+    successor = None
+    try:
+        sink.start()
+        sink.ensure_topics({settings.progress_topic: True})
+        sink.prove_not_fenced()
+        stack.kafka.stop()
+        stack.kafka.start()
+        stack.kafka.wait_ready()
+        # In a thread: the old check never returned, and this test must say so rather
+        # than wait for it. Twice the check's own timeout is its bound, whatever the load.
+        outcome: list[BaseException | None] = []
+
+        def check() -> None:
+            try:
+                sink.prove_not_fenced()
+                outcome.append(None)
+            except BaseException as exc:  # reported below
+                outcome.append(exc)
+
+        worker = threading.Thread(target=check, daemon=True)
+        worker.start()
+        worker.join(2 * timeout_s)
+        assert not worker.is_alive(), "prove_not_fenced went past its timeout after a restart"
+        assert outcome == [None]
+        successor = KafkaSink(settings)
+        successor.start()  # registers the transactional id: fences ``sink``
+        with pytest.raises(FencedError):
+            sink.prove_not_fenced()
+    finally:
+        sink.close()
+        if successor is not None:
+            successor.close()
+    assert _values(stack, settings.progress_topic) == []

@@ -16,18 +16,17 @@ the loss.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from confluent_kafka import (
-    Consumer,
     KafkaError,
     KafkaException,
     Producer,
     TopicCollection,
-    TopicPartition,
 )
 
 # Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
@@ -380,7 +379,10 @@ class KafkaSink:
         # A commit_transaction or abort_transaction that timed out: librdkafka refuses every
         # other transactional call (_CONFLICT) until this one is called again and finishes.
         self._unfinished: str | None = None
-        self._fence_group: Consumer | None = None  # made by the first prove_not_fenced
+        # prove_not_fenced's record: a key of its own, never the slot's progress key.
+        self._fence_probe_key = json.dumps(
+            {"slot": settings.slot_name, "fence_probe": True}
+        ).encode()
 
     @property
     def record_limit(self) -> int:
@@ -888,36 +890,44 @@ class KafkaSink:
                 raise self._classify(exc) from None
 
     def prove_not_fenced(self) -> None:
-        """Commit a transaction that holds only a consumer-group offset; FencedError if a
-        newer bridge took the transactional id.
+        """Write one record into a transaction and abort it; FencedError if a newer bridge
+        took the transactional id.
 
-        The coordinator checks the producer's epoch on every transactional request, and a
-        bridge with nothing to publish sends none: this is how an idle one learns it was
-        fenced. The offset (group ``<transactional id>-fence``, on the progress topic) lands
-        in Kafka's internal offsets topic, in no topic anybody reads.
+        The coordinator and the partition's leader check the producer's epoch on every
+        transactional request, and a bridge with nothing to publish sends none: this is how
+        an idle one learns it was fenced. The record is a tombstone under a key of its own on
+        the progress topic, aborted: no read_committed reader sees it, compaction drops it.
+
+        Not a consumer-group offset sent to the transaction, as before: once the brokers have
+        restarted, librdkafka (2.16) may never look the group's coordinator up again, and
+        ``send_offsets_to_transaction`` then waits past its timeout, for good
+        (confluentinc/librdkafka#5511, #5456). A soak's bridge stood there, silent, for as
+        long as it was watched after a broker restart and a planned failover.
         """
-        if self._fence_group is None:
-            self._fence_group = Consumer(
-                {**kafka_client_config(self._settings), "group.id": self._settings.fence_group}
-            )
-        group = self._fence_group.consumer_group_metadata()
-        timeout_s = self._settings.kafka_transaction_timeout_ms / 1000
         self.begin()
         try:
-            self._producer.send_offsets_to_transaction(
-                [TopicPartition(self._settings.progress_topic, 0, 0)], group, timeout_s
+            self.produce(self._settings.progress_topic, self._fence_probe_key, None)
+            self._deliver_all()
+        except (KafkaException, SystemError, SinkError) as exc:
+            # SystemError: a delivery report served while the fatal error is pending.
+            failed = exc if isinstance(exc, SinkError) else self._classify(exc)
+            self.abort()
+            raise failed from None
+        self._in_txn = False
+        try:
+            # Not ``abort``, which forgets the partitions proven written (``FirstWrites``):
+            # this record was acknowledged, so its partition is proven too.
+            self._end_transaction(
+                "abort_transaction", self._settings.kafka_transaction_timeout_ms / 1000
             )
         except (KafkaException, SystemError) as exc:
             raise self._classify(exc) from None
-        self.commit()
 
     def close(self) -> None:
         """Abort what is open and let go; never raises, so the error that ended the session
         is the one reported."""
         self.abort()
         self._ids_probe.close()
-        if self._fence_group is not None:
-            self._fence_group.close()
         try:
             self._producer.flush(5)
         except (KafkaException, SystemError) as exc:
