@@ -197,7 +197,7 @@ def _check_c_toolchain() -> None:
 
 def ensure_venv() -> None:
     # The C extensions are built by the editable install: a changed source reinstalls too.
-    sources = [ROOT / "pyproject.toml", ROOT / "setup.py", *sorted(ROOT.glob("services/*/*.[ch]"))]
+    sources = [ROOT / "pyproject.toml", ROOT / "setup.py", *sorted(ROOT.glob("services/**/*.[ch]"))]
     key = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()
     stamp = VENV / ".slotbridge-stamp"
     if _fresh(stamp, key):
