@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.bridge.snapshot.chunks import Row, StreamWatch, XidSnapshot
+from services.bridge.snapshot.chunks import RecentCommits, Row, StreamWatch, XidSnapshot
 
 T = ("s", "t")
 
@@ -75,3 +75,25 @@ def test_rows_the_stream_inserted_and_the_chunk_saw_are_not_published_twice() ->
     rows: list[Row] = [["1", "a"], ["2", "b"]]
     assert _chunk("42:42:", rows, watch) == [["2", "b"]]
     assert _chunk("43:43:", rows, watch) == [["2", "b"]]  # still known in later chunks
+
+
+def test_recent_commits_are_numbered_in_order_and_the_oldest_forgotten() -> None:
+    recent = RecentCommits(3)
+    for xid in (500, 0xF400_0000, 1, 9):
+        recent.add(xid)
+    assert recent.count == 4
+    # 500 was the first of four in a ring of three: forgotten, although on a little-endian
+    # machine its four bytes still appear across 0xF4000000 and 1; the rest keep their numbers.
+    assert recent.numbers([500, 0xF400_0000, 1, 9, 11]) == {0xF400_0000: 2, 1: 3, 9: 4}
+    recent.add(500)  # wraps again
+    assert recent.numbers([500, 1, 0xF400_0000]) == {500: 5, 1: 3}
+
+
+def test_a_commit_older_than_the_memory_no_longer_forces_a_reread() -> None:
+    watch = StreamWatch(recent=2)
+    watch.committed(80)
+    watch.watch(T)
+    assert _chunk("80:81:80", [["1", "a"]], watch) is None
+    watch.committed(81)
+    watch.committed(82)  # 80 is forgotten: its snapshot is long gone by then
+    assert _chunk("80:83:80", [["1", "a"]], watch) == [["1", "a"]]
