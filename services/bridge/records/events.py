@@ -1,4 +1,4 @@
-"""Builds the Kafka records of a sealed transaction: schema, BEGIN, changes, END.
+"""Builds the Kafka records of a sealed transaction: schema, BEGIN (optional), changes, END.
 
 This is the hot path with the decoder: one call per row change. It avoids pydantic and
 builds values as dicts serialised once; what is constant for a whole transaction (the
@@ -127,9 +127,18 @@ class EventBuilder:
     records a transaction makes."""
 
     def __init__(
-        self, catalog: RelationCatalog, topic_prefix: str, db: str, max_record_bytes: int
+        self,
+        catalog: RelationCatalog,
+        topic_prefix: str,
+        db: str,
+        max_record_bytes: int,
+        *,
+        begin_records: bool = True,
     ) -> None:
+        """``begin_records``: whether a transaction's records start with a BEGIN record on
+        the transaction topic (its END, always written, carries what a consumer needs)."""
         self.catalog = catalog
+        self.begin_records = begin_records
         self.topic_prefix = topic_prefix
         self.db = db
         self.max_record_bytes = max_record_bytes
@@ -169,7 +178,8 @@ class EventBuilder:
         end_lsn: int | None = None,
         undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
-        """Records for one transaction: BEGIN, schema versions as needed, changes, END.
+        """Records for one transaction: BEGIN (unless ``begin_records`` is off), schema
+        versions as needed, changes, END.
 
         ``end_lsn`` (the end of its commit record) is what the Debezium format's next
         transaction names as the previous commit in ``source.sequence``. ``changes`` may
@@ -183,7 +193,8 @@ class EventBuilder:
             int(time.time() * 1000),
             f"{xid}:{commit_lsn}".encode(),
         )
-        yield self._transaction_record("BEGIN", txn)
+        if self.begin_records:
+            yield self._transaction_record("BEGIN", txn)
         handlers = self._handlers
         changes = iter(changes)  # a compiled run reads on from where this loop is
         for lsn, msg in changes:
