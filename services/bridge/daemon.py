@@ -775,12 +775,13 @@ class Bridge:
                     if txn is not None:
                         queue.put(txn)
                         position.queued_end = txn.end_lsn
+                        # Only a put fills the queue: asked per transaction, not per message.
+                        if queue.full:
+                            break
                 else:
                     received = max(received, a)
                     position.idle_end = a
                     return bool(payload)
-                if queue.full:
-                    break
         finally:
             position.received = received
         return False
