@@ -381,8 +381,11 @@ class Run:
         formats: Sequence[str] = ("slotbridge",),
         py_spy: Path | None = None,
         other_slots: Sequence[str] = (),
+        begin_records: bool = True,
     ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
+        # The daemons' transaction_begin_records.
+        self.begin_records = begin_records
         self.workload = workload
         self.rows, self.txn_size = rows, txn_size
         self.tag = tag
@@ -567,6 +570,7 @@ class Run:
             self.spool_dir,
             value_format,
         )
+        env["SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS"] = str(self.begin_records).lower()
         if hashed:
             env["SLOTBRIDGE_TRANSFORMS"] = json.dumps(
                 [
@@ -737,6 +741,7 @@ def _one(
         args.verify,
         variants(args),
         args.py_spy,
+        begin_records=not args.no_begin_records,
     )
     run.broker_pid = broker_pid(args.stack_dir)
     results = []
@@ -795,7 +800,8 @@ def cpu_budget(plan: Plan, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict
     which the three would fill every core; ``bridge_us_at_goal``: the bridge's CPU per
     change that would leave room for ``GOAL_RATIO`` of the ceiling beside the other two
     (negative: none). Per source transaction: the bridge's CPU and the records it wrote
-    (change records and the transaction topic's BEGIN/END), when they were counted."""
+    (change records and the transaction topic's BEGIN, unless --no-begin-records, and
+    END), when they were counted."""
     if "walsender_cpu_s" not in e2e or "broker_cpu_s" not in e2e:
         return None
     per_change = {
@@ -986,6 +992,12 @@ def main() -> None:
         metavar="N",
         help="wide only: also run each format's daemon with a hash transform on N of the "
         "table's 8 text columns, over the same WAL (the cost of masking)",
+    )
+    parser.add_argument(
+        "--no-begin-records",
+        action="store_true",
+        help="the daemons write no BEGIN records on the transaction topic "
+        "(transaction_begin_records: false), only ENDs",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()

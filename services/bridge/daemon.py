@@ -409,9 +409,20 @@ class Bridge:
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.
             return DebeziumEventBuilder(
-                catalog, s.topic_prefix, dbname, s.max_row_bytes, mark or None
+                catalog,
+                s.topic_prefix,
+                dbname,
+                s.max_row_bytes,
+                mark or None,
+                begin_records=s.transaction_begin_records,
             )
-        return EventBuilder(catalog, s.topic_prefix, dbname, s.max_row_bytes)
+        return EventBuilder(
+            catalog,
+            s.topic_prefix,
+            dbname,
+            s.max_row_bytes,
+            begin_records=s.transaction_begin_records,
+        )
 
     def _stream(self, session: _Session) -> None:
         """Start the publisher and the slot, run the socket loop until stopped, then stop
@@ -764,12 +775,13 @@ class Bridge:
                     if txn is not None:
                         queue.put(txn)
                         position.queued_end = txn.end_lsn
+                        # Only a put fills the queue: asked per transaction, not per message.
+                        if queue.full:
+                            break
                 else:
                     received = max(received, a)
                     position.idle_end = a
                     return bool(payload)
-                if queue.full:
-                    break
         finally:
             position.received = received
         return False

@@ -156,6 +156,12 @@ class BridgeSettings(ServiceSettings):
             "(schemas.enable=true), for consumers built for Debezium"
         ),
     )
+    transaction_begin_records: bool = Field(
+        default=True,
+        description="write a BEGIN record per source transaction on <prefix>.transaction "
+        "besides its END (which alone carries the event count and the tables): false saves "
+        "a record per transaction, a sixth of an OLTP transaction's records",
+    )
     progress_topic: str = Field(
         default="__slotbridge_progress",
         description="compacted topic of each slot's last published position (one key per slot)",

@@ -116,7 +116,8 @@ class DataCollection(StrictModel):
 
 
 class TransactionRecord(StrictModel):
-    """Value on ``{prefix}.transaction``: a BEGIN and an END per source transaction."""
+    """Value on ``{prefix}.transaction``: a BEGIN and an END per source transaction, or only
+    the END with ``transaction_begin_records: false`` (the END alone carries the counts)."""
 
     status: Literal["BEGIN", "END"]
     id: str
@@ -130,8 +131,9 @@ class MessageRecord(StrictModel):
     published transaction, keyed by ``{"prefix": <prefix>}``.
 
     It sits in the source transaction's Kafka transaction, between that transaction's
-    BEGIN and END, and counts in its END's ``event_count``. A transaction holding nothing
-    but one of the bridge's own messages (a snapshot watermark or signal) publishes nothing.
+    BEGIN (if written) and END, and counts in its END's ``event_count``. A transaction
+    holding nothing but one of the bridge's own messages (a snapshot watermark or signal)
+    publishes nothing.
     """
 
     prefix: str

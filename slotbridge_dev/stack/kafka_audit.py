@@ -10,7 +10,8 @@ as a read race, so every exactly-once test ends here:
 - then, per partition and producer (id, epoch): sequences start at 0 and are contiguous;
   per producer id: each data record belongs to a committed, aborted or still open Kafka
   transaction; across topics: every source transaction's END record is committed once,
-  with its BEGIN, and the change records (and logical messages) committed for it are
+  with its BEGIN (none, for a bridge with ``transaction_begin_records: false``), and the
+  change records (and logical messages) committed for it are
   exactly its ``event_count``, none twice.
 """
 
@@ -74,7 +75,8 @@ class AuditReport:
     change_records: int = 0
     snapshot_records: int = 0
     problems: list[str] = field(default_factory=list)
-    # What each problem means for exactly-once: lost, duplicated, sequence_gap, open.
+    # What each problem means for exactly-once: lost, duplicated, sequence_gap, open;
+    # unexpected: a record the bridge's settings say it does not write.
     kinds: Counter[str] = field(default_factory=Counter)
 
     def problem(self, kind: str, text: str) -> None:
@@ -308,10 +310,13 @@ def audit_topics(
     return report, committed
 
 
-def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditReport:
+def audit(
+    kafka: Kafka, prefix: str, extra_topics: Iterable[str] = (), *, begin_records: bool = True
+) -> AuditReport:
     """Everything a bridge with topic prefix ``prefix`` wrote (``{prefix}.*`` and
     ``extra_topics``, i.e. its progress topic): the log-level checks, then the source
-    transactions against their END records."""
+    transactions against their END records (``begin_records``: the bridge's
+    ``transaction_begin_records``, whether each END must have a BEGIN or none may)."""
     internal = {*extra_topics, schema_topic(prefix)}
     transactions, messages = transaction_topic(prefix), message_topic(prefix)
 
@@ -321,7 +326,9 @@ def audit(kafka: Kafka, prefix: str, extra_topics: Iterable[str] = ()) -> AuditR
     report, committed = audit_topics(
         kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal}), essence
     )
-    _check_source_transactions([e for _, e in committed if e is not None], report)
+    _check_source_transactions(
+        [e for _, e in committed if e is not None], report, begin_records=begin_records
+    )
     return report
 
 
@@ -368,7 +375,9 @@ def _event(topic: str, value: Any, transactions: str, messages: str) -> Event | 
     return ("change", txn["id"], txn["total_order"], topic, value["op"], digest)
 
 
-def _check_source_transactions(committed: list[Event], report: AuditReport) -> None:
+def _check_source_transactions(
+    committed: list[Event], report: AuditReport, *, begin_records: bool = True
+) -> None:
     ends: Counter[str] = Counter()
     begins: set[str] = set()
     expected: dict[str, int] = {}
@@ -395,7 +404,7 @@ def _check_source_transactions(committed: list[Event], report: AuditReport) -> N
     for txid, count in ends.items():
         if count > 1:
             report.problem("duplicated", f"source transaction {txid}: END committed {count} times")
-        if txid not in begins:
+        if begin_records and txid not in begins:
             report.problem("lost", f"source transaction {txid}: END without BEGIN")
         held = len(events.get(txid, ()))
         if held != expected[txid]:
@@ -404,6 +413,9 @@ def _check_source_transactions(committed: list[Event], report: AuditReport) -> N
                 f"source transaction {txid}: END counts "
                 f"{expected[txid]} events, the log holds {held}",
             )
+    if not begin_records:
+        for txid in sorted(begins):
+            report.problem("unexpected", f"source transaction {txid}: a BEGIN record")
     for txid in events.keys() - ends.keys():
         report.problem("lost", f"source transaction {txid}: changes committed without its END")
     for (txid, order, topic, op, _row), count in seen.items():

@@ -396,7 +396,8 @@ class Pipeline:
     def audit(self) -> AuditReport:
         """The broker-log audit of everything this pipeline's bridges wrote; fails on any
         gap, loss, duplicate or open transaction. Call it with no bridge running."""
-        report = audit(self.kafka, self.prefix, [self.progress_topic])
+        begins = self.extra.get("SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS", "true") != "false"
+        report = audit(self.kafka, self.prefix, [self.progress_topic], begin_records=begins)
         print(f"\n{self.name} {report.summary()}")
         report.assert_clean()
         return report

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, sql, wait_for
+from tests.integration.bridge_harness import Pipeline, read_topics, sql, wait_for
 
 SCHEMA = "txn"
 BIG_ROWS = 500_000
@@ -138,3 +139,81 @@ def _wait_for_tag(pipe: Pipeline, tag: str) -> None:
         60,
         f"record tagged {tag}",
     )
+
+
+@pytest.fixture(scope="module", params=["slotbridge", "debezium"])
+def endless(
+    request: pytest.FixtureRequest, stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """A bridge writing no BEGIN records (``transaction_begin_records: false``), in each
+    record format, over a table of its own; its broker-log audit checks every END alone."""
+    table = f"{SCHEMA}.no_begin_{request.param[:3]}"
+    sql(
+        stack.primary_dsn,
+        f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}; DROP TABLE IF EXISTS {table};"
+        f" CREATE TABLE {table} (id int PRIMARY KEY, tag text)",
+    )
+    pipeline = Pipeline(stack, [table], Path(tmp_path_factory.mktemp("nobegin")))
+    pipeline.extra["SLOTBRIDGE_SOURCE_DSN"] = (
+        f"{stack.primary_dsn} options='-c logical_decoding_work_mem=64kB'"
+    )
+    pipeline.extra["SLOTBRIDGE_VALUE_FORMAT"] = request.param
+    pipeline.extra["SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS"] = "false"
+    pipeline.start()
+    try:
+        pipeline.wait_caught_up(60)
+        yield pipeline
+        assert pipeline.stop() == 0
+        report = pipeline.audit()  # begin_records=False: a BEGIN would be a problem
+        assert report.source_transactions >= 5
+    finally:
+        pipeline.cleanup()
+
+
+def _payload(value: dict[str, Any]) -> dict[str, Any]:
+    """A record's value less the Debezium format's Connect envelope."""
+    inner: dict[str, Any] = value.get("payload", value)
+    return inner
+
+
+def test_without_begin_records_each_end_counts_its_transaction(endless: Pipeline) -> None:
+    """Small transactions, a streamed one, one with a rolled-back subtransaction and a
+    prepared one: the transaction topic holds one END per source transaction and nothing
+    else, and each END counts exactly the change records of its transaction."""
+    (table,) = endless.tables or []
+    dsn = endless.stack.primary_dsn
+    with psycopg.connect(dsn) as conn:
+        for n in range(3):  # three small transactions of two changes each
+            conn.execute(f"INSERT INTO {table} VALUES (%s, 'small')", (n,))
+            conn.execute(f"UPDATE {table} SET tag = 'small-updated' WHERE id = %s", (n,))
+            conn.commit()
+        # Past 64 kB of decoding memory: the server streams it.
+        conn.execute(
+            f"INSERT INTO {table} SELECT g, md5(g::text) FROM generate_series(1000, 4999) g"
+        )
+        conn.commit()
+        conn.execute(f"INSERT INTO {table} VALUES (10, 'kept')")
+        conn.execute("SAVEPOINT s1")
+        conn.execute(f"INSERT INTO {table} VALUES (11, 'rolled back')")
+        conn.execute("ROLLBACK TO SAVEPOINT s1")
+        conn.commit()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute(f"INSERT INTO {table} VALUES (20, 'prepared')")
+        conn.execute("PREPARE TRANSACTION 'sb-no-begin'")
+        conn.execute("COMMIT PREPARED 'sb-no-begin'")
+    endless.wait_caught_up(120)
+    changes = [_payload(r.value) for r in endless.changes(table)]
+    per_txn: dict[str, int] = {}
+    for change in changes:
+        txid = change["transaction"]["id"]
+        per_txn[txid] = per_txn.get(txid, 0) + 1
+    ends = [
+        _payload(r.value) for r in read_topics(endless.kafka, [f"{endless.prefix}.transaction"])
+    ]
+    assert [e["status"] for e in ends] == ["END"] * len(ends)
+    counted = {e["id"]: e["event_count"] for e in ends}
+    assert len(counted) == len(ends), "an END written twice"
+    assert counted == per_txn
+    assert sorted(per_txn.values()) == [1, 1, 2, 2, 2, 4000]
+    assert len(changes) == 6 + 4000 + 1 + 1  # small, streamed, kept, prepared

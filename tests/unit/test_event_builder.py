@@ -11,6 +11,7 @@ import pytest
 
 from services.bridge.decode import messages as m
 from services.bridge.records.catalog import RelationCatalog, known_versions
+from services.bridge.records.debezium import DebeziumEventBuilder
 from services.bridge.records.events import EventBuilder, Record, RowTooLarge, begin_value, end_value
 from services.contract.records import TOAST_PLACEHOLDER
 
@@ -23,8 +24,14 @@ COLUMNS = (
 ACCOUNTS = m.Relation(None, 16_401, "public", "accounts", "d", COLUMNS)
 
 
-def builder(max_record_bytes: int = 1 << 20) -> EventBuilder:
-    return EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", max_record_bytes)
+def builder(max_record_bytes: int = 1 << 20, *, begin_records: bool = True) -> EventBuilder:
+    return EventBuilder(
+        RelationCatalog("app", lambda oid: None),
+        "app",
+        "shop",
+        max_record_bytes,
+        begin_records=begin_records,
+    )
 
 
 def build(b: EventBuilder, *messages: m.Message, xid: int = 700) -> list[Record]:
@@ -68,6 +75,45 @@ def test_a_transaction_is_begin_schema_changes_end() -> None:
     assert value(end)["data_collections"] == [
         {"data_collection": "public.accounts", "event_count": 1}
     ]
+
+
+@pytest.mark.parametrize("debezium", [False, True], ids=["default", "debezium"])
+def test_without_begin_records_a_transaction_is_the_same_less_its_begin(debezium: bool) -> None:
+    """``transaction_begin_records: false``: every record but the BEGIN, the END (which
+    carries the counts) as with BEGIN records on."""
+
+    def make(begin_records: bool) -> EventBuilder:
+        catalog = RelationCatalog("app", lambda oid: None)
+        if debezium:
+            return DebeziumEventBuilder(
+                catalog, "app", "shop", 1 << 20, None, begin_records=begin_records
+            )
+        return EventBuilder(catalog, "app", "shop", 1 << 20, begin_records=begin_records)
+
+    def stable(record: Record) -> tuple[str, Any, Any]:
+        # The processing time (ts_ms and its kin) is the one thing two builds differ in.
+        body = value(record) if record[2] is not None else None
+        payload = body.get("payload", body) if isinstance(body, dict) else body
+        if isinstance(payload, dict) and "op" in payload:
+            payload = {k: v for k, v in payload.items() if not k.startswith("ts_")}
+        return record[0], record[1], payload
+
+    messages = (
+        ACCOUNTS,
+        m.Insert(None, 16_401, ["1", "ann", None]),
+        m.Update(None, 16_401, None, False, ["1", "bob", None]),
+        m.Delete(None, 16_401, ["1", None, None], True),
+    )
+    with_begin = build(make(True), *messages)
+    without = build(make(False), *messages)
+    assert with_begin[0][0] == "app.transaction" and value(with_begin[0])
+    assert stable(with_begin[0])[2]["status"] == "BEGIN"
+    assert [stable(r) for r in without] == [stable(r) for r in with_begin[1:]]
+    statuses = [stable(r)[2]["status"] for r in without if r[0] == "app.transaction"]
+    assert statuses == ["END"]
+    end = stable(without[-1])[2]
+    assert end["event_count"] == 3  # insert, update, delete (its tombstone is no event)
+    assert end["data_collections"] == [{"data_collection": "public.accounts", "event_count": 3}]
 
 
 def test_a_schema_record_goes_out_once_per_table_version() -> None:

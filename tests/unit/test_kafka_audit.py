@@ -68,3 +68,26 @@ def test_lost_duplicated_and_unended_transactions_are_named() -> None:
         "p.s.t: change 1 (u) of source transaction 2:20 committed 2 times",
     ]
     assert report.kinds == {"lost": 2, "duplicated": 2}
+
+
+def test_without_begin_records_an_end_alone_is_whole_and_a_begin_is_named() -> None:
+    """A bridge with ``transaction_begin_records: false`` writes END records only: each is
+    checked against its changes as usual, and a BEGIN it should not have written is named."""
+    report = AuditReport()
+    records = [
+        (TXNS, {"status": "END", "id": "1:10", "event_count": 1}),
+        ("p.s.t", _change("1:10", 1, {"k": 1})),
+        *_txn("2:20", 1),
+        ("p.s.t", _change("2:20", 1, {"k": 2})),
+        (TXNS, {"status": "END", "id": "3:30", "event_count": 2}),
+        ("p.s.t", _change("3:30", 1, {"k": 3})),  # change 2 of 3:30 is missing
+    ]
+    _check_source_transactions(_events(*records), report, begin_records=False)
+    assert report.problems == [
+        "source transaction 3:30: END counts 2 events, the log holds 1",
+        "source transaction 2:20: a BEGIN record",
+    ]
+    assert report.kinds == {"lost": 1, "unexpected": 1} and report.source_transactions == 3
+    with_begins = AuditReport()
+    _check_source_transactions(_events(*records), with_begins)
+    assert "source transaction 1:10: END without BEGIN" in with_begins.problems

@@ -443,3 +443,24 @@ def test_a_backlog_of_small_transactions_fills_the_queue(tmp_path: Path) -> None
     while not queue.empty:
         queue.get(0)
     assert not queue.full
+
+
+def test_a_put_wakes_a_waiting_get(tmp_path: Path) -> None:
+    """A put wakes the publisher only when it waits: one that waits gets the transaction
+    as it comes, not at the end of its wait, and the queue counts it out again."""
+    queue = TxnQueue(1 << 30)
+    spool = Spool(tmp_path, "1", 1 << 20, SpoolStats())
+    spool.append(1, bytes(20))
+    txn = Transaction(1, 1, 1, 0, spool, False, frozenset())
+    got: list[object] = []
+    waited = 600.0  # far longer than a put takes to arrive, whatever the load
+    began = time.monotonic()
+    taker = threading.Thread(target=lambda: got.append(queue.get(waited)))
+    taker.start()
+    while not queue._waiting:  # the put must find it waiting
+        time.sleep(0.001)
+    queue.put(txn)
+    taker.join()
+    assert got == [txn]
+    assert time.monotonic() - began < waited / 2, "the put did not wake the waiting get"
+    assert queue.empty and not queue.full and queue.get(0) is None

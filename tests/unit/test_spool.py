@@ -7,6 +7,7 @@ import importlib.util
 import os
 import random
 import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,3 +131,32 @@ def test_a_folder_others_may_write_is_refused(tmp_path: Path) -> None:
     shared.chmod(0o777)
     with pytest.raises(SpoolError, match="writable by other users"):
         prepare_spool_dir(shared, "s1")
+
+
+def test_stats_read_while_spools_come_and_go(tmp_path: Path) -> None:
+    """The receive thread tracks a spool per transaction and the publisher discards it,
+    with no lock: a metrics read meanwhile still sums the live spools (copied whole, again
+    if one came or went during the copy), and never fails."""
+    stats = SpoolStats()
+    kept = Spool(tmp_path, "kept", 1 << 20, stats)
+    kept.append(1, bytes(1000))
+    done = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not done.is_set():
+            spool = Spool(tmp_path, f"t{n}", 1 << 20, stats)
+            spool.append(n, bytes(10))
+            spool.discard()
+            n += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        # Each read sees the kept spool and at most the one in flight.
+        readings = {stats.memory_bytes for _ in range(20_000)}
+    finally:
+        done.set()
+        thread.join()
+    assert readings <= {1000, 1010}
+    assert (stats.memory_bytes, stats.disk_bytes) == (1000, 0)

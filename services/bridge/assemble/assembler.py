@@ -17,7 +17,7 @@ a subtransaction needs to drop exactly that subtransaction's changes at replay.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.bridge.assemble.spool import Spool
 from services.bridge.decode import messages as m
@@ -57,15 +57,30 @@ class Transaction:
     relations: tuple[bytes, ...] = ()
 
 
-@dataclass(slots=True)
 class _Open:
-    xid: int
-    spool: Spool
-    streamed: bool
-    aborted: set[int]
-    final_lsn: int = 0
-    commit_ts: int = 0
-    relations: list[bytes] = field(default_factory=list)
+    """A transaction whose messages are arriving. Made per source transaction, so it holds
+    no more than it must: a regular transaction's ``aborted`` is a shared empty set, which
+    only a stream's Stream Abort adds to (``_stream_abort`` looks in streams alone), and
+    ``relations`` a list only once it describes a relation."""
+
+    __slots__ = ("aborted", "relations", "spool", "streamed", "xid")
+
+    def __init__(self, xid: int, spool: Spool, streamed: bool) -> None:
+        self.xid = xid
+        self.spool = spool
+        self.streamed = streamed
+        self.aborted: set[int] | frozenset[int] = set() if streamed else _NONE_ABORTED
+        self.relations: list[bytes] | None = None
+
+    def described(self, payload: bytes) -> None:
+        """Keep a Relation message (also spooled) for ``Transaction.relations``."""
+        if self.relations is None:
+            self.relations = [payload]
+        else:
+            self.relations.append(payload)
+
+
+_NONE_ABORTED: frozenset[int] = frozenset()
 
 
 SpoolFactory = Callable[[str], Spool]
@@ -116,8 +131,8 @@ class Assembler:
             return None
         msg = self._decode(payload)
         match msg:
-            case m.Begin(final_lsn=final_lsn, commit_ts=ts, xid=xid):
-                self._open_regular(xid, final_lsn, ts)
+            case m.Begin(xid=xid):
+                self._open_regular(xid)
             case m.Commit(commit_lsn=commit_lsn, end_lsn=end_lsn, commit_ts=ts):
                 txn = self._take_current("Commit")
                 return self._seal(txn, commit_lsn, end_lsn, ts)
@@ -132,8 +147,8 @@ class Assembler:
                 return self._seal(txn, commit_lsn, end_lsn, ts)
             case m.StreamAbort(xid=xid, subxid=subxid):
                 self._stream_abort(xid, subxid)
-            case m.BeginPrepare(xid=xid, prepare_lsn=prepare_lsn, prepare_ts=ts):
-                self._open_regular(xid, prepare_lsn, ts)
+            case m.BeginPrepare(xid=xid):
+                self._open_regular(xid)
             case m.Prepare(gid=gid, prepare_lsn=prepare_lsn):
                 self._prepared[gid] = (self._take_current("Prepare"), prepare_lsn)
                 self._on_prepared(gid, prepare_lsn)
@@ -202,32 +217,31 @@ class Assembler:
         if self._max_change is not None and len(payload) > self._max_change:
             payload = oversized_stand_in(payload, target.streamed, self._max_change)
         if is_relation(payload):
-            target.relations.append(payload)
+            target.described(payload)
         target.spool.append(lsn, payload)
 
-    def _open_regular(self, xid: int, final_lsn: int, ts: int) -> None:
+    def _open_regular(self, xid: int) -> None:
         if self._current is not None:
             raise AssemblyError(f"Begin of {xid} while {self._current.xid} is still open")
-        self._current = self._adopt_orphans(
-            _Open(xid, self._new_spool(f"txn-{xid}"), False, set(), final_lsn, ts)
-        )
+        txn = self._current = _Open(xid, self._new_spool(f"txn-{xid}"), False)
+        if self._orphans:
+            self._adopt_orphans(txn)
 
     def _start_stream(self, xid: int) -> _Open:
-        txn = self._streams[xid] = self._adopt_orphans(
-            _Open(xid, self._new_spool(f"stream-{xid}"), True, set())
-        )
+        txn = self._streams[xid] = _Open(xid, self._new_spool(f"stream-{xid}"), True)
+        if self._orphans:
+            self._adopt_orphans(txn)
         return txn
 
-    def _adopt_orphans(self, txn: _Open) -> _Open:
+    def _adopt_orphans(self, txn: _Open) -> None:
         for lsn, payload in self._orphans:
             # A streamed transaction's payloads carry an xid; give orphans the top xid.
             if txn.streamed:
                 payload = with_streamed_xid(payload, txn.xid)
             if is_relation(payload):
-                txn.relations.append(payload)
+                txn.described(payload)
             txn.spool.append(lsn, payload)
         self._orphans.clear()
-        return txn
 
     def _take_current(self, what: str) -> _Open:
         if self._current is None:
@@ -251,10 +265,13 @@ class Assembler:
             return
         txn = self._streams.get(xid)
         if txn is not None:
-            txn.aborted.add(subxid)
+            aborted = txn.aborted
+            assert isinstance(aborted, set)  # a stream's own
+            aborted.add(subxid)
 
     @staticmethod
     def _seal(txn: _Open, commit_lsn: int, end_lsn: int, ts: int) -> Transaction:
+        aborted, relations = txn.aborted, txn.relations
         return Transaction(
             txn.xid,
             commit_lsn,
@@ -262,6 +279,8 @@ class Assembler:
             ts,
             txn.spool,
             txn.streamed,
-            frozenset(txn.aborted),
-            relations=tuple(txn.relations),
+            frozenset(aborted) if aborted else _NONE_ABORTED,
+            None,
+            None,
+            tuple(relations) if relations else (),
         )

@@ -121,13 +121,18 @@ def _held(txn: Transaction) -> int:
 
 class TxnQueue:
     """FIFO of sealed transactions (and snapshot requests, which keep their place in the
-    stream), 'full' when the transactions hold too much memory."""
+    stream), 'full' when the transactions hold too much memory.
+
+    One producer (the socket loop) and one consumer (the publisher), a put and a get per
+    source transaction: each item is kept with the bytes it counts for, worked out once,
+    and a put wakes the consumer only when it waits."""
 
     def __init__(self, max_bytes: int) -> None:
-        self._items: collections.deque[object] = collections.deque()
-        self._cond = threading.Condition()
+        self._items: collections.deque[tuple[object, int]] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
         self._bytes = 0
         self._max = max_bytes
+        self._waiting = False  # the consumer waits in get (under the lock)
 
     @property
     def full(self) -> bool:
@@ -138,26 +143,30 @@ class TxnQueue:
         return not self._items
 
     def put(self, item: Transaction | SnapshotRequest) -> None:
+        held = _held(item) if isinstance(item, Transaction) else 0
         with self._cond:
-            self._items.append(item)
-            if isinstance(item, Transaction):
-                self._bytes += _held(item)
-            self._cond.notify()
+            self._items.append((item, held))
+            self._bytes += held
+            if self._waiting:
+                self._cond.notify()
 
     def stop(self) -> None:
         with self._cond:
-            self._items.append(_STOP)
+            self._items.append((_STOP, 0))
             self._cond.notify()
 
     def get(self, timeout: float) -> object | None:
         with self._cond:
             if not self._items:
-                self._cond.wait(timeout)
-            if not self._items:
-                return None
-            item = self._items.popleft()
-            if isinstance(item, Transaction):
-                self._bytes -= _held(item)
+                self._waiting = True
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._waiting = False
+                if not self._items:
+                    return None
+            item, held = self._items.popleft()
+            self._bytes -= held
             return item
 
 
@@ -171,6 +180,13 @@ class _Batch:
 
 
 Decode = Callable[[bytes, bool], m.Message]
+
+
+def _decoding(decode: Decode, streamed: bool) -> Callable[[bytes], m.Message]:
+    """``decode`` for the messages of a transaction streamed or not."""
+    return lambda payload: decode(payload, streamed)
+
+
 # How often a publisher waiting for a transaction on its way in looks again.
 _ARRIVING_POLL_S = 0.002
 
@@ -224,6 +240,13 @@ class Publisher(threading.Thread):
         for table in book.tables():
             self._watch.watch(table)
         self._gids: list[str] = []
+        # What each transaction's records are built and produced with, made once rather
+        # than per source transaction: how the builder decodes what it reads undecoded
+        # (by whether the transaction was streamed), and the topics created compacted.
+        self._undecoded = {
+            streamed: Undecoded(streamed, _decoding(decode, streamed)) for streamed in (False, True)
+        }
+        self._compacted = (builder.schema_topic,)
         self.error: BaseException | None = None
         self.last_commit_ts = 0  # µs since 2000 of the last published transaction
         self._committed_at = 0.0  # monotonic; 0: first thing, prove we are not fenced
@@ -428,7 +451,7 @@ class Publisher(threading.Thread):
             self._builder.catalog.by_oid[stream_shape.oid] = stream_shape
 
     def _produce(self, records: Iterable[Record]) -> int:
-        return self._sink.produce_all(records, (self._builder.schema_topic,))
+        return self._sink.produce_all(records, self._compacted)
 
     def _publish(self, txn: Transaction) -> int:
         """Plan which tables need a snapshot, start those snapshots, then build and produce
@@ -440,8 +463,7 @@ class Publisher(threading.Thread):
         # the rest), unless a snapshot's watch must see them decoded.
         undecoded = None
         if self._builder.reads_undecoded and not self._watch:
-            streamed = txn.streamed
-            undecoded = Undecoded(streamed, lambda payload: self._decode(payload, streamed))
+            undecoded = self._undecoded[txn.streamed]
         try:
             count = self._produce(
                 self._builder.transaction(

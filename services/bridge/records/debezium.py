@@ -379,9 +379,11 @@ class DebeziumEventBuilder(EventBuilder):
         db: str,
         max_record_bytes: int,
         last_end_lsn: int | None,
+        *,
+        begin_records: bool = True,
     ) -> None:
         catalog.encoder = encode_relation
-        super().__init__(catalog, topic_prefix, db, max_record_bytes)
+        super().__init__(catalog, topic_prefix, db, max_record_bytes, begin_records=begin_records)
         self.headers = context_headers(
             topic_prefix, run_id(int(time.time() * 1000), os.urandom(10))
         )

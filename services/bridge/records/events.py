@@ -1,4 +1,4 @@
-"""Builds the Kafka records of a sealed transaction: schema, BEGIN, changes, END.
+"""Builds the Kafka records of a sealed transaction: schema, BEGIN (optional), changes, END.
 
 This is the hot path with the decoder: one call per row change. It avoids pydantic and
 builds values as dicts serialised once; what is constant for a whole transaction (the
@@ -11,7 +11,6 @@ through a callback the daemon supplies, so this module never opens a connection.
 from __future__ import annotations
 
 import base64
-import functools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -127,9 +126,18 @@ class EventBuilder:
     records a transaction makes."""
 
     def __init__(
-        self, catalog: RelationCatalog, topic_prefix: str, db: str, max_record_bytes: int
+        self,
+        catalog: RelationCatalog,
+        topic_prefix: str,
+        db: str,
+        max_record_bytes: int,
+        *,
+        begin_records: bool = True,
     ) -> None:
+        """``begin_records``: whether a transaction's records start with a BEGIN record on
+        the transaction topic (its END, always written, carries what a consumer needs)."""
         self.catalog = catalog
+        self.begin_records = begin_records
         self.topic_prefix = topic_prefix
         self.db = db
         self.max_record_bytes = max_record_bytes
@@ -169,7 +177,8 @@ class EventBuilder:
         end_lsn: int | None = None,
         undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
-        """Records for one transaction: BEGIN, schema versions as needed, changes, END.
+        """Records for one transaction: BEGIN (unless ``begin_records`` is off), schema
+        versions as needed, changes, END.
 
         ``end_lsn`` (the end of its commit record) is what the Debezium format's next
         transaction names as the previous commit in ``source.sequence``. ``changes`` may
@@ -183,7 +192,8 @@ class EventBuilder:
             int(time.time() * 1000),
             f"{xid}:{commit_lsn}".encode(),
         )
-        yield self._transaction_record("BEGIN", txn)
+        if self.begin_records:
+            yield self._transaction_record("BEGIN", txn)
         handlers = self._handlers
         changes = iter(changes)  # a compiled run reads on from where this loop is
         for lsn, msg in changes:
@@ -660,21 +670,30 @@ def begin_value(txid: bytes, ts_ms: int) -> bytes:
 
 
 def end_value(txid: bytes, ts_ms: int, total: int, per_table: dict[str, int]) -> bytes:
-    """An END record of the transaction topic: its change records, in all and per table."""
-    collections = b",".join(_COLLECTION % (_collection_name(t), n) for t, n in per_table.items())
+    """An END record of the transaction topic: its change records, in all and per table
+    (a template per table: an OLTP transaction's END names four)."""
+    made = _COLLECTIONS
+    collections = b",".join([(made.get(t) or _collection(t)) % n for t, n in per_table.items()])
     return _END_VALUE % (txid, total, collections, ts_ms)
 
 
-@functools.lru_cache(maxsize=4096)
-def _collection_name(topic: str) -> bytes:
-    """The ``data_collection`` of a change topic: its name less the topic prefix (less its
-    first part: a route may name a topic of one part, or under another prefix), as JSON."""
-    return _dumps(topic.split(".", 1)[-1])
+# Change topic -> its entry of an END's data_collections, but for the count (``_collection``).
+_COLLECTIONS: dict[str, bytes] = {}
+
+
+def _collection(topic: str) -> bytes:
+    """The template of ``topic``'s entry: its ``data_collection`` is the topic's name less
+    the topic prefix (less its first part: a route may name a topic of one part, or under
+    another prefix), as JSON. Kept for the first 4096 topics seen."""
+    name = _dumps(topic.split(".", 1)[-1]).replace(b"%", b"%%")
+    template = b'{"data_collection":%b,"event_count":%%d}' % name
+    if len(_COLLECTIONS) < 4096:
+        _COLLECTIONS[topic] = template
+    return template
 
 
 _BEGIN_VALUE = b'{"status":"BEGIN","id":"%b","event_count":null,"data_collections":null,"ts_ms":%d}'
 _END_VALUE = b'{"status":"END","id":"%b","event_count":%d,"data_collections":[%b],"ts_ms":%d}'
-_COLLECTION = b'{"data_collection":%b,"event_count":%d}'
 
 
 def whole_row(info: RelationInfo, values: Sequence[str | None]) -> dict[str, JsonValue]:
