@@ -42,6 +42,10 @@ def _settings(config: Path | None) -> BridgeSettings:
 @_config_option
 def run(config: Path | None) -> None:
     """Stream the slot into Kafka until SIGTERM."""
+    from services.common.allocator import fix_mmap_threshold
+
+    # First, before the daemon's first large blocks: see services.common.allocator.
+    fix_mmap_threshold()
     settings = _settings(config)
     from services.bridge.daemon import Bridge
     from services.common.logs import setup_logging
