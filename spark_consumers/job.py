@@ -67,6 +67,12 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": str(settings.shuffle_partitions),
+        # Adaptive query execution runs every query stage as a Spark job of its own, and a
+        # job costs its fixed scheduling time whatever its rows: on a table's small
+        # per-batch MERGEs (Delta runs them in this session, not in the micro-batch's,
+        # where Spark turns it off) that was 6-8 of a MERGE's 13-19 jobs. Without it a
+        # write has as many files as its last shuffle has partitions (shuffle_partitions).
+        "spark.sql.adaptive.enabled": "false",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         # Delta rebuilds table state with this many tasks (default 50): far too many for
