@@ -11,6 +11,7 @@ through a callback the daemon supplies, so this module never opens a connection.
 from __future__ import annotations
 
 import base64
+import functools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -672,24 +673,17 @@ def begin_value(txid: bytes, ts_ms: int) -> bytes:
 def end_value(txid: bytes, ts_ms: int, total: int, per_table: dict[str, int]) -> bytes:
     """An END record of the transaction topic: its change records, in all and per table
     (a template per table: an OLTP transaction's END names four)."""
-    made = _COLLECTIONS
-    collections = b",".join([(made.get(t) or _collection(t)) % n for t, n in per_table.items()])
+    collections = b",".join([_collection(t) % n for t, n in per_table.items()])
     return _END_VALUE % (txid, total, collections, ts_ms)
 
 
-# Change topic -> its entry of an END's data_collections, but for the count (``_collection``).
-_COLLECTIONS: dict[str, bytes] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _collection(topic: str) -> bytes:
-    """The template of ``topic``'s entry: its ``data_collection`` is the topic's name less
-    the topic prefix (less its first part: a route may name a topic of one part, or under
-    another prefix), as JSON. Kept for the first 4096 topics seen."""
+    """The template of ``topic``'s entry of an END's data_collections, but for the count:
+    its ``data_collection`` is the topic's name less the topic prefix (less its first part:
+    a route may name a topic of one part, or under another prefix), as JSON."""
     name = _dumps(topic.split(".", 1)[-1]).replace(b"%", b"%%")
-    template = b'{"data_collection":%b,"event_count":%%d}' % name
-    if len(_COLLECTIONS) < 4096:
-        _COLLECTIONS[topic] = template
-    return template
+    return b'{"data_collection":%b,"event_count":%%d}' % name
 
 
 _BEGIN_VALUE = b'{"status":"BEGIN","id":"%b","event_count":null,"data_collections":null,"ts_ms":%d}'
