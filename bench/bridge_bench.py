@@ -90,7 +90,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from bench.workloads import OLTP_CHANGES_PER_TXN, OLTP_CLIENTS, WORKLOADS, Plan, Workload
 from services.bridge.receive.stream import ReplicationConnection
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink.kafka import RECORD_SLACK
+from services.bridge.sink.topics import RECORD_SLACK
 from services.contract.topics import schema_topic, transaction_topic
 from slotbridge_dev.stack.stack import Stack
 

@@ -114,7 +114,7 @@ def _sink_runs(
     sink = KafkaSink(settings)
     try:
         sink.start()
-        sink.ensure_topics({topic: False})
+        sink.topics.ensure({topic: False})
         sink.begin()
         sink.produce(topic, b"{}", VALUE)  # the partition's first write, alone (FirstWrites)
         sink.commit()

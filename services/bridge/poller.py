@@ -75,7 +75,7 @@ class CatalogPoller:
         try:
             while True:
                 self._slot_stats()
-                if self.publisher.snapshot_added:
+                if self.publisher.snapshots.snapshot_added:
                     missing = self._added_tables()
                     if missing:
                         self.queue.put(SnapshotRequest(tuple(missing)))
@@ -101,7 +101,7 @@ class CatalogPoller:
         return [
             p.name
             for p in published
-            if self.publisher.is_missing(p.name) and p.name not in self._requested
+            if self.publisher.snapshots.is_missing(p.name) and p.name not in self._requested
         ]
 
     def _slot_stats(self) -> None:

@@ -71,7 +71,7 @@ def resync(settings: BridgeSettings) -> Resynced:
                 f"slot {slot} has no published progress in {settings.progress_topic}: "
                 "nothing to resync; start the bridge (a new slot snapshots every table)"
             )
-        replaced = sink.replaced(published.topic_ids)
+        replaced = sink.topics.replaced(published.topic_ids)
         with connect(source_dsn(settings)) as sql:
             state = slot_state(sql, slot)
             kind, reason = _lost(slot, state, replaced, published.topic_ids)

@@ -84,7 +84,7 @@ def test_first_writes_to_new_partitions_survive_a_failed_first_request(
     topics = [f"{name}.created", existing]
     try:
         sink.start()
-        sink.ensure_topics({f"{name}.created": False})
+        sink.topics.ensure({f"{name}.created": False})
         sent = _write_two_transactions(sink, topics)
     finally:
         sink.close()

@@ -19,13 +19,8 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from services.bridge.records.events import Record
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink.kafka import (
-    FencedError,
-    KafkaRefused,
-    KafkaSink,
-    ProducerFailed,
-    SinkError,
-)
+from services.bridge.sink.errors import FencedError, KafkaRefused, ProducerFailed, SinkError
+from services.bridge.sink.kafka import KafkaSink
 from slotbridge_dev.stack.kafka_proxy import INVALID_TXN_STATE, KafkaFaultProxy
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import read_topics
@@ -54,7 +49,7 @@ def test_refused_record_aborts_the_transaction(stack: Stack) -> None:
     sink = KafkaSink(_settings(stack, name))
     try:
         sink.start()
-        sink.begin()  # not through ensure_topics, which would raise the topic's limit
+        sink.begin()  # not through topics.ensure, which would raise the topic's limit
         sink.produce(name, b"k", b'"small"')
         # Random, so that compression cannot bring it under the limit.
         sink.produce(name, b"k", b'"%s"' % base64.b64encode(os.urandom(50_000)))
@@ -79,7 +74,7 @@ def test_transaction_open_past_its_timeout_says_so(stack: Stack) -> None:
     sink = KafkaSink(_settings(stack, name, kafka_transaction_timeout_ms=1000))
     try:
         sink.start()
-        sink.ensure_topics({name: False})
+        sink.topics.ensure({name: False})
         sink.begin()
         deadline = time.monotonic() + 60  # the broker looks for expired ones every 10s
         with pytest.raises(SinkError, match="past kafka_transaction_timeout_ms") as caught:
@@ -133,7 +128,7 @@ def test_refusal_of_a_record_sent_in_a_run_is_named(stack: Stack) -> None:
     sink = KafkaSink(_settings(stack, name))
     try:
         sink.start()
-        sink.begin()  # not through ensure_topics, which would raise the topic's limit
+        sink.begin()  # not through topics.ensure, which would raise the topic's limit
         sink.produce(name, b"k", b'"small"')  # the partition's first write: now proven
         sink.produce_all(iter([(name, b"k", big, None), (name, b"k", b'"behind"', None)]), ())
         with pytest.raises(KafkaRefused) as failed:
@@ -160,9 +155,9 @@ def test_records_behind_a_refused_one_fail_the_transaction_with_its_cause(stack:
     sink = KafkaSink(_settings(stack, name))
     try:
         sink.start()
-        sink.begin()  # not through ensure_topics, which would raise the topic's limit
+        sink.begin()  # not through topics.ensure, which would raise the topic's limit
         sink.produce(name, b"k", b'"small"')  # the partition's first write: now proven
-        # The produce() path raises the topic's limit on its way (ensure_topics), after the
+        # The produce() path raises the topic's limit on its way (topics.ensure), after the
         # refusal: the error then reads as a limit lowered under the session (retryable).
         with pytest.raises(SinkError, match=f"MSG_SIZE_TOO_LARGE.*{len(big)} bytes for topic"):
             sink.produce_all(iter([(name, b"k", big, None), *behind]), ())
@@ -190,7 +185,7 @@ def test_abort_refused_as_invalid_txn_state_stops_in_one_line(stack: Stack) -> N
     sink = KafkaSink(_settings(stack, name, bootstrap=proxy.bootstrap))
     try:
         sink.start()
-        sink.ensure_topics({name: False})
+        sink.topics.ensure({name: False})
         sink.begin()
         sink.produce(name, b'{"id":1}', b'"aborted"')
         sink.abort()  # logged only: the session is ending anyway
@@ -225,7 +220,7 @@ def test_abort_that_timed_out_is_finished_before_the_next_transaction(stack: Sta
     sink = KafkaSink(settings)
     try:
         sink.start()
-        sink.ensure_topics({name: False, settings.progress_topic: True})
+        sink.topics.ensure({name: False, settings.progress_topic: True})
         sink.begin()
         sink.produce(name, b'{"id":1}', b'"aborted"')
         proxy.block()
@@ -255,7 +250,7 @@ def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None
     successor = None
     try:
         sink.start()
-        sink.ensure_topics({settings.progress_topic: True})
+        sink.topics.ensure({settings.progress_topic: True})
         sink.prove_not_fenced()
         stack.kafka.stop()
         stack.kafka.start()

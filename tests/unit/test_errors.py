@@ -14,7 +14,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from services.bridge.assemble.assembler import AssemblyError
 from services.bridge.assemble.spool import SpoolError
-from services.bridge.daemon import Bridge, SlotBusy, retry_session
+from services.bridge.daemon import Bridge, retry_session
 from services.bridge.decode.decoder import DecodeError
 from services.bridge.progress.highwater import IdentityError
 from services.bridge.progress.kafka_reader import TopicReadError, _scan
@@ -25,13 +25,14 @@ from services.bridge.records.events import RowTooLarge
 from services.bridge.records.masking import MaskingRefused
 from services.bridge.records.routing import RoutingRefused
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink.kafka import (
+from services.bridge.sink.errors import (
     FencedError,
     KafkaRefused,
     ProducerFailed,
     SinkError,
     TopicReplaced,
 )
+from services.bridge.slot import SlotBusy
 from services.common.errors import SlotbridgeError
 from services.common.failpoints import FailpointError
 from services.common.httpserver import HttpServerError

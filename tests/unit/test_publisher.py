@@ -32,6 +32,7 @@ from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress.confirm import ConfirmTracker
 from services.bridge.progress.highwater import ServerIdentity, high_water
 from services.bridge.publish import publisher as publisher_module
+from services.bridge.publish import snapshots as snapshots_module
 from services.bridge.publish.publisher import GapError, Publisher, TxnQueue
 from services.bridge.records.catalog import RelationCatalog
 from services.bridge.records.events import EventBuilder
@@ -148,6 +149,7 @@ def crash_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         monkeypatch.setattr(failpoints, "_POINTS", {name: (nth, "error")})
         monkeypatch.setattr(failpoints, "_HITS", {})
         monkeypatch.setattr(publisher_module, "failpoint", failpoints._fire)
+        monkeypatch.setattr(snapshots_module, "failpoint", failpoints._fire)
 
     yield arm
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.bridge.sink.kafka import TopicIds, TopicReplaced
+from services.bridge.sink.errors import TopicReplaced
+from services.bridge.sink.topics import TopicIds
 
 
 def test_an_id_learned_or_published_must_stay_the_same() -> None:

@@ -9,21 +9,14 @@ transaction, advance the replication origin, and only then let the socket loop c
 the position to the slot. A crash between any two steps is covered by the high-water
 mark on restart; the failpoints below let tests crash in each window on purpose.
 
-Snapshots meet the stream here: a transaction that holds nothing but a message of ours
-is a chunk's watermark (its rows, less what the stream overtook, go into the open batch
-at that place, see ``snapshot/reader.py`` and ``snapshot/chunks.py``) or a signal (an
-on-demand snapshot or its cancellation, so it takes effect in stream order). A table
-published but not yet in Kafka (added to the publication later) gets a snapshot when the
-socket loop finds it missing (``SnapshotRequest``) or the stream first describes it,
-whichever comes first (planned from the transaction's Relation messages before its
-records are built).
-The progress record of every batch carries how far each snapshot got.
+Snapshots meet the stream here, in stream order (``snapshots.StreamSnapshots``: chunks at
+their watermarks, signals, tables added to the publication). The progress record of every
+batch carries how far each snapshot got.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
@@ -33,17 +26,17 @@ from typing import Protocol
 
 from services.bridge.assemble.assembler import Transaction
 from services.bridge.decode import messages as m
-from services.bridge.decode.decoder import is_logical_message, is_relation, streamed_xid
+from services.bridge.decode.decoder import is_relation, streamed_xid
 from services.bridge.metrics import BridgeMetrics
 from services.bridge.progress.confirm import ConfirmTracker
 from services.bridge.progress.highwater import ServerIdentity
 from services.bridge.progress.record import progress_key, progress_value
+from services.bridge.publish.snapshots import Decode, StreamSnapshots
 from services.bridge.receive.stream import now_pg_us
-from services.bridge.records.catalog import RelationInfo
 from services.bridge.records.events import EventBuilder, Record, Undecoded
 from services.bridge.settings import BridgeSettings
-from services.bridge.snapshot.chunks import StreamWatch, TableName
-from services.bridge.snapshot.reader import SIGNAL, WATERMARK, Chunk, SnapshotBook
+from services.bridge.snapshot.chunks import TableName
+from services.bridge.snapshot.reader import SnapshotBook
 from services.common.errors import SlotbridgeError
 from services.common.failpoints import failpoint
 from services.common.logs import log_event
@@ -81,7 +74,7 @@ class Sink(Protocol):
         ...
 
     def topic_ids(self) -> dict[str, str]:
-        """Topic name -> Kafka topic id of every topic written (``sink.TopicIds``)."""
+        """Topic name -> Kafka topic id of every topic written (``sink.topics.TopicIds``)."""
         ...
 
 
@@ -179,9 +172,6 @@ class _Batch:
     commit_ts: list[int] = field(default_factory=list)
 
 
-Decode = Callable[[bytes, bool], m.Message]
-
-
 def _decoding(decode: Decode, streamed: bool) -> Callable[[bytes], m.Message]:
     """``decode`` for the messages of a transaction streamed or not."""
     return lambda payload: decode(payload, streamed)
@@ -211,11 +201,8 @@ class Publisher(threading.Thread):
         published: Callable[[], set[TableName]],
         receiving: Callable[[], bool] = lambda: False,
     ) -> None:
-        """``snapshot_added``: whether tables missing from Kafka get a snapshot (not with
-        ``snapshot_mode: never``, nor for a FOR ALL TABLES publication, whose new tables
-        stream from their creation)."""
+        """``snapshot_added`` and ``published``: see ``StreamSnapshots``."""
         super().__init__(name="publisher", daemon=True)
-        self.snapshot_added = snapshot_added
         self._settings = settings
         self._sink = sink
         self._origin = origin
@@ -228,17 +215,19 @@ class Publisher(threading.Thread):
         self._decode = decode
         self._metrics = metrics
         self._book = book
-        self._watch = StreamWatch()
-        self._published = published
         # Whether the receiving thread is in the middle of a transaction the server is
         # sending: the queue is empty only for the moment it takes to arrive.
         self._receiving = receiving
-        # Tables the stream described that the publication does not publish: the
-        # partitions a change went through, described next to the root that
-        # publish_via_partition_root publishes them as. Asked about once per session.
-        self._not_published: set[TableName] = set()
-        for table in book.tables():
-            self._watch.watch(table)
+        self._compacted = (builder.schema_topic,)
+        self.snapshots = StreamSnapshots(
+            slot_name=settings.slot_name,
+            builder=builder,
+            book=book,
+            decode=decode,
+            produce=self._produce,
+            snapshot_added=snapshot_added,
+            published=published,
+        )
         self._gids: list[str] = []
         # What each transaction's records are built and produced with, made once rather
         # than per source transaction: how the builder decodes what it reads undecoded
@@ -246,7 +235,6 @@ class Publisher(threading.Thread):
         self._undecoded = {
             streamed: Undecoded(streamed, _decoding(decode, streamed)) for streamed in (False, True)
         }
-        self._compacted = (builder.schema_topic,)
         self.error: BaseException | None = None
         self.last_commit_ts = 0  # µs since 2000 of the last published transaction
         self._committed_at = 0.0  # monotonic; 0: first thing, prove we are not fenced
@@ -283,15 +271,18 @@ class Publisher(threading.Thread):
                 return
             if isinstance(item, SnapshotRequest):
                 for table in item.tables:
-                    self._snapshot_if_missing(table)
+                    self.snapshots.add_if_missing(table)
             elif isinstance(item, Transaction) and not self._skip(item):
                 batch = batch or self._begin()
-                if not self._control(item, batch):
+                published = self.snapshots.control(item)
+                if published is None:
                     batch.events += self._publish(item)
                     batch.commit_ts.append(item.commit_ts)
                     failpoint("after_produce")
+                else:
+                    batch.events += published
                 batch.last = item
-                self._watch.committed(item.xid)
+                self.snapshots.watch.committed(item.xid)
             if batch is not None:
                 age = time.monotonic() - batch.started
                 if (
@@ -320,7 +311,7 @@ class Publisher(threading.Thread):
             return False
         # The server sends a relation's description once per session, possibly inside a
         # transaction we skip; later transactions rely on it, so learn it anyway.
-        for relation in self._relations(txn):
+        for relation in self.snapshots.relations(txn):
             self._builder.catalog.apply(relation)
         txn.spool.discard()
         self._tracker.published(txn.end_lsn)
@@ -329,127 +320,6 @@ class Publisher(threading.Thread):
         self._metrics.skipped.inc()
         return True
 
-    def is_missing(self, table: TableName) -> bool:
-        """Published, not in Kafka, and no snapshot of it under way (any thread may ask)."""
-        return (
-            self.snapshot_added
-            and table not in self._builder.catalog.known
-            and not self._book.covers(table)
-        )
-
-    def _snapshot_if_missing(self, table: TableName) -> None:
-        if self.is_missing(table):
-            self._start_snapshot(table, "added", None)
-
-    def _start_snapshot(self, table: TableName, request: str, where: str | None) -> None:
-        name = f"{table[0]}.{table[1]}"
-        under_way = self._book.add(table, request, where)
-        if under_way is not None:
-            if under_way != request:
-                log_event(
-                    log,
-                    logging.WARNING,
-                    "snapshot request ignored: the table's "
-                    "snapshot is under way; cancel that one first",
-                    table=name,
-                    request=request,
-                    under_way=under_way,
-                )
-            return
-        self._watch.watch(table)
-        log_event(log, logging.INFO, "snapshot requested", table=name, request=request, where=where)
-
-    def _control(self, txn: Transaction, batch: _Batch) -> bool:
-        """Whether ``txn`` holds nothing but a message of ours; acts on it if so."""
-        if txn.spool.count != 1:
-            return False
-        ((lsn, payload),) = txn.spool
-        if not is_logical_message(payload):
-            return False
-        msg = self._decode(payload, txn.streamed)
-        if not isinstance(msg, m.LogicalMessage) or msg.prefix not in (WATERMARK, SIGNAL):
-            return False
-        txn.spool.discard()
-        try:
-            body = json.loads(msg.content)
-        except ValueError:
-            log_event(
-                log,
-                logging.WARNING,
-                "ignored a malformed message of ours",
-                prefix=msg.prefix,
-                lsn=lsn,
-            )
-            return True
-        if not isinstance(body, dict) or body.get("slot") != self._settings.slot_name:
-            return True  # another bridge's, on the same database
-        if msg.prefix == WATERMARK:
-            chunk = self._book.take(str(body.get("chunk")))
-            if chunk is not None:
-                batch.events += self._publish_chunk(chunk, txn, lsn)
-        elif isinstance(body.get("snapshot"), dict):
-            request = body["snapshot"]
-            schema, _, name = str(request.get("table", "")).partition(".")
-            where = request.get("where")
-            self._start_snapshot(
-                (schema, name), str(request.get("id")), str(where) if where is not None else None
-            )
-        elif body.get("cancel") is not None:
-            for table in self._book.cancel(str(body["cancel"])):
-                self._watch.unwatch(table)
-                log_event(
-                    log,
-                    logging.INFO,
-                    "snapshot cancelled",
-                    table=f"{table[0]}.{table[1]}",
-                    request=body["cancel"],
-                )
-        return True
-
-    def _publish_chunk(self, chunk: Chunk, txn: Transaction, lsn: int) -> int:
-        """A chunk's rows, less those the stream overtook, at its watermark's place."""
-        catalog = self._builder.catalog
-        stream_shape = catalog.by_oid.get(chunk.relation.oid)
-        info = catalog.apply(chunk.relation)
-        rows = self._watch.fresh(chunk.table, chunk.snapshot, chunk.rows, info.key_idx, chunk.xmins)
-        name = f"{chunk.table[0]}.{chunk.table[1]}"
-        if rows is None:
-            log_event(
-                log,
-                logging.INFO,
-                "snapshot chunk read again: a transaction committed "
-                "before the snapshot was requested was still running",
-                table=name,
-            )
-            self._restore(stream_shape)
-            self._book.again(chunk)
-            return 0
-        count = self._produce(
-            self._builder.snapshot_rows(info, rows, txn.commit_lsn, txn.commit_ts, lsn)
-        )
-        # The stream's own description stays in force for its changes: pgoutput does not
-        # send it again.
-        self._restore(stream_shape)
-        if self._book.advance(chunk, len(rows)):
-            self._watch.unwatch(chunk.table)
-            done = self._book.report()["tables"][name]
-            log_event(
-                log,
-                logging.INFO,
-                "snapshot of table published",
-                table=name,
-                rows=done["rows_done"],
-                chunks=done["chunks_done"],
-                seconds=done["seconds"],
-                rows_per_s=done["rows_per_s"],
-            )
-        failpoint("after_chunk")
-        return count
-
-    def _restore(self, stream_shape: RelationInfo | None) -> None:
-        if stream_shape is not None:
-            self._builder.catalog.by_oid[stream_shape.oid] = stream_shape
-
     def _produce(self, records: Iterable[Record]) -> int:
         return self._sink.produce_all(records, self._compacted)
 
@@ -457,12 +327,11 @@ class Publisher(threading.Thread):
         """Plan which tables need a snapshot, start those snapshots, then build and produce
         the transaction's records: while the builder pulls its messages, only the stream
         watch hears of them (a snapshot started then would change what is being built)."""
-        for table in self._tables_to_snapshot(txn):
-            self._start_snapshot(table, "added", None)
+        self.snapshots.start_described(txn)
         # Messages go to the builder undecoded (it reads row changes in place, and decodes
         # the rest), unless a snapshot's watch must see them decoded.
         undecoded = None
-        if self._builder.reads_undecoded and not self._watch:
+        if self._builder.reads_undecoded and not self.snapshots.watch:
             undecoded = self._undecoded[txn.streamed]
         try:
             count = self._produce(
@@ -482,32 +351,10 @@ class Publisher(threading.Thread):
         self.last_commit_ts = txn.commit_ts
         return count
 
-    def _relations(self, txn: Transaction) -> Iterator[m.Relation]:
-        for payload in txn.relations:
-            relation = self._decode(payload, txn.streamed)
-            assert isinstance(relation, m.Relation)
-            yield relation
-
-    def _tables_to_snapshot(self, txn: Transaction) -> list[TableName]:
-        """Tables the transaction describes that are published but missing from Kafka:
-        each gets a snapshot from here on (its changes may come before its rows)."""
-        if not self.snapshot_added:
-            return []
-        tables: list[TableName] = []
-        for relation in self._relations(txn):
-            name = (relation.namespace, relation.name)
-            if name in tables or name in self._not_published or not self.is_missing(name):
-                continue
-            if name in self._published():
-                tables.append(name)
-            else:
-                self._not_published.add(name)
-        return tables
-
     def _changes(self, txn: Transaction, raw: bool) -> Iterator[tuple[int, m.Message | bytes]]:
         """The transaction's messages less its aborted subtransactions' changes: as spooled
         with ``raw`` (the spool itself when nothing is aborted), else decoded, a table being
-        snapshotted having its changes noted on the way (``_note``)."""
+        snapshotted having its changes noted on the way (``StreamSnapshots.note``)."""
         if raw and not txn.aborted_subxids:
             return iter(txn.spool)
         return self._filtered(txn, raw)
@@ -516,7 +363,8 @@ class Publisher(threading.Thread):
         streamed = txn.streamed
         aborted = txn.aborted_subxids
         # Which tables are watched changes only between transactions (see _publish).
-        watching = bool(self._watch)
+        snapshots = self.snapshots
+        watching = bool(snapshots.watch)
         relation = m.Relation
         for lsn, payload in txn.spool:
             # A relation described inside an aborted subtransaction still describes it for
@@ -528,43 +376,8 @@ class Publisher(threading.Thread):
                 continue
             msg = self._decode(payload, streamed)
             if watching and msg.__class__ is not relation:
-                self._note(msg, txn.xid)
+                snapshots.note(msg, txn.xid)
             yield lsn, msg
-
-    def _note(self, msg: m.Message, xid: int) -> None:
-        """Tell the watch what a change did to a table being snapshotted.
-
-        The relation's shape is the catalog's: the builder applied the transaction's
-        Relation messages before it asked for the changes after them."""
-        by_oid = self._builder.catalog.by_oid
-        watch = self._watch
-        if isinstance(msg, m.Truncate):
-            for oid in msg.relation_oids:
-                name = (by_oid[oid].schema, by_oid[oid].table)
-                if name in watch:
-                    watch.truncated(name, xid)
-            return
-        if not isinstance(msg, m.Insert | m.Update | m.Delete):
-            return
-        info = by_oid[msg.relation_oid]
-        name = (info.schema, info.table)
-        if name not in watch:
-            return
-        at = info.key_idx
-        if isinstance(msg, m.Insert):
-            watch.inserted(name, xid)
-            if at:
-                watch.changed(
-                    name,
-                    xid,
-                    tuple(msg.new[i] for i in at),  # type: ignore[misc]
-                    insert=True,
-                )
-            return
-        if at:
-            for tup in (msg.old, getattr(msg, "new", None)):
-                if tup is not None:
-                    watch.changed(name, xid, tuple(tup[i] for i in at))  # type: ignore[misc]
 
     def _commit(self, batch: _Batch) -> None:
         last = batch.last
@@ -605,9 +418,7 @@ class Publisher(threading.Thread):
         # Counted per batch: a counter's lock per source transaction was a cost of its own.
         self._metrics.transactions.inc(len(batch.commit_ts))
         self._metrics.published_lsn.set(end_lsn)
-        for table in self._watch.tables():
-            if not self._book.covers(table):  # a reader gave it up
-                self._watch.unwatch(table)
+        self.snapshots.unwatch_given_up()
         log_event(
             log,
             logging.DEBUG,
