@@ -49,8 +49,10 @@ the ceiling, one per record format):
    the ceiling beside the other two. Per source transaction: the daemon's CPU and the
    records it wrote (change records plus the transaction topic's), the source transactions
    one Kafka transaction carried (``txn/ktx``) and the share of the span the publisher spent
-   in Kafka commits (``commit``), read from the daemon's /metrics. The daemon's Python
-   threads share one core, so its own figure also bounds it alone: 1e6 / bridge us.
+   in Kafka commits (``commit``), read from the daemon's /metrics. The daemon's CPU
+   includes its topic id probe (a child process asked before every Kafka commit) and, as
+   ``rdk us``, what librdkafka's own threads spent (batching, compressing, sending): the
+   daemon's Python threads share one core, so 1e6 / (bridge us - rdk us) bounds it alone.
 
 The stack is stopped at the end if this bench started it, unless ``--keep-stack``.
 
@@ -132,6 +134,38 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def with_children_cpu_seconds(pid: int) -> float:
+    """``cpu_seconds`` of ``pid`` and of its running child processes: the daemon's topic id
+    probe is one (``sink/topic_id_probe.py``), asked before every Kafka commit."""
+    children: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return cpu_seconds(pid) + sum(cpu_seconds(child) for child in children)
+
+
+def librdkafka_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of ``pid``'s librdkafka threads so far (named ``rdk:``
+    by librdkafka: its main and broker threads, where records are batched, compressed and
+    sent): the daemon's CPU outside Python."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            if not (task / "comm").read_text().startswith("rdk:"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def broker_pid(stack_dir: Path) -> int | None:
     """The local stack's Kafka broker process (its command line names the stack folder)."""
     for entry in Path("/proc").iterdir():
@@ -158,8 +192,8 @@ def walsender_pid(dsn: str, slot: str) -> int | None:
 class LogMark(threading.Thread):
     """Watches a process's log for the first line holding ``marker`` (the process streams):
     ``at`` is then the monotonic time it appeared and ``cpu_s`` the process's CPU seconds by
-    then (``others_cpu_s``: that of each of ``others``). Gives up when ``running()`` turns
-    false."""
+    then (``librdkafka_cpu_s``: its librdkafka threads'; ``others_cpu_s``: that of each of
+    ``others``). Gives up when ``running()`` turns false."""
 
     def __init__(
         self,
@@ -176,7 +210,7 @@ class LogMark(threading.Thread):
         self.running = running
         self.others = others
         self.at: float | None = None
-        self.cpu_s = 0.0
+        self.cpu_s = self.librdkafka_cpu_s = 0.0
         self.others_cpu_s = [cpu_seconds(other) for other in others]
 
     def run(self) -> None:
@@ -192,7 +226,8 @@ class LogMark(threading.Thread):
                 if not line.endswith("\n"):
                     continue
                 if self.marker in line:
-                    self.cpu_s = cpu_seconds(self.pid)
+                    self.cpu_s = with_children_cpu_seconds(self.pid)
+                    self.librdkafka_cpu_s = librdkafka_cpu_seconds(self.pid)
                     self.others_cpu_s = [cpu_seconds(other) for other in self.others]
                     self.at = time.monotonic()
                 line = ""
@@ -228,9 +263,10 @@ def catch_up(
         if now - spawned > timeout:
             raise TimeoutError(f"{what} did not catch up in {timeout:.0f} s; see {mark.log_path}")
     done = time.monotonic()
-    cpu = cpu_seconds(pid)
+    cpu, librdkafka_cpu = with_children_cpu_seconds(pid), librdkafka_cpu_seconds(pid)
     peak_kb = max(peak_kb, _rss_kb(pid))
     began, cpu_began = (spawned, 0.0) if mark.at is None else (mark.at, mark.cpu_s)
+    librdkafka_began = 0.0 if mark.at is None else mark.librdkafka_cpu_s
     return {
         "seconds": done - began,
         "seconds_from_spawn": done - spawned,
@@ -239,6 +275,7 @@ def catch_up(
         "peak_rss_mb": peak_kb / 1024,
         "cpu_s": cpu - cpu_began,
         "cpu_s_from_spawn": cpu,
+        "librdkafka_cpu_s": librdkafka_cpu - librdkafka_began,
         "cpu_s_per_1m_changes": (cpu - cpu_began) / changes * 1e6,
     }
 
@@ -820,6 +857,8 @@ def cpu_budget(plan: Plan, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict
         "others_cores_at_goal": goal * others_us / 1e6,
         "bridge_us_at_goal": cores / goal * 1e6 - others_us,
         "bridge_us_per_txn": e2e["cpu_s"] / plan.transactions * 1e6,
+        # Of bridge_us, what librdkafka's threads spent: batching, compressing, sending.
+        "librdkafka_us": e2e["librdkafka_cpu_s"] / plan.changes * 1e6,
     }
     if "kafka_txns" in e2e:
         # How many source transactions one Kafka transaction carried, and the share of the
@@ -935,6 +974,7 @@ def median_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     key: per(key)
                     for key in (
                         "bridge_us",
+                        "librdkafka_us",
                         "walsender_us",
                         "broker_us",
                         "bridge_us_per_txn",
@@ -955,14 +995,15 @@ def _fmt(value: float | None, spec: str) -> str:
 def print_table(summary: list[dict[str, Any]]) -> None:
     print(
         f"\n{'workload':12} {'shape':20} {'format':13} {'ceiling/s':>10} {'e2e/s':>9}"
-        f" {'e2e/ceil':>8} {'bridge us':>9} {'walsnd us':>9} {'broker us':>9}"
+        f" {'e2e/ceil':>8} {'bridge us':>9} {'rdk us':>6} {'walsnd us':>9} {'broker us':>9}"
         f" {'us/txn':>8} {'rec/txn':>7} {'txn/ktx':>7} {'commit':>6} {'RSS MB':>6}"
     )
     for s in summary:
         print(
             f"{s['workload']:12} {s['shape']:20} {s['format']:13}"
             f" {s['ceiling_changes_per_s']:10,.0f} {s['e2e_changes_per_s']:9,.0f}"
-            f" {s['ratio']:8.2f} {_fmt(s['bridge_us'], '9.2f')} {_fmt(s['walsender_us'], '9.2f')}"
+            f" {s['ratio']:8.2f} {_fmt(s['bridge_us'], '9.2f')} {_fmt(s['librdkafka_us'], '6.2f')}"
+            f" {_fmt(s['walsender_us'], '9.2f')}"
             f" {_fmt(s['broker_us'], '9.2f')} {_fmt(s['bridge_us_per_txn'], '8.1f')}"
             f" {_fmt(s['records_per_txn'], '7.2f')} {_fmt(s['txns_per_kafka_txn'], '7.0f')}"
             f" {_fmt(s['commit_share'], '6.0%')} {s['peak_rss_mb']:6.0f}"
