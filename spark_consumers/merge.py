@@ -309,7 +309,8 @@ class TableWriter:
         # (key column, largest key the history holds, None when it holds none), for a key
         # of one integer column; None until read.
         self._key_ceiling: tuple[str, int | None] | None = None
-        # Whether the last batch's history write ended stored versions (took a MERGE).
+        # Whether the last batch's history write ended stored versions (in the history or
+        # in its ends table): the next one most likely does too.
         self._history_merged = False
         # Per table written by appends (the history, its ends): the largest commit LSN
         # of a change it holds (None: none), read once per job, then kept up to date.
