@@ -78,6 +78,7 @@ from spark_consumers.tables import (
     dead_letter_path,
     ensure_table,
     history_struct,
+    resolved_history,
     table_paths,
 )
 from spark_consumers.timings import BatchTimings
@@ -322,7 +323,7 @@ def verify(
     )
     if wrong:
         problems.append(f"current state: {wrong} rows differ from the last change")
-    history = spark.read.format("delta").load(paths.history)
+    history = resolved_history(spark, paths)
     counts = history.agg(
         F.count("*").alias("rows"),
         F.count_distinct(s.COMMIT_LSN, s.TOTAL_ORDER, s.OP).alias("distinct"),
@@ -376,7 +377,13 @@ def print_batches(label: str, run: Run) -> None:
 def print_merges(spark: SparkSession, settings: ConsumerSettings) -> None:
     """Delta's metrics of every MERGE commit of both tables, oldest first."""
     paths = table_paths(settings.warehouse, TABLE)
-    for kind, path in (("history", paths.history), ("current", paths.current)):
+    for kind, path in (
+        ("history", paths.history),
+        ("history ends", paths.history_ends),
+        ("current", paths.current),
+    ):
+        if not DeltaTable.isDeltaTable(spark, path):
+            continue
         commits = (
             DeltaTable.forPath(spark, path)
             .history()

@@ -61,6 +61,7 @@ class _Survey:
     truncates: list[Position] = field(default_factory=list)
     deletes: bool = False
     oldest_lsn: int | None = None
+    newest_lsn: int | None = None
     snapshot_rows: bool = False
 
 
@@ -210,6 +211,7 @@ class BatchProcessor:
                 ).alias("truncates"),
                 F.max((op == "d").cast("int")).alias("deletes"),
                 F.min("e.source.commit_lsn").alias("oldest"),
+                F.max("e.source.commit_lsn").alias("newest"),
                 F.max((op == "r").cast("int")).alias("snapshot_rows"),
             )
             .collect()
@@ -229,6 +231,9 @@ class BatchProcessor:
             oldest = row["oldest"]
             if oldest is not None and (survey.oldest_lsn is None or oldest < survey.oldest_lsn):
                 survey.oldest_lsn = int(oldest)
+            newest = row["newest"]
+            if newest is not None and (survey.newest_lsn is None or newest > survey.newest_lsn):
+                survey.newest_lsn = int(newest)
         return dict(surveys)
 
     def _apply_table(
@@ -316,7 +321,7 @@ class BatchProcessor:
                 self.spark, paths, self.settings.deletion_vectors
             )
         # Good rows all have a commit LSN, so the survey found one.
-        assert survey.oldest_lsn is not None
+        assert survey.oldest_lsn is not None and survey.newest_lsn is not None
         writer.apply(
             good,
             schema,
@@ -325,6 +330,7 @@ class BatchProcessor:
                 has_deletes=survey.deletes,
                 has_toast_markers=has_toast,
                 oldest_lsn=survey.oldest_lsn,
+                newest_lsn=survey.newest_lsn,
                 key_range=key_range,
             ),
             timings,

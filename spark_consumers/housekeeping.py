@@ -1,11 +1,13 @@
-"""Scheduled upkeep of the Delta tables: compaction, VACUUM, tombstone trimming.
+"""Scheduled upkeep of the Delta tables: history ends folded in, compaction, VACUUM,
+tombstone trimming.
 
 Every micro-batch adds a few small files to each table it touches (a MERGE rewrites the
 files it matched and adds new ones), so without upkeep reads slow down with the number of
 batches and old files pile up on storage. Once per ``housekeeping_interval_s`` the job
-therefore compacts every table (``OPTIMIZE``), removes files no version within
-``vacuum_retention_hours`` still needs (``VACUUM``) and trims tombstones no record can be
-older than any more.
+therefore writes the ends waiting in each ``_history_ends`` table into the history (see
+``merge.TableWriter._append_history``), compacts every table (``OPTIMIZE``), removes files
+no version within ``vacuum_retention_hours`` still needs (``VACUUM``) and trims tombstones
+no record can be older than any more.
 
 It runs inside the foreachBatch call, after the batch's own writes: the batch writers are
 the only other writers of these tables, so upkeep never races a MERGE (a concurrent
@@ -27,6 +29,8 @@ from services.common.logs import log_event
 from spark_consumers import schema as s
 from spark_consumers.status import Upkeep
 from spark_consumers.tables import IS_TRUNCATE, TablePaths, dead_letter_path, quote
+
+_POSITION_AND_END = (s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO)
 
 log = logging.getLogger("slotbridge.consume")
 
@@ -54,7 +58,8 @@ class Housekeeper:
         for name in sorted(tables):
             paths = tables[name]
             upkeep.tombstones_trimmed += self._trim_tombstones(spark, paths)
-            for path in (paths.current, paths.history, paths.tombstones):
+            upkeep.history_ends_folded += fold_history_ends(spark, paths)
+            for path in (paths.current, paths.history, paths.tombstones, paths.history_ends):
                 self._compact_and_vacuum(spark, path, upkeep)
                 # Crash tests kill the job here: one table compacted, the next not yet.
                 failpoint("consume_in_housekeeping")
@@ -71,6 +76,7 @@ class Housekeeper:
             files_compacted=upkeep.files_compacted,
             files_vacuumed=upkeep.files_vacuumed,
             tombstones_trimmed=upkeep.tombstones_trimmed,
+            history_ends_folded=upkeep.history_ends_folded,
         )
         return upkeep
 
@@ -115,3 +121,42 @@ class Housekeeper:
         if count:
             stones.delete(stale)
         return count
+
+
+def fold_history_ends(spark: SparkSession, paths: TablePaths) -> int:
+    """Write the ends the ``_history_ends`` table holds into the history's
+    ``valid_to_lsn``, then delete them; returns how many there were.
+
+    One MERGE over the history files that hold the ended versions (limited to their LSN
+    range), so the files the batches did not rewrite are rewritten here, once per
+    interval for many batches. Only a history row without an end takes one: the end the
+    history holds wins, as in ``tables.resolved_history_sql``, so the resolved history is
+    the same before, during and after a fold. A crash between the two steps leaves rows
+    that are folded already: folding them again changes nothing. The delete takes every
+    row: the batch writers, the only other writers of the table, do not run meanwhile.
+    """
+    if not DeltaTable.isDeltaTable(spark, paths.history_ends):
+        return 0
+    ends_table = DeltaTable.forPath(spark, paths.history_ends)
+    ends = ends_table.toDF()
+    bounds = ends.agg(
+        F.count("*").alias("n"), F.min(s.COMMIT_LSN).alias("low"), F.max(s.COMMIT_LSN).alias("high")
+    ).first()
+    if bounds is None or not bounds["n"]:
+        return 0
+    keys = [c for c in ends.columns if c not in _POSITION_AND_END]
+    lsn, end = quote(s.COMMIT_LSN), quote(s.VALID_TO)
+    match = " AND ".join(
+        f"t.{quote(c)} = s.{quote(c)}" for c in (*keys, s.COMMIT_LSN, s.TOTAL_ORDER)
+    )
+    (
+        DeltaTable.forPath(spark, paths.history)
+        .alias("t")
+        .merge(ends.alias("s"), f"{match} AND t.{lsn} BETWEEN {bounds['low']} AND {bounds['high']}")
+        .whenMatchedUpdate(condition=f"t.{end} IS NULL", set={end: f"s.{end}"})
+        .execute()
+    )
+    # Crash tests kill the job here: the ends are in the history and still in their table.
+    failpoint("consume_in_history_fold")
+    ends_table.delete()
+    return int(bounds["n"])

@@ -7,10 +7,12 @@ but before its checkpoint) or applying an older change after a newer one changes
 - current state: MERGE by key, a row is replaced or deleted only by a newer position; a
   truncate deletes every row older than it. Deleted keys and the last truncate are kept
   in a small tombstone table so a late, older insert cannot bring a row back.
-- history: MERGE that inserts a change only if ``(commit_lsn, total_order, op)`` is not
-  there yet and, in the same commit, moves the end (``valid_to_lsn``) of every version
-  the batch ends (SCD type 2), so the history does not depend on how the changes were
-  split into batches (see ``TableWriter._merge_history``).
+- history: every change once (an insert only if ``(commit_lsn, total_order, op)`` is
+  not there yet), with SCD type 2 validity that does not depend on how the changes were
+  split into batches. In the common case a batch's rows are inserted without rewriting a
+  stored file and the ends of the stored versions it closes go to the small
+  ``_history_ends`` table (see ``TableWriter._append_history``); otherwise one MERGE
+  moves the ends in the history itself (see ``TableWriter._merge_history``).
 
 Unchanged-TOAST values are filled in first, from the key's previous change in the batch or
 else from the current-state row, so history and current state both hold real values.
@@ -33,6 +35,7 @@ from spark_consumers.tables import (
     TablePaths,
     current_struct,
     ensure_table,
+    history_ends_struct,
     history_struct,
     quote,
     tombstone_struct,
@@ -43,6 +46,9 @@ Position = tuple[int, int]
 _NEXT = "_next_change"
 _STORED = "_stored"
 _OLD_END = "_stored_valid_to"
+_FIRST = "_first_change"
+_LIVE_AT = "_current_position"
+_DELETED_AT = "_deleted_position"
 _POINT = f"struct<{quote(s.COMMIT_LSN)}:bigint,{quote(s.TOTAL_ORDER)}:bigint>"
 
 
@@ -56,6 +62,9 @@ class BatchFacts:
     # The smallest commit LSN among the batch's changes: a stored history row before it
     # can only be matched as an open version, so the history MERGE skips the closed ones.
     oldest_lsn: int
+    # The largest: a table whose rows all lie before ``oldest_lsn`` holds none of the
+    # batch's, and after the batch none lies after ``newest_lsn``.
+    newest_lsn: int
     # The smallest and largest key of the batch's changes when the key is one integer
     # column: Delta skips the files whose key range lies outside it (serial keys).
     key_range: tuple[int, int] | None = None
@@ -79,6 +88,21 @@ def _newer_than(position: Position) -> str:
     c, t = quote(s.COMMIT_LSN), quote(s.TOTAL_ORDER)
     lsn, order = position
     return f"({c} > {lsn} OR ({c} = {lsn} AND {t} > {order}))"
+
+
+def _same_change() -> str:
+    """SQL: target ``t`` and source ``s`` are the same change (its position and op)."""
+    return " AND ".join(f"t.{quote(c)} = s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP))
+
+
+@dataclass(frozen=True)
+class _StoredVersions:
+    """``TableWriter._stored_versions``' answer: per key of the batch its first change
+    (``_FIRST``) and stored open version (``_LIVE_AT``, null if none), persisted, and how
+    many stored versions the batch ends."""
+
+    checked: DataFrame
+    ending: int
 
 
 def _key_match(keys: tuple[str, ...]) -> str:
@@ -285,8 +309,12 @@ class TableWriter:
         # (key column, largest key the history holds, None when it holds none), for a key
         # of one integer column; None until read.
         self._key_ceiling: tuple[str, int | None] | None = None
-        # Whether the last batch's history write ended stored versions (took a MERGE).
+        # Whether the last batch's history write ended stored versions (in the history or
+        # in its ends table): the next one most likely does too.
         self._history_merged = False
+        # Per table written by appends (the history, its ends): the largest commit LSN
+        # of a change it holds (None: none), read once per job, then kept up to date.
+        self._newest: dict[str, int | None] = {}
 
     def apply(
         self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts, timings: BatchTimings
@@ -310,7 +338,7 @@ class TableWriter:
             with timings.phase(f"{table.name} history"):
                 target = self._target(self.paths.history, table, history_struct(table))
                 new_keys = self._only_new_keys(table, facts)
-                merged = self._merge_history(changes, table, facts, target, new_keys)
+                merged = self._write_history(changes, table, facts, target, new_keys, timings)
                 if merged is not None:
                     timings.merged(f"{table.name} history", merged)
             if facts.key_range is not None and self._key_ceiling is not None:
@@ -331,6 +359,7 @@ class TableWriter:
         if known is None or known[0] != table:
             if not DeltaTable.isDeltaTable(self.spark, path):
                 self._empty.add(path)
+                self._newest[path] = None
             known = self._schemas[path] = (
                 table,
                 ensure_table(self.spark, path, wanted, self.deletion_vectors),
@@ -367,6 +396,193 @@ class TableWriter:
         self._floor = None if row is None else (int(row[0]), int(row[1]))
         self._tombstones = stones.where(~F.col(IS_TRUNCATE)).limit(1).count() > 0
 
+    def _write_history(
+        self,
+        rows: DataFrame,
+        table: s.TableSchema,
+        facts: BatchFacts,
+        target: StructType,
+        new_keys: bool,
+        timings: BatchTimings,
+    ) -> DataFrame | None:
+        """Insert each change once and keep SCD type 2 validity right; the result of the
+        MERGE into the history when that took one (None: a plain append).
+
+        A batch of a table with a key appends (``_append_history``) unless a truncate
+        can end a version it writes (a truncate in the batch, or a stored one at or after
+        its oldest change: a truncate ends every key's version, also of keys the batch
+        does not hold, and it reaches the job in any order with the changes around it) or
+        ``_stored_versions`` finds a late change. Those take ``_merge_history``, as does a
+        table without a key (its rows have no identity to end a version by).
+        """
+        truncates = self._history_truncates() | set(facts.truncates)
+        # A truncate before the batch's oldest change ends nothing this batch recomputes:
+        # a reachable stored version that old would already be closed at it.
+        later = tuple(sorted(t for t in truncates if t[0] >= facts.oldest_lsn))
+        fresh = self.paths.history in self._empty or new_keys
+        stored = None
+        if table.key_columns and not later and not fresh:
+            with timings.phase(f"{table.name} stored versions"):
+                stored = self._stored_versions(rows, table, facts)
+        if stored is None:
+            result = self._merge_history(rows, table, facts, target, new_keys, later)
+        else:
+            try:
+                result = self._append_history(rows, stored, table, facts, target, timings)
+            finally:
+                stored.checked.unpersist()
+        self._truncates = truncates
+        self._wrote(self.paths.history, facts)
+        return result
+
+    def _stored_versions(
+        self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts
+    ) -> _StoredVersions | None:
+        """Per key of the batch, the stored open version its first change in the batch
+        ends (persisted, with how many there are); None when a key's newest stored change
+        is at or after its first change in the batch.
+
+        A stored open version of a key is exactly the key's current-state row, read here
+        before this batch writes the current state; a deleted key has none (its delete
+        ended its last version) and its newest tombstone says when. A stored change at or
+        after the batch's first change of the key is a late record (the key's partition
+        reordered, offsets reset) or a replay after the current state was written: the
+        batch could end a version that an older stored version's recorded end skips, so
+        the MERGE path recomputes the ends. One Spark job, reading the current state (and
+        the tombstones) within the batch's key range.
+        """
+        keys = list(table.key_columns)
+        by_key = [F.col(quote(k)) for k in keys]
+        position = F.struct(*_position_order())
+        firsts = rows.where(F.col(s.OP) != "t").groupBy(*by_key).agg(F.min(position).alias(_FIRST))
+        self._target(self.paths.current, table, current_struct(table))
+        checked = firsts
+        late = F.lit(False)
+        if self.paths.current not in self._empty:
+            live = (
+                DeltaTable.forPath(self.spark, self.paths.current)
+                .toDF()
+                .where(_in_key_range(table, facts.key_range))
+                .select(*by_key, position.alias(_LIVE_AT))
+            )
+            # A sort-merge join, not a broadcast: without adaptive execution each broadcast
+            # is a Spark job of its own, and a large current state has no memory bound here.
+            checked = checked.join(live.hint("merge"), keys, "left")
+            late = late | F.coalesce(F.col(_LIVE_AT) >= F.col(_FIRST), F.lit(False))
+        else:
+            checked = checked.withColumn(_LIVE_AT, F.lit(None).cast(_POINT))
+        if self._tombstones:
+            deleted = (
+                DeltaTable.forPath(self.spark, self.paths.tombstones)
+                .toDF()
+                .where(~F.col(IS_TRUNCATE) & F.expr(_in_key_range(table, facts.key_range)))
+                .groupBy(*by_key)
+                .agg(F.max(position).alias(_DELETED_AT))
+            )
+            checked = checked.join(deleted.hint("merge"), keys, "left")
+            late = late | F.coalesce(F.col(_DELETED_AT) >= F.col(_FIRST), F.lit(False))
+        checked = checked.withColumn("_late", late).persist()
+        summary = checked.agg(
+            F.max(F.col("_late").cast("int")).alias("late"), F.count(F.col(_LIVE_AT)).alias("n")
+        ).first()
+        if summary is None or summary["late"]:
+            checked.unpersist()
+            return None
+        return _StoredVersions(checked, int(summary["n"]))
+
+    def _append_history(
+        self,
+        rows: DataFrame,
+        stored: _StoredVersions,
+        table: s.TableSchema,
+        facts: BatchFacts,
+        target: StructType,
+        timings: BatchTimings,
+    ) -> DataFrame | None:
+        """The batch's rows added to the history and the ends of the stored versions they
+        close to the ``_history_ends`` table: no stored file is rewritten. The result of
+        the insert-only MERGE into the history when that took one (None: an append).
+
+        The batch's own rows carry their ends (the key's next change in the batch, a delete
+        its own LSN). Each write is an append, or, when the table may hold the batch's rows
+        already (``_may_hold_batch``: a replay), an insert-only MERGE that adds only the
+        missing ones; the history's is limited to the batch's LSN and key range, so Delta
+        reads only the files that can hold a replayed change. Ends are written first:
+        between the two commits a reader of the resolved history sees the batch's stored
+        versions closed before their successors appear, never two open versions of a key.
+        """
+        if stored.ending:
+            with timings.phase(f"{table.name} history ends"):
+                self._write_ends(stored, table, facts)
+        self._history_merged = stored.ending > 0
+        fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
+        new_rows = _align(_recompute_ends(fresh, table, ()), target)
+        in_batch = (
+            f"{_same_change()} AND t.{quote(s.COMMIT_LSN)} >= {facts.oldest_lsn} "
+            f"AND {_in_key_range(table, facts.key_range, 't.')}"
+        )
+        if not self._may_hold_batch(self.paths.history, s.COMMIT_LSN, facts):
+            new_rows.write.format("delta").mode("append").save(self.paths.history)
+            return None
+        return (
+            self.history.alias("t")
+            .merge(new_rows.alias("s"), in_batch)
+            .whenNotMatchedInsert(values=_assign(target))
+            .execute()
+        )
+
+    def _may_hold_batch(self, path: str, column: str, facts: BatchFacts) -> bool:
+        """Whether the table at ``path`` may hold rows of this batch: rows whose ``column``
+        (a commit LSN of one of its changes) is ``facts.oldest_lsn`` or later. If not, the
+        batch is appended without an insert-only MERGE's look at the stored rows.
+
+        A stream's batches follow each other in LSN order, so this is the common case; a
+        replay (a restart before the checkpoint, or from older offsets) or a change held
+        back on a slower Kafka partition is not. The largest LSN is read once per job (a
+        Spark job), then raised by every write (``_wrote``).
+        """
+        if path not in self._newest:
+            row = DeltaTable.forPath(self.spark, path).toDF().agg(F.max(quote(column))).first()
+            self._newest[path] = None if row is None or row[0] is None else int(row[0])
+        newest = self._newest[path]
+        return newest is not None and newest >= facts.oldest_lsn
+
+    def _wrote(self, path: str, facts: BatchFacts) -> None:
+        """The table at ``path`` now holds rows up to the batch's newest commit LSN."""
+        if path in self._newest:
+            known = self._newest[path]
+            self._newest[path] = facts.newest_lsn if known is None else max(known, facts.newest_lsn)
+
+    def _write_ends(self, stored: _StoredVersions, table: s.TableSchema, facts: BatchFacts) -> None:
+        """Add the ends of the stored versions the batch closes to the ``_history_ends``
+        table, each once: an append, or an insert-only MERGE on the version's key and
+        start when the table may hold the batch's ends already (a replay).
+
+        An end's ``valid_to_lsn`` is the commit LSN of one of the batch's changes, so
+        ``_may_hold_batch`` looks at that column."""
+        path = self.paths.history_ends
+        target = self._target(path, table, history_ends_struct(table))
+        ends = stored.checked.where(F.col(_LIVE_AT).isNotNull()).select(
+            *[F.col(quote(k)) for k in table.key_columns],
+            F.col(_LIVE_AT)[s.COMMIT_LSN].alias(s.COMMIT_LSN),
+            F.col(_LIVE_AT)[s.TOTAL_ORDER].alias(s.TOTAL_ORDER),
+            F.col(_FIRST)[s.COMMIT_LSN].alias(s.VALID_TO),
+        )
+        if self._may_hold_batch(path, s.VALID_TO, facts):
+            position = " AND ".join(
+                f"t.{quote(c)} = s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER)
+            )
+            (
+                DeltaTable.forPath(self.spark, path)
+                .alias("t")
+                .merge(ends.alias("s"), f"{_key_match(table.key_columns)} AND {position}")
+                .whenNotMatchedInsert(values=_assign(target))
+                .execute()
+            )
+        else:
+            _align(ends, target).write.format("delta").mode("append").save(path)
+        self._wrote(path, facts)
+
     def _merge_history(
         self,
         rows: DataFrame,
@@ -374,9 +590,11 @@ class TableWriter:
         facts: BatchFacts,
         target: StructType,
         new_keys: bool,
+        later: tuple[Position, ...],
     ) -> DataFrame | None:
-        """Insert each change once and keep SCD type 2 validity right; the MERGE's result
-        when that took one (None: an append). ``new_keys``: see ``_only_new_keys``.
+        """Insert each change once and move the ends in the history itself; the MERGE's
+        result when that took one (None: an append). ``new_keys``: see ``_only_new_keys``;
+        ``later``: the truncates at or after the batch's oldest change.
 
         A change is valid from its commit LSN to the commit LSN of the first thing after it
         that ends it: the key's next change or the next truncate, whichever comes first
@@ -390,10 +608,6 @@ class TableWriter:
         Kafka partitions) and replays.
         """
         keys = table.key_columns
-        truncates = self._history_truncates() | set(facts.truncates)
-        # A truncate before the batch's oldest change ends nothing this batch recomputes:
-        # a reachable stored version that old would already be closed at it.
-        later = tuple(sorted(t for t in truncates if t[0] >= facts.oldest_lsn))
         history = self.history
         fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
         union = fresh
@@ -402,9 +616,12 @@ class TableWriter:
         # A table this writer created holds nothing yet: no stored row to look for.
         only_new = self.paths.history in self._empty or new_keys
         if not only_new and (keys or facts.truncates):
-            stored = history.toDF().where(
-                f"{_reachable(facts.oldest_lsn)} AND {_in_key_range(table, key_range)}"
-            )
+            stored = self._with_pending_ends(
+                history.toDF().where(
+                    f"{_reachable(facts.oldest_lsn)} AND {_in_key_range(table, key_range)}"
+                ),
+                table,
+            ).where(_reachable(facts.oldest_lsn))
             if not facts.truncates:
                 # Only a truncate reaches keys the batch does not change.
                 stored = stored.join(
@@ -437,25 +654,42 @@ class TableWriter:
             result = self._close_and_insert(
                 history, ends.where(moved), target, _in_key_range(table, key_range, "t."), facts
             )
-        self._truncates = truncates
         self._history_merged = not only_new
         return result
+
+    def _with_pending_ends(self, stored: DataFrame, table: s.TableSchema) -> DataFrame:
+        """Stored history rows with the ends the ``_history_ends`` table holds for them
+        (``resolved_history_sql``'s join): the ends this path recomputes start from the
+        resolved ones. ``stored`` is first chosen by its own ``valid_to_lsn``, a superset
+        (an end not folded in yet is null there), so Delta can still skip files by it.
+        """
+        if not table.key_columns or not DeltaTable.isDeltaTable(
+            self.spark, self.paths.history_ends
+        ):
+            return stored
+        ends = (
+            DeltaTable.forPath(self.spark, self.paths.history_ends)
+            .toDF()
+            .withColumnRenamed(s.VALID_TO, "_pending_end")
+        )
+        return (
+            stored.join(ends, [*table.key_columns, s.COMMIT_LSN, s.TOTAL_ORDER], "left")
+            .withColumn(s.VALID_TO, F.coalesce(F.col(s.VALID_TO), F.col("_pending_end")))
+            .drop("_pending_end")
+        )
 
     @staticmethod
     def _close_and_insert(
         history: DeltaTable, ends: DataFrame, target: StructType, in_range: str, facts: BatchFacts
     ) -> DataFrame:
         """One MERGE: move the ends of stored rows and insert the new rows."""
-        same_change = " AND ".join(
-            f"t.{quote(c)} = s.{quote(c)}" for c in (s.COMMIT_LSN, s.TOTAL_ORDER, s.OP)
-        )
         # The stored side of the join is narrowed by the same predicates that chose the
         # reachable rows, so Delta skips files and Spark filters rows before joining.
         return (
             history.alias("t")
             .merge(
                 ends.alias("s"),
-                f"{same_change} AND {_reachable(facts.oldest_lsn, 't.')} AND {in_range}",
+                f"{_same_change()} AND {_reachable(facts.oldest_lsn, 't.')} AND {in_range}",
             )
             .whenMatchedUpdate(
                 condition=f"s.{_STORED}", set={quote(s.VALID_TO): f"s.{quote(s.VALID_TO)}"}

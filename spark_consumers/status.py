@@ -36,6 +36,7 @@ class Upkeep:
     files_compacted: int = 0
     files_vacuumed: int = 0
     tombstones_trimmed: int = 0
+    history_ends_folded: int = 0
     tables: list[str] = field(default_factory=list)
 
 

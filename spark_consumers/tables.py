@@ -4,6 +4,9 @@ Per source table ``schema.table`` under the warehouse:
 
     current/schema.table      one row per live key: the source columns + position
     history/schema.table      every change, SCD type 2 validity, op and source metadata
+    _history_ends/schema.table  the ends of stored history versions not yet written into
+                              the history (see ``resolved_history_sql``); folded into it by
+                              housekeeping
     _tombstones/schema.table  internal: position of each deleted key and of the last
                               truncate, so a late older record cannot resurrect a row;
                               appended (a key may have several), trimmed by housekeeping
@@ -19,10 +22,11 @@ Delta cannot drop or retype a column without rewriting it, so a dropped source c
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from delta.tables import DeltaTable
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import (
     ArrayType,
     BooleanType,
@@ -81,6 +85,7 @@ IS_TRUNCATE = "_cdc_truncate"
 class TablePaths:
     current: str
     history: str
+    history_ends: str
     tombstones: str
 
 
@@ -89,6 +94,7 @@ def table_paths(warehouse: str, table: str) -> TablePaths:
     return TablePaths(
         current=f"{root}/current/{table}",
         history=f"{root}/history/{table}",
+        history_ends=f"{root}/_history_ends/{table}",
         tombstones=f"{root}/_tombstones/{table}",
     )
 
@@ -107,6 +113,65 @@ def current_struct(table: s.TableSchema) -> StructType:
 
 def history_struct(table: s.TableSchema) -> StructType:
     return StructType([*table.struct().fields, *_HISTORY_META])
+
+
+def history_ends_struct(table: s.TableSchema) -> StructType:
+    """A stored version's key and start position, and where it ends."""
+    keys = [f for f in table.struct().fields if f.name in table.key_columns]
+    return StructType([*keys, *_POSITION, StructField(s.VALID_TO, LongType())])
+
+
+_END_COLUMNS = (s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO)
+
+
+def resolved_history_sql(
+    history_columns: Sequence[str],
+    ends_columns: Sequence[str],
+    history: str = "history",
+    ends: str = "history_ends",
+    quote_char: str = "`",
+) -> str:
+    """SQL for the exact history: the history table with each version's end taken from the
+    ``_history_ends`` table where the history does not hold it yet.
+
+    A batch ends the stored versions of the keys it changes with rows in the small ends
+    table instead of rewriting the history's files; housekeeping later writes them into
+    the history and deletes them. The end the history holds wins: a version is closed in
+    the history only by a change or truncate known then, and an end written later (a late
+    record, which takes the MERGE path) is never later than the one in the ends table.
+    The same text serves Spark (``quote_char`` a backtick; ``history``/``ends`` such as
+    ``delta.`<path>```), DuckDB and delta-rs's ``QueryBuilder`` (``quote_char='"'``, the
+    names their tables are registered under). The ends table's columns other than the
+    position and ``valid_to_lsn`` are the source table's key.
+    """
+
+    def q(name: str) -> str:
+        return quote_char + name.replace(quote_char, quote_char * 2) + quote_char
+
+    keys = [c for c in ends_columns if c not in _END_COLUMNS]
+    columns = ", ".join(
+        f"COALESCE(h.{q(c)}, e.{q(c)}) AS {q(c)}" if c == s.VALID_TO else f"h.{q(c)}"
+        for c in history_columns
+    )
+    match = " AND ".join(f"h.{q(c)} = e.{q(c)}" for c in (*keys, s.COMMIT_LSN, s.TOTAL_ORDER))
+    return f"SELECT {columns} FROM {history} h LEFT JOIN {ends} e ON {match}"
+
+
+def resolved_history(spark: SparkSession, paths: TablePaths) -> DataFrame:
+    """The exact history of one table in Spark (``resolved_history_sql``); the history
+    table alone for a table without a key (it has no ends table)."""
+    history = spark.read.format("delta").load(paths.history)
+    if not DeltaTable.isDeltaTable(spark, paths.history_ends):
+        return history
+    ends = spark.read.format("delta").load(paths.history_ends)
+    return spark.sql(
+        resolved_history_sql(
+            history.columns,
+            ends.columns,
+            f"delta.{quote(paths.history)}",
+            f"delta.{quote(paths.history_ends)}",
+        )
+    )
 
 
 def tombstone_struct(table: s.TableSchema) -> StructType:

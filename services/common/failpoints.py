@@ -32,6 +32,7 @@ NAMES = frozenset(
         "before_watermark",
         "consume_after_history",
         "consume_in_housekeeping",
+        "consume_in_history_fold",
         "consume_after_status",
         "promote_after_disable",
     }

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable as DeltaLakeTable
 from deltalake import QueryBuilder
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import FloatType, StringType, TimestampType
 
@@ -41,7 +41,13 @@ from spark_consumers.job import start_query
 from spark_consumers.schema import spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.tables import dead_letter_path, gaps_path, table_paths
+from spark_consumers.tables import (
+    dead_letter_path,
+    gaps_path,
+    resolved_history,
+    resolved_history_sql,
+    table_paths,
+)
 from tests.integration.bridge_harness import Pipeline, one_line_error, run_cli, sql
 
 pytestmark = pytest.mark.spark
@@ -73,8 +79,17 @@ def consume_once(spark: SparkSession, settings: ConsumerSettings) -> Status:
     return status
 
 
+def _table(spark: SparkSession, path: str) -> DataFrame:
+    """A Delta table's rows; a history table's resolved (``resolved_history``): the ends
+    housekeeping has not folded in yet are taken from its ``_history_ends`` table."""
+    where = Path(path)
+    if where.parent.name == "history":
+        return resolved_history(spark, table_paths(str(where.parents[1]), where.name))
+    return spark.read.format("delta").load(path)
+
+
 def delta_rows(spark: SparkSession, path: str) -> list[dict[str, Any]]:
-    frame = spark.read.format("delta").load(path)
+    frame = _table(spark, path)
     # Timestamps as UTC text: Python's datetime conversion would use the local zone.
     frame = frame.select(
         *[
@@ -153,15 +168,58 @@ def _rows(table: pa.Table) -> list[tuple[tuple[str, Any], ...]]:
     )
 
 
+def _duckdb_view(duck: duckdb.DuckDBPyConnection, name: str, path: Path) -> None:
+    """A DuckDB view ``name`` of a Delta table's rows, from the Parquet files its log lists
+    (a table without files: no rows, the columns of the history view of the same name)."""
+    files, names = _delta_log_state(path)
+    if files:
+        columns = ", ".join(f'"{physical}" AS "{name}"' for physical, name in names.items())
+        duck.execute(
+            f"CREATE VIEW {name} AS SELECT {columns} FROM read_parquet({files!r}, "
+            "union_by_name=true)"
+        )
+    else:
+        columns = ", ".join(f'"{name}"' for name in names.values())
+        duck.execute(f"CREATE VIEW {name} AS SELECT {columns} FROM history WHERE false")
+
+
+def _assert_resolved_history_agrees(spark: SparkSession, warehouse: str, table: str) -> None:
+    """``resolved_history_sql`` gives the same rows in Spark, delta-rs and DuckDB."""
+    paths = table_paths(warehouse, table)
+    by_spark = resolved_history(spark, paths)
+    ends_columns = spark.read.format("delta").load(paths.history_ends).columns
+    sql_text = resolved_history_sql(by_spark.columns, ends_columns, quote_char='"')
+    expected = _rows(by_spark.toArrow())
+    by_delta_rs = (
+        QueryBuilder()
+        .register("history", DeltaLakeTable(paths.history))
+        .register("history_ends", DeltaLakeTable(paths.history_ends))
+        .execute(sql_text)
+        .read_all()
+    )
+    assert _rows(pa.table(by_delta_rs)) == expected, f"delta-rs resolves {table} differently"
+    duck = duckdb.connect()
+    duck.execute("SET TimeZone = 'UTC'")
+    _duckdb_view(duck, "history", Path(paths.history))
+    _duckdb_view(duck, "history_ends", Path(paths.history_ends))
+    by_duckdb = _rows(duck.sql(sql_text).to_arrow_table())
+    assert by_duckdb == expected, f"DuckDB resolves {table} differently"
+
+
 def assert_every_reader_agrees(spark: SparkSession, warehouse: str) -> set[str]:
     """Each Delta table under ``warehouse`` reads the same with Spark, delta-rs and DuckDB
-    (over the files its log lists); returns the tables checked, relative to the warehouse.
+    (over the files its log lists), and so does each resolved history; returns the tables
+    checked, relative to the warehouse. A history's ``_history_ends`` table is part of the
+    history: it is checked, and named as the history.
     """
     tables = sorted(p.parent for p in Path(warehouse).rglob("_delta_log"))
     assert tables, f"no Delta table under {warehouse}"
     duck = duckdb.connect()
     duck.execute("SET TimeZone = 'UTC'")
+    ends = Path(warehouse) / "_history_ends"
     for path in tables:
+        if path.parent == ends:
+            _assert_resolved_history_agrees(spark, warehouse, path.name)
         by_spark = _rows(spark.read.format("delta").load(str(path)).toArrow())
         files, names = _delta_log_state(path)
         by_delta_rs = DeltaLakeTable(str(path))
@@ -181,7 +239,7 @@ def assert_every_reader_agrees(spark: SparkSession, warehouse: str) -> set[str]:
             else []
         )
         assert by_duckdb == by_spark, f"DuckDB reads {path} differently"
-    return {str(p.relative_to(warehouse)) for p in tables}
+    return {str(p.relative_to(warehouse)) for p in tables if p.parent != ends}
 
 
 # -- synthetic records through real Kafka: crash, restart, aborted transactions -------------
@@ -410,6 +468,85 @@ def test_kill_inside_housekeeping_then_restart(
         "history/public.kept",
         "_tombstones/public.kept",
     }
+
+
+def test_kill_inside_the_history_fold_then_restart(
+    stack: Stack, spark: SparkSession, tmp_path: Path
+) -> None:
+    """Killed inside housekeeping's fold of the history ends, after the ends are in the
+    history and before they are deleted: the restart folds them again, and the resolved
+    history is exact and the same for every reader."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    table = SynthTable(prefix, "public", "folded", ITEM_COLUMNS)
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
+    txs, state, changes = _workload(table, 11, 30, 1_000)
+    writer.send([table.schema_record()])
+    for records in txs:
+        writer.send(records)
+    settings = consumer_settings(stack, prefix, tmp_path, tables=["public.folded"])
+    env = {
+        **_consumer_env(settings),
+        "SLOTBRIDGE_TABLES": '["public.folded"]',
+        "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER": "25",
+        "SLOTBRIDGE_HOUSEKEEPING_INTERVAL_S": "0.001",
+    }
+    # Housekeeping is due from the second batch on, whose updates of stored keys left
+    # ends to fold.
+    code, output = run_cli(
+        "consume",
+        "--once",
+        env={**env, "SLOTBRIDGE_FAILPOINTS": "consume_in_history_fold=kill"},
+        timeout=300,
+    )
+    assert code == -signal.SIGKILL, output[-3000:]
+    paths = table_paths(settings.warehouse, "public.folded")
+    position = ["id", "_cdc_commit_lsn", "_cdc_total_order"]
+    waiting = spark.read.format("delta").load(paths.history_ends)
+    assert waiting.count() > 0
+    stored = spark.read.format("delta").load(paths.history).select(*position, "valid_to_lsn")
+    # The fold's MERGE committed: every end still waiting is in the history too.
+    folded = waiting.withColumnRenamed("valid_to_lsn", "waiting_end").join(stored, position)
+    assert folded.where("waiting_end = valid_to_lsn").count() == waiting.count()
+    code, output = run_cli("consume", "--once", env=env, timeout=300)
+    assert code == 0, output[-3000:]
+    assert _current(spark, paths.current) == _expected(state)
+    history = delta_rows(spark, paths.history)
+    changed = {(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
+    assert len(changed) == len(history) == changes
+    ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"] for r in history}
+    assert ends == _expected_item_ends(txs)
+    # The restart's last housekeeping folded every end: the history alone is exact.
+    assert spark.read.format("delta").load(paths.history_ends).count() == 0
+    unresolved = spark.read.format("delta").load(paths.history).collect()
+    assert {
+        (r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"] for r in unresolved
+    } == ends
+    assert assert_every_reader_agrees(spark, settings.warehouse) == {
+        "current/public.folded",
+        "history/public.folded",
+        "_tombstones/public.folded",
+    }
+
+
+def _expected_item_ends(txs: list[list[Record]]) -> dict[tuple[int, int], int | None]:
+    """The ends of ``_workload``'s changes by definition (``_expected_ends``)."""
+    changes: list[Change] = []
+    for records in txs:
+        for _, _, value in records:
+            if value is None:
+                continue  # a delete's Kafka tombstone
+            change = json.loads(value)
+            row = change["after"] or change["before"]
+            changes.append(
+                (
+                    change["op"],
+                    row["id"],
+                    change["source"]["commit_lsn"],
+                    change["transaction"]["total_order"],
+                )
+            )
+    return _expected_ends(changes)
 
 
 def test_once_on_a_prefix_without_topics(stack: Stack, tmp_path: Path) -> None:

@@ -37,11 +37,11 @@ from pyspark.sql.types import (
 from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
 from spark_consumers.batch import BatchProcessor
-from spark_consumers.housekeeping import Housekeeper
+from spark_consumers.housekeeping import Housekeeper, fold_history_ends
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.tables import dead_letter_path, table_paths
+from spark_consumers.tables import dead_letter_path, resolved_history, table_paths
 
 pytestmark = pytest.mark.spark
 
@@ -138,8 +138,8 @@ class Harness:
         return {r["id"]: _comparable(r.asDict()) for r in rows}
 
     def history(self, table: str = "public.t") -> list[dict[str, Any]]:
-        path = table_paths(self.settings.warehouse, table).history
-        rows = self.spark.read.format("delta").load(path).collect()
+        """The resolved history: the ends not folded in yet taken from their table."""
+        rows = resolved_history(self.spark, table_paths(self.settings.warehouse, table)).collect()
         return sorted(
             (_comparable(r.asDict()) for r in rows),
             key=lambda r: (r["_cdc_commit_lsn"], r["_cdc_total_order"]),
@@ -224,15 +224,21 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
         "read, parse, survey",
         "public.t type",
         "public.t history",
+        "public.t stored versions",
+        "public.t history ends",
         "public.t current",
     }
     assert set(status["last_batch_jobs"]) == set(status["last_batch_phases"])
     assert all(n > 0 for n in status["last_batch_jobs"].values())
     merges = status["last_batch_merges"]
-    assert set(merges) == {"public.t history", "public.t current"}
-    assert merges["public.t history"]["num_inserted_rows"] == 1
-    assert merges["public.t history"]["num_updated_rows"] == 1
+    assert set(merges) == {"public.t current"}
     assert merges["public.t current"]["num_updated_rows"] == 1
+    # The history took appends, no MERGE: the stored version's end is in the ends table.
+    paths = table_paths(h.settings.warehouse, "public.t")
+    last = spark.sql(f"DESCRIBE HISTORY delta.`{paths.history}` LIMIT 1").first()
+    assert last is not None and last["operation"] == "WRITE"
+    ends = spark.read.format("delta").load(paths.history_ends)
+    assert [tuple(r) for r in ends.collect()] == [(1, 200, 1, 300)]
 
 
 def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
@@ -413,10 +419,8 @@ def test_new_serial_keys_are_appended_and_replay_after_a_restart_changes_nothing
     split = Harness(spark, tmp_path / "split", t)
     split.run(serial)
     split.run(last)
-    assert set(split.processor.status.last_batch_timings.merges) == {
-        "public.t history",
-        "public.t current",
-    }
+    # Key 1's stored version ends: the current state MERGEs, the history appends.
+    assert set(split.processor.status.last_batch_timings.merges) == {"public.t current"}
 
     def ends(h: Harness) -> list[tuple[Any, ...]]:
         return sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in h.history())
@@ -437,6 +441,58 @@ def test_new_serial_keys_are_appended_and_replay_after_a_restart_changes_nothing
     )
     assert split.current() == whole.current()
     assert sorted(whole.current()) == [1, 2, 3, 5]
+
+
+def test_ends_wait_in_their_table_until_housekeeping_folds_them(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A batch closes stored versions in the ends table, not in the history's files; a late
+    change of such a key (the MERGE path) starts from those ends, and its earlier end wins
+    over the waiting one; the fold writes the rest into the history. At every step the
+    resolved history is the one a single batch of every change gives."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    first = [*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)]
+    updates = [*t.change("u", row(1, "a"), 300, 1, 3), *t.change("u", row(2, "a"), 300, 2, 3)]
+    late = t.change("u", row(1, "late"), 200, 1, 2)
+    last = t.change("u", row(2, "b"), 400, 1, 4)
+    whole = Harness(spark, tmp_path / "whole", t)
+    whole.run([*first, *late, *updates, *last])
+    split = Harness(spark, tmp_path / "split", t)
+    paths = table_paths(split.settings.warehouse, "public.t")
+
+    def ends(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        return sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"] or 0) for r in rows)
+
+    def stored() -> list[tuple[Any, ...]]:
+        rows = spark.read.format("delta").load(paths.history).collect()
+        return ends([r.asDict() for r in rows])
+
+    split.run(first)
+    split.run(updates)
+    assert stored() == [(1, 100, 0), (1, 300, 0), (2, 100, 0), (2, 300, 0)]
+    assert ends(split.history()) == [(1, 100, 300), (1, 300, 0), (2, 100, 300), (2, 300, 0)]
+    split.run(late)
+    split.run(last)
+    expected = [
+        (1, 100, 200),
+        (1, 200, 300),
+        (1, 300, 0),
+        (2, 100, 300),
+        (2, 300, 400),
+        (2, 400, 0),
+    ]
+    assert ends(split.history()) == ends(whole.history()) == expected
+    waiting = spark.read.format("delta").load(paths.history_ends).collect()
+    assert sorted(tuple(r) for r in waiting) == [
+        (1, 100, 1, 300),
+        (2, 100, 2, 300),
+        (2, 300, 2, 400),
+    ]
+    assert fold_history_ends(spark, paths) == 3
+    assert spark.read.format("delta").load(paths.history_ends).count() == 0
+    assert stored() == ends(split.history()) == expected
+    assert fold_history_ends(spark, paths) == 0
+    assert split.current() == whole.current()
 
 
 def test_a_change_of_a_stored_key_is_merged_after_a_batch_of_smaller_keys(
@@ -475,6 +531,8 @@ def test_deletion_vectors_give_every_delta_reader_the_same_tables(
     for h in (plain, marked):
         for batch in batches:
             h.run(batch)
+        # Batches end stored versions in the ends table; the fold MERGEs them in.
+        assert fold_history_ends(spark, table_paths(h.settings.warehouse, "public.t")) == 3
     assert marked.current() == plain.current()
     assert marked.history() == plain.history()
     for kind in ("current", "history"):
