@@ -507,9 +507,10 @@ class TableWriter:
         its own LSN). Each write is an append, or, when the table may hold the batch's rows
         already (``_may_hold_batch``: a replay), an insert-only MERGE that adds only the
         missing ones; the history's is limited to the batch's LSN and key range, so Delta
-        reads only the files that can hold a replayed change. Ends are written first:
-        between the two commits a reader of the resolved history sees the batch's stored
-        versions closed before their successors appear, never two open versions of a key.
+        reads only the files that can hold a replayed change. Ends are written first: the
+        resolved history counts an end only once the history holds the change it ends at
+        (``tables.resolved_history_sql``), so a reader between the two commits sees none
+        of the batch.
         """
         if stored.ending:
             with timings.phase(f"{table.name} history ends"):

@@ -139,6 +139,10 @@ def resolved_history_sql(
     the history and deletes them. The end the history holds wins: a version is closed in
     the history only by a change or truncate known then, and an end written later (a late
     record, which takes the MERGE path) is never later than the one in the ends table.
+    An end counts only once the history holds the change it ends at (the key's change at
+    that commit LSN): a batch writes its ends, then its changes, two Delta commits, and a
+    reader between them would otherwise see those keys' versions closed with nothing
+    after them, as if deleted. So a reader sees a batch whole or not at all.
     The same text serves Spark (``quote_char`` a backtick; ``history``/``ends`` such as
     ``delta.`<path>```), DuckDB and delta-rs's ``QueryBuilder`` (``quote_char='"'``, the
     names their tables are registered under). The ends table's columns other than the
@@ -154,7 +158,11 @@ def resolved_history_sql(
         for c in history_columns
     )
     match = " AND ".join(f"h.{q(c)} = e.{q(c)}" for c in (*keys, s.COMMIT_LSN, s.TOTAL_ORDER))
-    return f"SELECT {columns} FROM {history} h LEFT JOIN {ends} e ON {match}"
+    successor = " AND ".join(
+        [*(f"n.{q(k)} = x.{q(k)}" for k in keys), f"n.{q(s.COMMIT_LSN)} = x.{q(s.VALID_TO)}"]
+    )
+    visible = f"SELECT * FROM {ends} x WHERE EXISTS (SELECT 1 FROM {history} n WHERE {successor})"
+    return f"SELECT {columns} FROM {history} h LEFT JOIN ({visible}) e ON {match}"
 
 
 def resolved_history(spark: SparkSession, paths: TablePaths) -> DataFrame:
