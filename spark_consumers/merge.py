@@ -661,8 +661,11 @@ class TableWriter:
     def _with_pending_ends(self, stored: DataFrame, table: s.TableSchema) -> DataFrame:
         """Stored history rows with the ends the ``_history_ends`` table holds for them
         (``resolved_history_sql``'s join): the ends this path recomputes start from the
-        resolved ones. ``stored`` is first chosen by its own ``valid_to_lsn``, a superset
-        (an end not folded in yet is null there), so Delta can still skip files by it.
+        resolved ones. Every end counts here, also one whose change the history does not
+        hold yet (which readers skip): only a crash between a batch's two writes leaves
+        one, and the replay of that batch, the next write, brings the change. ``stored``
+        is first chosen by its own ``valid_to_lsn``, a superset (an end not folded in yet
+        is null there), so Delta can still skip files by it.
         """
         if not table.key_columns or not DeltaTable.isDeltaTable(
             self.spark, self.paths.history_ends

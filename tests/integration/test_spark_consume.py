@@ -42,6 +42,7 @@ from spark_consumers.schema import spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
 from spark_consumers.tables import (
+    TablePaths,
     dead_letter_path,
     gaps_path,
     resolved_history,
@@ -413,19 +414,46 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     }
 
 
+def _published(
+    stack: Stack, name: str, seed: int, transactions: int
+) -> tuple[str, list[list[Record]], dict[int, dict[str, Any]], int]:
+    """A fresh topic prefix whose table ``public.<name>`` holds ``_workload``'s committed
+    transactions in Kafka; the prefix, the transactions, their state and change count."""
+    prefix = f"sp{uuid.uuid4().hex[:8]}"
+    table = SynthTable(prefix, "public", name, ITEM_COLUMNS)
+    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
+    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
+    txs, state, changes = _workload(table, seed, transactions, 1_000)
+    writer.send([table.schema_record()])
+    for records in txs:
+        writer.send(records)
+    return prefix, txs, state, changes
+
+
+def _restart_to_the_end(
+    spark: SparkSession,
+    env: dict[str, str],
+    paths: TablePaths,
+    state: dict[int, dict[str, Any]],
+    changes: int,
+) -> list[dict[str, Any]]:
+    """Run the job again to the end of the topics; the current state must be ``state``
+    and the (resolved) history every change once. Returns the history's rows."""
+    code, output = run_cli("consume", "--once", env=env, timeout=300)
+    assert code == 0, output[-3000:]
+    assert _current(spark, paths.current) == _expected(state)
+    history = delta_rows(spark, paths.history)
+    changed = {(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
+    assert len(changed) == len(history) == changes
+    return history
+
+
 def test_kill_inside_housekeeping_then_restart(
     stack: Stack, spark: SparkSession, tmp_path: Path
 ) -> None:
     """Killed between two tables' compaction: the restart replays the batch, and every
     reader still reads the same rows as Spark."""
-    prefix = f"sp{uuid.uuid4().hex[:8]}"
-    table = SynthTable(prefix, "public", "kept", ITEM_COLUMNS)
-    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
-    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
-    txs, state, changes = _workload(table, 7, 20, 1_000)
-    writer.send([table.schema_record()])
-    for records in txs:
-        writer.send(records)
+    prefix, _, state, changes = _published(stack, "kept", 7, 20)
     settings = consumer_settings(stack, prefix, tmp_path, tables=["public.kept"])
     env = {
         **_consumer_env(settings),
@@ -456,12 +484,7 @@ def test_kill_inside_housekeeping_then_restart(
         return operations.where("operation = 'OPTIMIZE'").count()
 
     assert (optimized(paths.current), optimized(paths.history)) == (1, 0)
-    code, output = run_cli("consume", "--once", env=env, timeout=300)
-    assert code == 0, output[-3000:]
-    assert _current(spark, paths.current) == _expected(state)
-    history = delta_rows(spark, paths.history)
-    changed = {(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
-    assert len(changed) == len(history) == changes
+    history = _restart_to_the_end(spark, env, paths, state, changes)
     assert sum(r["valid_to_lsn"] is None for r in history) == len(state)
     assert assert_every_reader_agrees(spark, settings.warehouse) == {
         "current/public.kept",
@@ -476,14 +499,7 @@ def test_kill_inside_the_history_fold_then_restart(
     """Killed inside housekeeping's fold of the history ends, after the ends are in the
     history and before they are deleted: the restart folds them again, and the resolved
     history is exact and the same for every reader."""
-    prefix = f"sp{uuid.uuid4().hex[:8]}"
-    table = SynthTable(prefix, "public", "folded", ITEM_COLUMNS)
-    writer = TransactionalWriter(stack.kafka_bootstrap, f"{prefix}-writer")
-    writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
-    txs, state, changes = _workload(table, 11, 30, 1_000)
-    writer.send([table.schema_record()])
-    for records in txs:
-        writer.send(records)
+    prefix, txs, state, changes = _published(stack, "folded", 11, 30)
     settings = consumer_settings(stack, prefix, tmp_path, tables=["public.folded"])
     env = {
         **_consumer_env(settings),
@@ -508,12 +524,7 @@ def test_kill_inside_the_history_fold_then_restart(
     # The fold's MERGE committed: every end still waiting is in the history too.
     folded = waiting.withColumnRenamed("valid_to_lsn", "waiting_end").join(stored, position)
     assert folded.where("waiting_end = valid_to_lsn").count() == waiting.count()
-    code, output = run_cli("consume", "--once", env=env, timeout=300)
-    assert code == 0, output[-3000:]
-    assert _current(spark, paths.current) == _expected(state)
-    history = delta_rows(spark, paths.history)
-    changed = {(r["_cdc_commit_lsn"], r["_cdc_total_order"], r["_cdc_op"]) for r in history}
-    assert len(changed) == len(history) == changes
+    history = _restart_to_the_end(spark, env, paths, state, changes)
     ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"] for r in history}
     assert ends == _expected_item_ends(txs)
     # The restart's last housekeeping folded every end: the history alone is exact.
