@@ -1,7 +1,8 @@
 """End-to-end bridge throughput per change kind, next to the decode ceiling, on the local stack.
 
     python bench/bridge_bench.py [--workload insert|update|update-full|delete|wide|oltp|all]
-                                 [--format slotbridge|debezium|both] [--rows 1000000]
+                                 [--format slotbridge|debezium|debezium-lean|both|all]
+                                 [--rows 1000000]
                                  [--txn-size 1000] [--shapes both] [--repeat 1]
                                  [--stack-dir .stack/bench] [--keep-stack] [--json]
 
@@ -39,9 +40,12 @@ the ceiling, one per record format):
    just before it is stopped; its CPU seconds over the same span (utime + stime) are in the
    ``--json`` output. With ``--verify`` (default) the change topics are read back
    with read_committed and must hold exactly the records the workload's changes make in
-   that format (a delete: a record and a tombstone); the transaction topic is counted too.
-   With ``--format both`` the Debezium-format daemon then catches up on its own slot of the
-   same WAL.
+   that format (a delete: a record and a tombstone), and their mean size (key and value
+   bytes) is printed; the transaction topic is counted too. With ``--format both`` the
+   Debezium-format daemon then catches up on its own slot of the same WAL (``all``: also
+   the Debezium format without Connect schemas and context headers, ``debezium-lean``),
+   and the rate of each
+   format is printed as a share of the default format's.
 
 4. CPU budget: the CPU microseconds per change of the daemon, of the walsender decoding
    for it and of the stack's broker over the same span; the rate at which the three would
@@ -78,6 +82,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -326,10 +331,12 @@ def daemon_env(
     tables: Sequence[str],
     prefix: str,
     spool_dir: Path,
-    value_format: str = "slotbridge",
+    record_format: str = "slotbridge",
 ) -> dict[str, str]:
     """The environment of a daemon streaming ``tables`` (qualified names) from its own slot,
-    with its own topic prefix and progress topic (``<prefix>.progress``), and no snapshot."""
+    with its own topic prefix and progress topic (``<prefix>.progress``), and no snapshot,
+    writing ``record_format`` (a name of ``RECORD_FORMATS``)."""
+    chosen = RECORD_FORMATS[record_format]
     return {
         **os.environ,
         "SLOTBRIDGE_SOURCE_DSN": dsn,
@@ -339,7 +346,12 @@ def daemon_env(
         "SLOTBRIDGE_TABLES": json.dumps(list(tables)),
         "SLOTBRIDGE_TOPIC_PREFIX": prefix,
         "SLOTBRIDGE_PROGRESS_TOPIC": f"{prefix}.progress",
-        "SLOTBRIDGE_VALUE_FORMAT": value_format,
+        "SLOTBRIDGE_VALUE_FORMAT": chosen.value_format,
+        **(
+            {"SLOTBRIDGE_DEBEZIUM_SCHEMAS": "false", "SLOTBRIDGE_DEBEZIUM_CONTEXT_HEADERS": "false"}
+            if chosen.lean
+            else {}
+        ),
         "SLOTBRIDGE_SNAPSHOT_MODE": "never",
         "SLOTBRIDGE_SPOOL_DIR": str(spool_dir),
         "SLOTBRIDGE_HTTP_PORT": "0",
@@ -596,7 +608,7 @@ class Run:
         """The daemon of ``variant`` (see ``variant_of``) through the backlog on its own
         slot."""
         slot, prefix = self.bridge_slots[variant], self.format_prefix(variant)
-        value_format, hashed = variant_of(variant)
+        record_format, hashed = variant_of(variant)
         env = daemon_env(
             self.dsn,
             self.bootstrap,
@@ -605,7 +617,7 @@ class Run:
             self.tables,
             prefix,
             self.spool_dir,
-            value_format,
+            record_format,
         )
         env["SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS"] = str(self.begin_records).lower()
         if hashed:
@@ -699,22 +711,27 @@ class Run:
 
     def check_records(self, variant: str, result: dict[str, Any]) -> None:
         """Read the change and transaction topics back: the change records must be exactly
-        what the workload's changes make; ``result`` gets the counts."""
+        what the workload's changes make; ``result`` gets the counts and the change
+        records' mean size (key and value bytes: what the format costs the producer and
+        the broker)."""
         prefix = self.format_prefix(variant)
-        changes = sum(self.count(f"{prefix}.{table}") for table in self.tables)
+        counted = [self.count(f"{prefix}.{table}") for table in self.tables]
+        changes = sum(records for records, _ in counted)
         result["change_records"] = changes
-        result["transaction_records"] = self.count(f"{prefix}.transaction")
-        expected = self.workload.expected_records(variant_of(variant)[0], self.plan)
+        result["record_bytes"] = sum(size for _, size in counted) / max(changes, 1)
+        result["transaction_records"] = self.count(f"{prefix}.transaction")[0]
+        value_format = RECORD_FORMATS[variant_of(variant)[0]].value_format
+        expected = self.workload.expected_records(value_format, self.plan)
         if changes != expected:
             raise RuntimeError(
                 f"{self.tag} ({variant}): the change topics hold {changes} records,"
                 f" expected {expected}"
             )
 
-    def count(self, topic: str) -> int:
+    def count(self, topic: str) -> tuple[int, int]:
         """The records of ``topic`` (one partition) a read_committed consumer reads, up to
         its end offset (the consumer's position passes the transaction markers, which a
-        count of records never reaches)."""
+        count of records never reaches), and their keys' and values' bytes."""
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
@@ -727,7 +744,7 @@ class Run:
             tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
             _low, high = consumer.get_watermark_offsets(tp, timeout=30)
             consumer.assign([tp])
-            count = idle = 0
+            count = size = idle = 0
             while idle < 50:
                 batch = consumer.consume(10_000, 0.2)
                 idle = 0 if batch else idle + 1
@@ -735,10 +752,12 @@ class Run:
                     err = msg.error()
                     if err is not None and err.code() != KafkaError._PARTITION_EOF:
                         raise RuntimeError(f"reading {topic}: {err}")
-                    count += err is None
+                    if err is None:
+                        count += 1
+                        size += len(msg.key() or b"") + len(msg.value() or b"")
                 if (consumer.position([tp])[0].offset or 0) >= high:
                     break
-            return count
+            return count, size
         finally:
             consumer.close()
 
@@ -812,22 +831,41 @@ def variants(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def variant_of(variant: str) -> tuple[str, int]:
-    """A daemon variant's record format and how many columns it hashes."""
-    value_format, _, hashed = variant.partition("-h")
-    return value_format, int(hashed or 0)
+    """A daemon variant's record format (a name of ``RECORD_FORMATS``) and how many columns
+    it hashes."""
+    record_format, _, hashed = variant.partition("-h")
+    return record_format, int(hashed or 0)
 
 
 def _short(variant: str) -> str:
     """A variant's part of slot and topic names."""
-    value_format, hashed = variant_of(variant)
-    return value_format[:3] + (f"h{hashed}" if hashed else "")
+    record_format, hashed = variant_of(variant)
+    return RECORD_FORMATS[record_format].short + (f"h{hashed}" if hashed else "")
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """What a record format of ``--format`` sets in the daemon, and its part of slot and
+    topic names."""
+
+    value_format: str
+    short: str
+    # debezium_schemas and debezium_context_headers: Debezium's defaults, or neither.
+    lean: bool = False
 
 
 GOAL_RATIO = 0.8  # the end-to-end goal of issues #14 and #33, as a share of the ceiling
+RECORD_FORMATS = {
+    "slotbridge": RecordFormat("slotbridge", "slo"),
+    "debezium": RecordFormat("debezium", "deb"),
+    # Without Connect schemas (JsonConverter's schemas.enable=false) and context headers
+    # (extended.headers.enabled=false): Debezium's cheapest records.
+    "debezium-lean": RecordFormat("debezium", "dbl", lean=True),
+}
 FORMATS = {
-    "slotbridge": ("slotbridge",),
-    "debezium": ("debezium",),
+    **{name: (name,) for name in RECORD_FORMATS},
     "both": ("slotbridge", "debezium"),
+    "all": tuple(RECORD_FORMATS),
 }
 
 
@@ -941,7 +979,8 @@ def bench_stack(args: argparse.Namespace) -> Iterator[Stack]:
         if was_running or args.keep_stack:
             say(f"the stack in {args.stack_dir} stays up (slotbridge stack down --dir ...)")
         else:
-            stack.down()
+            with contextlib.redirect_stdout(sys.stderr):
+                stack.down()
             say(f"stopped the stack this bench started in {args.stack_dir}")
 
 
@@ -953,6 +992,7 @@ def median_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary = []
     for (workload, shape, value_format), runs in groups.items():
         budgets = [r["cpu_budget"] for r in runs if r["cpu_budget"]]
+        sizes = [r["e2e"]["record_bytes"] for r in runs if "record_bytes" in r["e2e"]]
 
         def per(key: str, budgets: list[dict[str, Any]] = budgets) -> float | None:
             values = [b[key] for b in budgets if key in b]
@@ -970,6 +1010,8 @@ def median_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "e2e_changes_per_s": statistics.median(r["e2e"]["changes_per_s"] for r in runs),
                 "ratio": statistics.median(r["ratio"] for r in runs),
                 "peak_rss_mb": statistics.median(r["e2e"]["peak_rss_mb"] for r in runs),
+                # Read back by --verify only.
+                "record_bytes": statistics.median(sizes) if sizes else None,
                 **{
                     key: per(key)
                     for key in (
@@ -994,20 +1036,36 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def print_table(summary: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'workload':12} {'shape':20} {'format':13} {'ceiling/s':>10} {'e2e/s':>9}"
+        f"\n{'workload':12} {'shape':20} {'format':16} {'ceiling/s':>10} {'e2e/s':>9}"
         f" {'e2e/ceil':>8} {'bridge us':>9} {'rdk us':>6} {'walsnd us':>9} {'broker us':>9}"
         f" {'us/txn':>8} {'rec/txn':>7} {'txn/ktx':>7} {'commit':>6} {'RSS MB':>6}"
+        f" {'B/rec':>6}"
     )
     for s in summary:
         print(
-            f"{s['workload']:12} {s['shape']:20} {s['format']:13}"
+            f"{s['workload']:12} {s['shape']:20} {s['format']:16}"
             f" {s['ceiling_changes_per_s']:10,.0f} {s['e2e_changes_per_s']:9,.0f}"
             f" {s['ratio']:8.2f} {_fmt(s['bridge_us'], '9.2f')} {_fmt(s['librdkafka_us'], '6.2f')}"
             f" {_fmt(s['walsender_us'], '9.2f')}"
             f" {_fmt(s['broker_us'], '9.2f')} {_fmt(s['bridge_us_per_txn'], '8.1f')}"
             f" {_fmt(s['records_per_txn'], '7.2f')} {_fmt(s['txns_per_kafka_txn'], '7.0f')}"
             f" {_fmt(s['commit_share'], '6.0%')} {s['peak_rss_mb']:6.0f}"
+            f" {_fmt(s['record_bytes'], '6.0f')}"
         )
+    default = {
+        (s["workload"], s["shape"]): s["e2e_changes_per_s"]
+        for s in summary
+        if s["format"] == "slotbridge"
+    }
+    others = [
+        s for s in summary if s["format"] != "slotbridge" and (s["workload"], s["shape"]) in default
+    ]
+    if others:
+        # Issue #33's goal: the Debezium format at >= 0.8 of the default format's rate.
+        print(f"\n{'workload':12} {'shape':20} {'format':16} {'e2e / default format':>20}")
+        for s in others:
+            ratio = s["e2e_changes_per_s"] / default[s["workload"], s["shape"]]
+            print(f"{s['workload']:12} {s['shape']:20} {s['format']:16} {ratio:20.2f}")
 
 
 def main() -> None:
@@ -1017,7 +1075,9 @@ def main() -> None:
         "--format",
         choices=tuple(FORMATS),
         default="slotbridge",
-        help="the daemon's record format(s); both: one daemon of each over the same WAL",
+        help="the daemon's record format(s) (debezium-lean: without Connect schemas and "
+        "context headers); both: the default and debezium, all: the three, one daemon each "
+        "over the same WAL",
     )
     parser.add_argument(
         "--py-spy",

@@ -42,7 +42,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bench.bridge_bench import add_stack_arguments, bench_stack
-from services.bridge.records.debezium import context_headers
+from services.bridge.records.debezium import context_headers_of
 from services.bridge.records.events import Headers
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink.kafka import KafkaSink, producer_config
@@ -158,7 +158,7 @@ def _compare(args: argparse.Namespace, stack: Stack) -> None:
     results = {}
     ways: list[Way] = [("produce()", _produce_calls, None), ("sink", _sink_runs, None)]
     if args.headers:
-        headers = context_headers("bench", "0190a3b4-0000-7000-8000-000000000000")
+        headers = context_headers_of("bench", "0190a3b4-0000-7000-8000-000000000000")
         ways += [("produce()+h", _produce_calls, headers), ("sink+h", _sink_runs, headers)]
     for name, run, with_headers in ways:
         topic = f"produce-floor-{uuid.uuid4().hex[:8]}"

@@ -37,7 +37,8 @@ from services.bridge.progress.highwater import ServerIdentity
 from services.bridge.publish.publisher import Publisher, TxnQueue
 from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts
 from services.bridge.records.debezium import DebeziumEventBuilder
-from services.bridge.records.events import EventBuilder, Record
+from services.bridge.records.default import DefaultEventBuilder
+from services.bridge.records.events import Record
 from services.bridge.settings import BridgeSettings
 from services.bridge.snapshot.reader import SnapshotBook
 
@@ -207,7 +208,7 @@ def _run(
     builder = (
         DebeziumEventBuilder(catalog, "bench", "postgres", 1_000_000, None)
         if value_format == "debezium"
-        else EventBuilder(catalog, "bench", "postgres", 1_000_000)
+        else DefaultEventBuilder(catalog, "bench", "postgres", 1_000_000)
     )
     decoder = PgOutputDecoder(4, parallel_abort=True)
     sink = _CountingSink()

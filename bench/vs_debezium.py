@@ -3,13 +3,15 @@ and latency of both, and the ratios (slotbridge / Debezium).
 
     python bench/vs_debezium.py [--rows 200000] [--txn-size 1000] [--shapes both]
                                 [--rate 5000] [--txn-rows 50] [--seconds 30] [--warm-up 20]
-                                [--dbz-poll-ms 10] [--repeat 1]
+                                [--dbz-poll-ms 10] [--repeat 1] [--workload insert|...|all]
+                                [--format slotbridge|debezium|debezium-lean]
                                 [--stack-dir .stack/bench] [--json]
 
 Debezium is its PostgreSQL connector (pgoutput) in Kafka Connect standalone
 (``slotbridge_dev.connect``), from the bootstrap's jar cache; the script resolves the
 bootstrap's Debezium set from Maven Central itself when the cache lacks it. slotbridge is
-the daemon of this checkout in its default (typed JSON) mode. Each run of either has its
+the daemon of this checkout in the record format ``--format`` names (by default its typed
+JSON). Each run of either has its
 own table, publication, slot and topics, all dropped afterwards unless ``--keep``.
 
 Throughput, for each shape (``--txn-size``-row transactions, and one ``--rows``-row
@@ -28,7 +30,7 @@ must hold exactly ``--rows`` records.
 
 Latency, as bench/latency_bench.py measures it: ``--rate`` rows/s in ``--txn-rows``-row
 transactions for ``--seconds``, each row's delay from its ``clock_timestamp()`` at insert
-(the ``ts`` column, which Debezium writes as an ISO-8601 string in ``payload.after``) to a
+(the ``ts`` column, which Debezium writes as an ISO-8601 string in ``after``) to a
 read_committed consumer receiving it; p50 and p99, Debezium first again. The same write
 runs ``--warm-up`` seconds before, not counted: while the JVM compiles its hot paths, in
 the first seconds at this rate, Debezium's delays reach seconds, and the figures are meant
@@ -41,7 +43,11 @@ it. For throughput, as Debezium's documentation suggests, larger batches and que
 ratio) and the producer batching and codec the daemon's own producer uses. Its queue waits
 for a full batch or ``poll.interval.ms`` (500 ms by default) before handing records to
 Connect: ``--dbz-poll-ms`` (10 by default) keeps that wait from being most of what its
-latency measures. Connect runs with the heap of Kafka's ``connect-standalone.sh`` (2 GB).
+latency measures. Its JsonConverter writes without the Connect schemas
+(``schemas.enable=false``: the payload alone is a fraction of the bytes) and the connector
+without its context headers (``extended.headers.enabled=false``), its cheapest records,
+unless ``--format debezium`` asks both systems for Debezium's defaults.
+Connect runs with the heap of Kafka's ``connect-standalone.sh`` (2 GB).
 
 Figures, not assertions: the machine is shared, so run it a few times and take medians.
 """
@@ -160,12 +166,20 @@ def _debezium_worker(
 ) -> ConnectWorker:
     folder.mkdir(parents=True, exist_ok=True)
     connector = debezium_postgres(name, dsn, prefix, slot, publication, tables)
+    # Debezium at its fastest: without Connect schemas and context headers, unless the
+    # daemon writes Debezium's records with its defaults.
+    defaults = args.format == "debezium"
     return ConnectWorker(
         folder,
         args.jars,
         bootstrap,
-        {**connector, **debezium_tuning(args.dbz_poll_ms)},
+        {
+            **connector,
+            **debezium_tuning(args.dbz_poll_ms),
+            "extended.headers.enabled": str(defaults).lower(),
+        },
         log_level="INFO",
+        schemas=defaults,
     )
 
 
@@ -232,7 +246,9 @@ def debezium_catch_up(
         stop_process(proc)
         mark.join(1)
     if run.verify:
-        result["change_records"] = sum(run.count(topic) for topic in topics)
+        counted = [run.count(topic) for topic in topics]
+        result["change_records"] = sum(records for records, _ in counted)
+        result["record_bytes"] = sum(size for _, size in counted) / max(expected, 1)
         if result["change_records"] != expected:
             raise RuntimeError(
                 f"Debezium's topics hold {result['change_records']} records, expected {expected}"
@@ -310,7 +326,9 @@ def debezium_latency(
                 f"{prefix}.public.{table}",
                 "Debezium",
                 alive,
-                inserted_at(lambda value: value["payload"]["after"]),
+                inserted_at(lambda value: value["payload"]["after"])
+                if worker.schemas
+                else inserted_at(),
             )
         finally:
             stop_process(worker.proc)
@@ -368,9 +386,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--format",
-        choices=("slotbridge", "debezium"),
+        choices=("slotbridge", "debezium", "debezium-lean"),
         default="slotbridge",
-        help="the daemon's record format (debezium: the same records as Debezium's)",
+        help="the daemon's record format (debezium: the same records as Debezium's with its "
+        "defaults, which Debezium then keeps too; debezium-lean: both without Connect "
+        "schemas and context headers)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()

@@ -4,7 +4,9 @@ format) and its JDBC sink (a consumer of that format nobody here wrote).
 
 The jars are one of the bootstrap's Maven sets (a classpath folder holding the Connect
 runtime and the connector). Keys and values go through Connect's JsonConverter with the
-``schema`` block (``schemas.enable=true``), the shape of the bridge's Debezium mode. The JVM
+``schema`` block (``schemas.enable=true``), the shape of the bridge's Debezium mode, or
+without it (``schemas=False``: ``schemas.enable=false``, the bridge's
+``debezium_schemas: false``). The JVM
 runs with the heap and garbage collector Kafka's own ``connect-standalone.sh`` gives it, so
 what bench/vs_debezium.py measures is Connect as it is usually started.
 """
@@ -83,8 +85,10 @@ class ConnectWorker:
         bootstrap: str,
         connector: Mapping[str, str],
         log_level: str = "ERROR",
+        schemas: bool = True,
     ) -> None:
         self.folder = folder
+        self.schemas = schemas
         self.jars = jars
         self.bootstrap = bootstrap
         self.connector = dict(connector)
@@ -105,9 +109,9 @@ class ConnectWorker:
                 {
                     "bootstrap.servers": self.bootstrap,
                     "key.converter": _CONVERTER,
-                    "key.converter.schemas.enable": "true",
+                    "key.converter.schemas.enable": str(self.schemas).lower(),
                     "value.converter": _CONVERTER,
-                    "value.converter.schemas.enable": "true",
+                    "value.converter.schemas.enable": str(self.schemas).lower(),
                     # A source's offsets; a sink's are its consumer group's.
                     "offset.storage.file.filename": str(self.folder / "offsets"),
                     "offset.flush.interval.ms": "1000",

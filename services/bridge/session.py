@@ -31,6 +31,7 @@ from services.bridge.publish.publisher import Publisher, TxnQueue
 from services.bridge.records import catalog
 from services.bridge.records.catalog import KnownVersion, RelationCatalog, known_versions
 from services.bridge.records.debezium import DebeziumEventBuilder
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder, max_change_bytes
 from services.bridge.records.masking import Masking
 from services.bridge.server import Server, open_server
@@ -202,8 +203,10 @@ class SessionSetup:
                 s.max_row_bytes,
                 mark or None,
                 begin_records=s.transaction_begin_records,
+                schemas=s.debezium_schemas,
+                context_headers=s.debezium_context_headers,
             )
-        return EventBuilder(
+        return DefaultEventBuilder(
             catalog,
             s.topic_prefix,
             dbname,

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
 from services.bridge.records.masking import HashRule, Masking, MaskingRefused, TransformRule
 from services.bridge.records.routing import KeyChoice, Route, Routing
@@ -155,6 +155,20 @@ class BridgeSettings(ServiceSettings):
             "PostgreSQL connector writes with its defaults through Kafka Connect's JsonConverter "
             "(schemas.enable=true), for consumers built for Debezium"
         ),
+    )
+    debezium_schemas: bool = Field(
+        default=True,
+        description="with value_format debezium: every key and value as {schema, payload}, "
+        "as Kafka Connect's JsonConverter writes them with schemas.enable=true (Debezium's "
+        "default); false: the payload alone (schemas.enable=false), a much smaller record "
+        "for consumers that do not read the Connect schema",
+    )
+    debezium_context_headers: bool = Field(
+        default=True,
+        description="with value_format debezium: the __debezium.context.* headers on every "
+        "change record, as with Debezium's extended.headers.enabled=true (its default); "
+        "false: none (a key change's __debezium.newkey/oldkey stay), and the records go to "
+        "Kafka in batches, which cannot carry headers",
     )
     transaction_begin_records: bool = Field(
         default=True,
@@ -311,6 +325,18 @@ class BridgeSettings(ServiceSettings):
             raise ValueError(
                 "an empty list publishes no table; omit tables to publish all "
                 "tables, or list schema.table names"
+            )
+        return value
+
+    @field_validator("debezium_schemas", "debezium_context_headers")
+    @classmethod
+    def _of_debezium(cls, value: bool, info: ValidationInfo) -> bool:
+        # With the default format it would change nothing, silently: the operator meant
+        # the Debezium format, or a setting of a consumer.
+        if not value and info.data.get("value_format") != "debezium":
+            raise ValueError(
+                "false applies only with value_format: debezium; set value_format: "
+                f"debezium, or leave {info.field_name} out"
             )
         return value
 

@@ -12,6 +12,7 @@ from typing import Final
 # Replication timestamps (pgoutput's, the walsender's and the standby status messages')
 # count microseconds from PostgreSQL's epoch, 2000-01-01 UTC.
 PG_EPOCH_UNIX_US: Final = 946_684_800_000_000
+PG_EPOCH_UNIX_MS: Final = PG_EPOCH_UNIX_US // 1000
 
 
 def parse_lsn(text: str) -> int:

@@ -6,7 +6,8 @@ with ``schemas.enable=true``: every key and value is ``{"schema": <Connect schem
 the JSON Schemas generated from these models (``schemas/debezium_*.schema.json``) describe
 the whole record to everyone else. The schema and message topics keep the default
 format's records (``records``); the transaction topic carries ``TransactionRecord`` as its
-payload.
+payload. With ``debezium_schemas: false`` (``schemas.enable=false``) keys and values are
+the payloads alone: ``DebeziumKeyPayload``, ``DebeziumChange`` and ``TransactionRecord``.
 
 ``tests/integration/test_debezium_format.py`` validates records the real connector wrote
 against these models, and ``tests/unit/test_contract.py`` the bridge's own.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from services.contract.records import Op, Row, StrictModel, TransactionBlock, TransactionRecord
 
@@ -84,6 +85,9 @@ class DebeziumSource(StrictModel):
 
 
 class DebeziumChange(StrictModel):
+    """A change record's value without its Connect schema (``debezium_schemas: false``),
+    the ``payload`` of ``DebeziumChangeValue``; a delete's tombstone has a null value."""
+
     before: Row | None
     after: Row | None
     source: DebeziumSource
@@ -99,6 +103,11 @@ class DebeziumKey(StrictModel):
 
     schema_: ConnectSchema = Field(alias="schema")
     payload: Row
+
+
+class DebeziumKeyPayload(RootModel[Row]):
+    """Key of a change record without its Connect schema (``debezium_schemas: false``): the
+    key columns, the ``payload`` of ``DebeziumKey``."""
 
 
 class DebeziumChangeValue(StrictModel):

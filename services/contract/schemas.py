@@ -16,8 +16,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.contract.debezium import (
+    DebeziumChange,
     DebeziumChangeValue,
     DebeziumKey,
+    DebeziumKeyPayload,
     DebeziumTransactionValue,
 )
 from services.contract.records import (
@@ -41,6 +43,9 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "debezium_key": DebeziumKey,
     "debezium_change_value": DebeziumChangeValue,
     "debezium_transaction": DebeziumTransactionValue,
+    # debezium_schemas: false (its transaction records are "transaction").
+    "debezium_payload_key": DebeziumKeyPayload,
+    "debezium_payload_change_value": DebeziumChange,
 }
 
 

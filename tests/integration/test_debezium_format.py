@@ -2,7 +2,11 @@
 Connect standalone (jars from the bootstrap) and the bridge with ``value_format: debezium``
 stream the same table through the same changes; their records must agree field by field,
 but for what must differ (times, LSNs, transaction ids, names) and the documented choices
-(``services/bridge/records/debezium.py``)."""
+(``services/bridge/records/debezium.py``). Twice: with Debezium's defaults, and with its
+two settings that make records cheaper, on both sides: no Connect schemas
+(JsonConverter's ``schemas.enable=false``, the bridge's ``debezium_schemas: false``) and
+no context headers (``extended.headers.enabled=false``, ``debezium_context_headers:
+false``)."""
 
 from __future__ import annotations
 
@@ -11,13 +15,18 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jsonschema
 import pytest
 from confluent_kafka import Consumer
 
-from services.contract.debezium import DebeziumChangeValue, DebeziumKey
+from services.contract.debezium import (
+    DebeziumChange,
+    DebeziumChangeValue,
+    DebeziumKey,
+    DebeziumKeyPayload,
+)
 from services.contract.schemas import json_schema
 from slotbridge_dev.bootstrap import DEBEZIUM_SET, cache_dir, jars_dir
 from slotbridge_dev.connect import ConnectWorker, debezium_postgres
@@ -64,26 +73,36 @@ WORKLOAD = [
     f"TRUNCATE {SCHEMA}.alltypes",
 ]
 EXPECTED_RECORDS = 12  # 3 creates, 1 update, d+tombstone+c, d+tombstone, 2 creates, truncate
-# Debezium's topics are its own, not the bridge's: a fresh prefix per run.
-PREFIX = f"{SCHEMA}_{uuid.uuid4().hex[:8]}"
 # Published as strings by the bridge, left out by Debezium (no mapping): see connect_values.
 BRIDGE_ONLY = {"ia"}
 
 
-def _connect(tmp: Path, bootstrap: str, dsn: str) -> ConnectWorker:
+def _connect(tmp: Path, bootstrap: str, dsn: str, prefix: str, defaults: bool) -> ConnectWorker:
     return ConnectWorker(
         tmp,
         JARS,
         bootstrap,
         {
             **debezium_postgres(
-                "dbzcmp", dsn, PREFIX, f"{SCHEMA}_dbz", f"{SCHEMA}_dbz", [f"{SCHEMA}.alltypes"]
+                "dbzcmp", dsn, prefix, f"{SCHEMA}_dbz", f"{SCHEMA}_dbz", [f"{SCHEMA}.alltypes"]
             ),
             # The bridge always writes transaction metadata and truncates (documented).
             "provide.transaction.metadata": "true",
             "skipped.operations": "none",
+            "extended.headers.enabled": str(defaults).lower(),
         },
+        schemas=defaults,
     )
+
+
+class Compared(NamedTuple):
+    """Both systems' records of the workload, read back, and how they were written."""
+
+    ours: list[Any]
+    theirs: list[Any]
+    our_topic: str
+    their_topic: str
+    schemas: bool  # and context headers: Debezium's defaults, or neither
 
 
 def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[Any]:
@@ -110,10 +129,11 @@ def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[A
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[True, False], ids=["defaults", "payloads-no-headers"])
 def both(
-    stack: Stack, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Any, Any, str, str]]:
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Compared]:
+    defaults: bool = request.param
     if not (JARS / ".stamp").exists():
         pytest.skip(
             f"Debezium/Connect jars absent from {JARS}: run `python3 -m slotbridge_dev.bootstrap`"
@@ -121,11 +141,17 @@ def both(
     dsn = stack.primary_dsn
     sql(dsn, DDL)
     tmp = Path(tmp_path_factory.mktemp("dbz"))
-    connect = _connect(tmp, stack.kafka.bootstrap, dsn)
+    # Debezium's topics are its own, not the bridge's: a fresh prefix per run.
+    prefix = f"{SCHEMA}_{uuid.uuid4().hex[:8]}"
+    connect = _connect(tmp, stack.kafka.bootstrap, dsn, prefix, defaults)
     connect.start()
     pipe = Pipeline(stack, [f"{SCHEMA}.alltypes"], tmp)
     try:
-        pipe.start(SLOTBRIDGE_VALUE_FORMAT="debezium")
+        pipe.start(
+            SLOTBRIDGE_VALUE_FORMAT="debezium",
+            SLOTBRIDGE_DEBEZIUM_SCHEMAS=str(defaults).lower(),
+            SLOTBRIDGE_DEBEZIUM_CONTEXT_HEADERS=str(defaults).lower(),
+        )
         pipe.wait_caught_up(60)
         wait_for(
             lambda: (
@@ -140,9 +166,10 @@ def both(
         for statement in WORKLOAD:
             sql(dsn, statement)
         pipe.wait_caught_up(90)
-        ours = _read(stack.kafka.bootstrap, pipe.topic(f"{SCHEMA}.alltypes"), EXPECTED_RECORDS)
-        theirs = _read(stack.kafka.bootstrap, f"{PREFIX}.{SCHEMA}.alltypes", EXPECTED_RECORDS)
-        yield ours, theirs, pipe.topic(f"{SCHEMA}.alltypes"), f"{PREFIX}.{SCHEMA}.alltypes"
+        our_topic, their_topic = pipe.topic(f"{SCHEMA}.alltypes"), f"{prefix}.{SCHEMA}.alltypes"
+        ours = _read(stack.kafka.bootstrap, our_topic, EXPECTED_RECORDS)
+        theirs = _read(stack.kafka.bootstrap, their_topic, EXPECTED_RECORDS)
+        yield Compared(ours, theirs, our_topic, their_topic, defaults)
         assert pipe.stop() == 0
         pipe.audit()
     finally:
@@ -172,9 +199,14 @@ def _parse(raw: bytes | None, topic: str) -> Any:
     return None if raw is None else json.loads(raw.decode().replace(topic, "TOPIC"))
 
 
+def _framed(value: Any, schemas: bool) -> Any:
+    """A value as ``{"schema", "payload"}``: a payload alone gets a null schema."""
+    return value if schemas else {"schema": None, "payload": value}
+
+
 def _drop_bridge_only(value: Any) -> Any:
     schema, payload = value["schema"], value["payload"]
-    for field in schema["fields"][:2]:
+    for field in schema["fields"][:2] if schema is not None else ():
         field["fields"] = [f for f in field["fields"] if f["field"] not in BRIDGE_ONLY]
     for side in ("before", "after"):
         if payload[side] is not None:
@@ -184,14 +216,17 @@ def _drop_bridge_only(value: Any) -> Any:
     return value
 
 
-def test_record_count_and_ops(both: tuple[Any, Any, str, str]) -> None:
-    ours, theirs, _, _ = both
-    assert (len(ours), len(theirs)) == (EXPECTED_RECORDS, EXPECTED_RECORDS)
+def test_record_count_and_ops(both: Compared) -> None:
+    assert (len(both.ours), len(both.theirs)) == (EXPECTED_RECORDS, EXPECTED_RECORDS)
 
 
-def test_keys_values_and_headers_match_debezium(both: tuple[Any, Any, str, str]) -> None:
-    ours, theirs, our_topic, their_topic = both
-    for n, ((ok, ov, oh), (tk, tv, th)) in enumerate(zip(ours, theirs, strict=True)):
+def test_keys_values_and_headers_match_debezium(both: Compared) -> None:
+    our_topic, their_topic = both.our_topic, both.their_topic
+    # The context headers are there with Debezium's defaults only (both sides agree below).
+    context = {h[0] for _, _, headers in both.theirs for h in headers if "context" in h[0]}
+    assert bool(context) == both.schemas, context
+    pairs = zip(both.ours, both.theirs, strict=True)
+    for n, ((ok, ov, oh), (tk, tv, th)) in enumerate(pairs):
         assert _parse(ok, our_topic) == _parse(tk, their_topic), n
         assert [h[0] for h in oh] == [h[0] for h in th], n
         assert {k: v for k, v in oh if k.endswith("key")} == {
@@ -200,7 +235,8 @@ def test_keys_values_and_headers_match_debezium(both: tuple[Any, Any, str, str])
         if tv is None:
             assert ov is None, n
             continue
-        mine, real = _drop_bridge_only(_parse(ov, our_topic)), _parse(tv, their_topic)
+        mine = _drop_bridge_only(_framed(_parse(ov, our_topic), both.schemas))
+        real = _framed(_parse(tv, their_topic), both.schemas)
         assert mine["schema"] == real["schema"], n
         p, q = mine["payload"], real["payload"]
         assert (p["op"], p["before"], p["after"]) == (q["op"], q["before"], q["after"]), n
@@ -229,17 +265,19 @@ def test_keys_values_and_headers_match_debezium(both: tuple[Any, Any, str, str])
         assert set(p) == set(q), n
 
 
-def test_debezium_records_hold_to_the_contract(both: tuple[Any, Any, str, str]) -> None:
+def test_debezium_records_hold_to_the_contract(both: Compared) -> None:
     """``schemas/debezium_*.schema.json`` describe what the real connector writes, not only
     what the bridge writes: its keys and values validate against them."""
-    _, theirs, _, _ = both
-    keys = jsonschema.Draft202012Validator(json_schema(DebeziumKey))
-    values = jsonschema.Draft202012Validator(json_schema(DebeziumChangeValue))
+    key_model, value_model = (
+        (DebeziumKey, DebeziumChangeValue) if both.schemas else (DebeziumKeyPayload, DebeziumChange)
+    )
+    keys = jsonschema.Draft202012Validator(json_schema(key_model))
+    values = jsonschema.Draft202012Validator(json_schema(value_model))
     ops = set()
-    for key, value, _ in theirs:
+    for key, value, _ in both.theirs:
         if key is not None:  # a truncate's is
             keys.validate(json.loads(key))
         if value is not None:
             values.validate(json.loads(value))
-            ops.add(json.loads(value)["payload"]["op"])
+            ops.add(_framed(json.loads(value), both.schemas)["payload"]["op"])
     assert ops == {"c", "u", "d", "t"}

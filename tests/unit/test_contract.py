@@ -26,8 +26,15 @@ from services.bridge.progress.highwater import ServerIdentity
 from services.bridge.progress.record import ProgressRecordError, parse_progress, progress_value
 from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts
 from services.bridge.records.debezium import DebeziumEventBuilder
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder
-from services.contract.debezium import DebeziumChangeValue, DebeziumKey, DebeziumTransactionValue
+from services.contract.debezium import (
+    DebeziumChange,
+    DebeziumChangeValue,
+    DebeziumKey,
+    DebeziumKeyPayload,
+    DebeziumTransactionValue,
+)
 from services.contract.records import (
     OPS,
     VERSION,
@@ -152,7 +159,7 @@ def _validate(records: Iterable[tuple[str, bytes | None, bytes | None]]) -> list
 
 
 def _builder() -> EventBuilder:
-    return EventBuilder(RelationCatalog(PREFIX, _FACTS.get), PREFIX, "postgres", 1 << 20)
+    return DefaultEventBuilder(RelationCatalog(PREFIX, _FACTS.get), PREFIX, "postgres", 1 << 20)
 
 
 def _decoded(changes: Iterable[m.Message], first_lsn: int) -> list[tuple[int, m.Message]]:
@@ -192,30 +199,34 @@ def test_event_builder_records_hold_to_the_contract() -> None:
     assert [v["op"] for v in snapshot] == ["r", "r"] and snapshot[0]["source"]["txId"] is None
 
 
-def test_debezium_format_holds_to_the_contract() -> None:
+@pytest.mark.parametrize("schemas", [True, False], ids=["schemas", "payloads"])
+def test_debezium_format_holds_to_the_contract(schemas: bool) -> None:
     """Its change and transaction records are Debezium's Connect JSON
     (``contract.debezium``; ``tests/integration/test_debezium_format.py`` holds the real
-    connector's records to the same models); its schema and message records are the
-    default format's."""
+    connector's records to the same models), or their payloads alone without schemas; its
+    schema and message records are the default format's."""
     builder = DebeziumEventBuilder(
-        RelationCatalog(PREFIX, _FACTS.get), PREFIX, "postgres", 1 << 20, None
+        RelationCatalog(PREFIX, _FACTS.get), PREFIX, "postgres", 1 << 20, None, schemas=schemas
     )
     stream = _decoded(_CHANGES, 0x1_0000_0000)
     records = builder.transaction(7, 0x1_0000_1000, 0, iter(stream), end_lsn=0x1_0000_1040)
     models: dict[str, type[BaseModel]] = {
         **_MODELS,
-        transaction_topic(PREFIX): DebeziumTransactionValue,
+        transaction_topic(PREFIX): DebeziumTransactionValue if schemas else TransactionRecord,
     }
+    key_model, change_model = (
+        (DebeziumKey, DebeziumChangeValue) if schemas else (DebeziumKeyPayload, DebeziumChange)
+    )
     seen: list[str] = []
     for topic, key, value, _ in records:
         if key is not None and topic not in models:
-            _validator(DebeziumKey).validate(json.loads(key))
+            _validator(key_model).validate(json.loads(key))
         if value is not None:
-            model = models.get(topic, DebeziumChangeValue)
+            model = models.get(topic, change_model)
             _validator(model).validate(json.loads(value))
             seen.append(model.__name__)
-    assert set(seen) == {m.__name__ for m in models.values()} | {"DebeziumChangeValue"}
-    assert seen.count("DebeziumChangeValue") >= 5
+    assert set(seen) == {m.__name__ for m in models.values()} | {change_model.__name__}
+    assert seen.count(change_model.__name__) >= 5
 
 
 def test_synthetic_records_hold_to_the_contract() -> None:

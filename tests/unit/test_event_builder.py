@@ -12,6 +12,7 @@ import pytest
 from services.bridge.decode import messages as m
 from services.bridge.records.catalog import RelationCatalog, known_versions
 from services.bridge.records.debezium import DebeziumEventBuilder
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder, Record, RowTooLarge, begin_value, end_value
 from services.contract.records import TOAST_PLACEHOLDER
 
@@ -25,7 +26,7 @@ ACCOUNTS = m.Relation(None, 16_401, "public", "accounts", "d", COLUMNS)
 
 
 def builder(max_record_bytes: int = 1 << 20, *, begin_records: bool = True) -> EventBuilder:
-    return EventBuilder(
+    return DefaultEventBuilder(
         RelationCatalog("app", lambda oid: None),
         "app",
         "shop",
@@ -88,7 +89,7 @@ def test_without_begin_records_a_transaction_is_the_same_less_its_begin(debezium
             return DebeziumEventBuilder(
                 catalog, "app", "shop", 1 << 20, None, begin_records=begin_records
             )
-        return EventBuilder(catalog, "app", "shop", 1 << 20, begin_records=begin_records)
+        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20, begin_records=begin_records)
 
     def stable(record: Record) -> tuple[str, Any, Any]:
         # The processing time (ts_ms and its kin: on schema, change and END records) is the
@@ -134,7 +135,7 @@ def test_a_schema_record_goes_out_once_per_table_version() -> None:
 
 def test_a_restart_reuses_the_versions_in_the_schema_topic() -> None:
     published = value(build(builder(), ACCOUNTS)[1])
-    b = EventBuilder(
+    b = DefaultEventBuilder(
         RelationCatalog("app", lambda oid: None, known_versions([published])),
         "app",
         "shop",

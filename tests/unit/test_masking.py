@@ -15,7 +15,8 @@ from pydantic import TypeAdapter
 from services.bridge.decode import messages as m
 from services.bridge.decode.decoder import PgOutputDecoder
 from services.bridge.records.catalog import RelationCatalog, known_versions
-from services.bridge.records.debezium import DebeziumEventBuilder, context_headers
+from services.bridge.records.debezium import DebeziumEventBuilder, context_headers_of
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder, Record, Undecoded
 from services.bridge.records.masking import (
     Masking,
@@ -89,9 +90,9 @@ def masking() -> Masking:
 def builder_of(value_format: str) -> EventBuilder:
     catalog = RelationCatalog("app", lambda oid: None, masking=masking())
     if value_format == "slotbridge":
-        return EventBuilder(catalog, "app", "shop", 1 << 20)
+        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20)
     builder = DebeziumEventBuilder(catalog, "app", "shop", 1 << 20, None)
-    builder.headers = context_headers("app", "0190a3b4-0000-7000-8000-000000000000")
+    builder.headers = context_headers_of("app", "0190a3b4-0000-7000-8000-000000000000")
     return builder
 
 

@@ -35,7 +35,7 @@ from services.bridge.publish import publisher as publisher_module
 from services.bridge.publish import snapshots as snapshots_module
 from services.bridge.publish.publisher import GapError, Publisher, TxnQueue
 from services.bridge.records.catalog import RelationCatalog
-from services.bridge.records.events import EventBuilder
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.settings import BridgeSettings
 from services.bridge.snapshot.chunks import TableName, XidSnapshot
 from services.bridge.snapshot.reader import WATERMARK, Chunk, SnapshotBook
@@ -122,7 +122,9 @@ def session(
         settings=kafka.settings.model_copy(update={"batch_max_events": batch_max_events}),
         sink=kafka.sink,
         origin=kafka.origin,
-        builder=EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20),
+        builder=DefaultEventBuilder(
+            RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20
+        ),
         tracker=tracker or ConfirmTracker(0),
         identity=IDENTITY,
         high_water=mark,

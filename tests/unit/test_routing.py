@@ -7,6 +7,7 @@ import pytest
 
 from services.bridge.decode import messages as m
 from services.bridge.records.catalog import ColumnFacts, RelationCatalog, TableFacts, known_versions
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder
 from services.bridge.records.routing import KeyChoice, Route, Routing, RoutingRefused, TableShape
 
@@ -44,7 +45,7 @@ def shape(table: str, identity: str = "d", key: tuple[str, ...] = ("id",)) -> Ta
 
 def builder(rules: Routing) -> EventBuilder:
     catalog = RelationCatalog("app", lambda oid: FACTS, routing=rules)
-    return EventBuilder(catalog, "app", "shop", 1 << 20)
+    return DefaultEventBuilder(catalog, "app", "shop", 1 << 20)
 
 
 def change_records(

@@ -32,7 +32,8 @@ from services.bridge.records.catalog import (
     TableFacts,
     row_plan,
 )
-from services.bridge.records.debezium import DebeziumEventBuilder, context_headers
+from services.bridge.records.debezium import DebeziumEventBuilder, context_headers_of
+from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder, Record, Undecoded, whole_row
 from services.bridge.records.masking import HashRule, column_mask
 from services.bridge.records.values import TYPE_NAMES
@@ -40,6 +41,8 @@ from services.contract.records import TOAST_PLACEHOLDER
 from tests.unit.pgoutput_builder import encode, tuple_data
 
 CONTROL = "".join(chr(i) for i in range(0x20))
+# The record formats: the default, Debezium's with Connect schemas and without.
+FORMATS = ["slotbridge", "debezium", "debezium-payload"]
 # Texts per type OID as the server prints them, plus the odd ones a converter must judge.
 SAMPLES: dict[int, list[str]] = {
     16: ["t", "f"],
@@ -253,7 +256,7 @@ def test_a_row_with_a_json_null_is_left_to_the_python_path() -> None:
     )
 
 
-@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("value_format", FORMATS)
 def test_records_equal_the_python_path(monkeypatch: pytest.MonkeyPatch, value_format: str) -> None:
     # Decoded inserts and snapshot rows, built by the compiled plan or without it.
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
@@ -322,7 +325,9 @@ def test_undecoded_inserts_make_the_decoded_records(
     decoder = PgOutputDecoder()
 
     def records(undecoded: bool) -> list[Record]:
-        builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
+        builder = DefaultEventBuilder(
+            RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20
+        )
         given: list[tuple[int, m.Message | bytes]] = [
             (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
         ]
@@ -336,7 +341,7 @@ def test_undecoded_inserts_make_the_decoded_records(
     compiled = records(True)
     assert compiled == records(False)
     assert len(compiled) == 2 + 3 + 6 + 6 + 8 + 1 + 4 + 1  # BEGIN, END, 3 schemas; inserts
-    builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
+    builder = DefaultEventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1 << 20)
     broken = encode(m.Insert(xid, plain.oid, ["1", "x", None]))[:-1]
     how = Undecoded(streamed, lambda p: decoder.decode(p, streamed))
     with pytest.raises(DecodeError, match="malformed Insert"):
@@ -364,7 +369,7 @@ def test_a_run_of_inserts_stops_at_a_record_over_the_limit(
     how = Undecoded(streamed, lambda p: decoder.decode(p, streamed))
 
     def refusal(undecoded: bool) -> tuple[int, str]:
-        builder = EventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1500)
+        builder = DefaultEventBuilder(RelationCatalog("app", lambda oid: None), "app", "shop", 1500)
         given = iter([(lsn, encode(msg) if undecoded else msg) for lsn, msg in changes])
         made = builder.transaction(700, 0x200, 0, given, undecoded=how if undecoded else None)
         seen = 0
@@ -380,13 +385,15 @@ def test_a_run_of_inserts_stops_at_a_record_over_the_limit(
 
 
 def builder_of(value_format: str) -> EventBuilder:
-    """A builder of ``value_format`` over an empty catalogue; the Debezium builder's run id
-    (a header of every record) is fixed, so two builders write the same records."""
+    """A builder of ``value_format`` (one of ``FORMATS``) over an empty catalogue; the
+    Debezium builder's run id (a header of every record) is fixed, so two builders write
+    the same records."""
     catalog = RelationCatalog("app", lambda oid: None)
     if value_format == "slotbridge":
-        return EventBuilder(catalog, "app", "shop", 1 << 20)
-    builder = DebeziumEventBuilder(catalog, "app", "shop", 1 << 20, None)
-    builder.headers = context_headers("app", "0190a3b4-0000-7000-8000-000000000000")
+        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20)
+    schemas = value_format == "debezium"
+    builder = DebeziumEventBuilder(catalog, "app", "shop", 1 << 20, None, schemas=schemas)
+    builder.headers = context_headers_of("app", "0190a3b4-0000-7000-8000-000000000000")
     return builder
 
 
@@ -443,7 +450,7 @@ def transaction_records(
     return list(records), builder
 
 
-@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("value_format", FORMATS)
 @pytest.mark.parametrize("streamed", [False, True])
 def test_undecoded_updates_and_deletes_make_the_decoded_records(
     monkeypatch: pytest.MonkeyPatch, streamed: bool, value_format: str
@@ -490,9 +497,10 @@ _DEBEZIUM_TYPES = {
 }
 
 
+@pytest.mark.parametrize("value_format", FORMATS[1:])
 @pytest.mark.parametrize("streamed", [False, True])
 def test_debezium_records_of_every_type_read_in_place_equal_the_decoded(
-    monkeypatch: pytest.MonkeyPatch, streamed: bool
+    monkeypatch: pytest.MonkeyPatch, streamed: bool, value_format: str
 ) -> None:
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
     monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
@@ -500,9 +508,82 @@ def test_debezium_records_of_every_type_read_in_place_equal_the_decoded(
     row = ["0", *_DEBEZIUM_TYPES.values()]
     other = ["0", *[None] * len(_DEBEZIUM_TYPES)]
     changes = row_changes(700 if streamed else None, oids, row, other)
-    compiled, builder = transaction_records("debezium", changes, streamed, True)
-    assert compiled == transaction_records("debezium", changes, streamed, False)[0]
+    compiled, builder = transaction_records(value_format, changes, streamed, True)
+    assert compiled == transaction_records(value_format, changes, streamed, False)[0]
     assert all(info.plan is not None for info in builder.catalog.by_oid.values())
+
+
+@pytest.mark.parametrize("undecoded", [False, True], ids=["decoded", "compiled"])
+def test_debezium_records_without_schemas_are_the_payloads_of_those_with(
+    monkeypatch: pytest.MonkeyPatch, undecoded: bool
+) -> None:
+    # JsonConverter's schemas.enable=false writes what schemas.enable=true puts under
+    # "payload", with the same headers (the transaction topic's too; the schema topic's
+    # records are the default format's in both). Every type and change kind, on the
+    # compiled and the Python path.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    oids = (20, *_DEBEZIUM_TYPES)
+    changes = row_changes(
+        None, oids, ["0", *_DEBEZIUM_TYPES.values()], ["0", *[None] * len(_DEBEZIUM_TYPES)]
+    )
+    payloads = transaction_records("debezium-payload", changes, False, undecoded)[0]
+    framed = transaction_records("debezium", changes, False, undecoded)[0]
+
+    def unframed(raw: bytes | None) -> Any:
+        return None if raw is None else json.loads(raw)["payload"]
+
+    assert len(payloads) == len(framed)
+    for ours, theirs in zip(payloads, framed, strict=True):
+        if ours[0] == "app.schema":
+            assert ours == theirs
+            continue
+        assert (ours[0], ours[3]) == (theirs[0], theirs[3])
+        assert ours[1] is None or json.loads(ours[1]) == unframed(theirs[1])
+        assert ours[2] is None or json.loads(ours[2]) == unframed(theirs[2])
+        assert (ours[1] is None, ours[2] is None) == (theirs[1] is None, theirs[2] is None)
+    transactions = [v for t, _, v, _ in payloads if t == "app.transaction" and v]
+    assert [json.loads(v)["status"] for v in transactions] == ["BEGIN", "END"]
+    ops = {json.loads(v)["op"] for t, _, v, _ in payloads if v and t == "app.public.plain"}
+    assert ops == {"c", "u", "d"}
+
+
+@pytest.mark.parametrize("undecoded", [False, True], ids=["decoded", "compiled"])
+def test_debezium_records_without_context_headers_carry_only_a_key_changes(
+    monkeypatch: pytest.MonkeyPatch, undecoded: bool
+) -> None:
+    # extended.headers.enabled=false: the same keys and values, no __debezium.context.*
+    # headers (so the sink may send them in batches), a key change's newkey/oldkey kept.
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
+    changes = row_changes(None, (20, 25), ["0", "x"], ["0", "u"])
+    with_headers = transaction_records("debezium", changes, False, undecoded)[0]
+    builder = DebeziumEventBuilder(
+        RelationCatalog("app", lambda oid: None),
+        "app",
+        "shop",
+        1 << 20,
+        None,
+        context_headers=False,
+    )
+    decoder = PgOutputDecoder()
+    given: list[tuple[int, m.Message | bytes]] = [
+        (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
+    ]
+    how = Undecoded(False, lambda p: decoder.decode(p, False))
+    without = list(
+        builder.transaction(
+            700, 0x200, 785_000_000_123_456, iter(given), undecoded=how if undecoded else None
+        )
+    )
+    assert [r[:3] for r in without] == [r[:3] for r in with_headers]
+    kept = [
+        [(name, value) for name, value in r[3] or () if not name.startswith("__debezium.context.")]
+        or None
+        for r in with_headers
+    ]
+    assert [r[3] for r in without] == kept
+    assert sum(headers is not None for headers in kept) == 3  # the key change's records
 
 
 def _typmod(precision: int, scale: int) -> int:
@@ -620,7 +701,7 @@ def test_the_compiled_kinds_write_what_the_server_prints_without_the_converter()
 
 
 @pytest.mark.usefixtures("fixed_clock")
-@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("value_format", FORMATS)
 def test_transactions_after_the_first_read_in_place_equal_the_decoded(value_format: str) -> None:
     # The compiled pieces are a relation version's, the transaction's numbers slotted in;
     # a Debezium record's sequence names the previous commit from the second on.
@@ -716,7 +797,7 @@ def test_updates_and_deletes_are_read_in_place() -> None:
             )
 
 
-@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("value_format", FORMATS)
 def test_changes_alternating_between_tables_are_all_read_in_place(
     monkeypatch: pytest.MonkeyPatch, value_format: str
 ) -> None:
@@ -785,7 +866,7 @@ def test_json_columns_read_in_place_equal_the_python_path(
 
 
 @pytest.mark.usefixtures("fixed_clock")
-@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+@pytest.mark.parametrize("value_format", FORMATS)
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_key_change_under_replica_identity_full_forgets_the_old_key(
     streamed: bool, value_format: str

@@ -1,12 +1,15 @@
 """The Debezium record format (``value_format: debezium``): change records as Debezium's
 PostgreSQL connector writes them with its defaults through Kafka Connect's JsonConverter.
 
-Keys and values are ``{"schema": <Connect schema>, "payload": <value>}``; every change
-record and tombstone carries the ``__debezium.context.*`` headers (``extended.headers.
-enabled`` defaults to true), a key change's records ``__debezium.newkey``/``oldkey``. The
-column values come from ``connect_values.py``. Topics, keys' columns, transactions, the
-exactly-once machinery and the schema topic are those of the default format; the
-transaction topic's records get Debezium's Connect schemas too.
+Keys and values are ``{"schema": <Connect schema>, "payload": <value>}``, or with
+``debezium_schemas: false`` the payload alone (JsonConverter's ``schemas.enable=false``,
+which many Debezium users run with: the schema is most of a narrow table's record); every
+change record and tombstone carries the ``__debezium.context.*`` headers (``extended.headers.
+enabled`` defaults to true; ``debezium_context_headers: false`` leaves them out), a key
+change's records ``__debezium.newkey``/``oldkey``. The column values come from
+``connect_values.py``. Topics, keys' columns, transactions, the exactly-once machinery and
+the schema topic are those of the default format; the transaction topic's records get
+Debezium's Connect schemas too (with schemas on).
 
 Where this deliberately differs from Debezium 3.7 with defaults (all seen on the real
 connector, see ``tests/integration/test_debezium_format.py``):
@@ -26,6 +29,7 @@ connector, see ``tests/integration/test_debezium_format.py``):
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -151,10 +155,29 @@ _TXN_VALUE_SCHEMA = _dumps(
 
 @dataclass(frozen=True, slots=True)
 class ConnectShape:
-    """One relation version's serialised Connect schemas."""
+    """How one relation version's keys and values start and end: with Connect schemas
+    (``schemas.enable=true``) each is ``{"schema":<schema>,"payload":<payload>}``; without
+    them (``schemas.enable=false``) the payload alone."""
 
-    key_head: bytes  # b'{"schema":<key schema>,"payload":'
-    value_head: bytes  # b'{"schema":<envelope schema>,"payload":{"before":'
+    key_head: bytes  # b'{"schema":<key schema>,"payload":', or nothing
+    value_head: bytes  # b'{"schema":<envelope schema>,"payload":{"before":', or b'{"before":'
+    close: bytes  # what closes the schema/payload pair: b"}", or nothing
+
+    @classmethod
+    def of(
+        cls, name: str, columns: Sequence[tuple[str, Schema, bool]], key: Sequence[str]
+    ) -> ConnectShape:
+        """With the Connect schemas of a table (see ``connect_schemas``)."""
+        key_schema, envelope = connect_schemas(name, columns, key)
+        return cls(
+            b'{"schema":%b,"payload":' % _dumps(key_schema),
+            b'{"schema":%b,"payload":{"before":' % _dumps(envelope),
+            b"}",
+        )
+
+
+# Without schemas every relation version's keys and values are framed alike.
+PAYLOAD_ONLY = ConnectShape(b"", b'{"before":', b"")
 
 
 def connect_schemas(
@@ -214,9 +237,11 @@ def _connect_order(schema: Schema) -> Schema:
     return {k: schema[k] for k in _ORDER if k in schema}
 
 
-def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | None) -> None:
+def encode_relation(
+    info: RelationInfo, rel: m.Relation, facts: TableFacts | None, *, schemas: bool = True
+) -> None:
     """``RelationCatalog.encoder`` of this format: Connect converters, TOAST placeholders and
-    schemas for a new relation version."""
+    (with ``schemas``) Connect schemas for a new relation version."""
     converters = []
     placeholders = []
     columns = []
@@ -237,16 +262,16 @@ def encode_relation(info: RelationInfo, rel: m.Relation, facts: TableFacts | Non
         if mask is None or not mask.drops:
             nullable = fact.nullable if fact is not None else True
             columns.append((c.name, schema, nullable or (mask is not None and mask.nulls)))
-    key_schema, envelope = connect_schemas(info.topic, columns, info.key_names)
     info.converters = tuple(converters)
     info.placeholders = tuple(placeholders)
-    shape = info.encoded = ConnectShape(
-        b'{"schema":%b,"payload":' % _dumps(key_schema),
-        b'{"schema":%b,"payload":{"before":' % _dumps(envelope),
+    shape = info.encoded = (
+        ConnectShape.of(info.topic, columns, info.key_names) if schemas else PAYLOAD_ONLY
     )
     # Connect writes a struct's every field: a delete's old key is a whole row of nulls but
     # for its key columns (which pgoutput sends as such).
-    info.plan = row_plan(info, (shape.key_head, b"}"), whole_old_key=True, own_kinds=COMPILED_KINDS)
+    info.plan = row_plan(
+        info, (shape.key_head, shape.close), whole_old_key=True, own_kinds=COMPILED_KINDS
+    )
 
 
 def run_id(now_ms: int, random: bytes) -> str:
@@ -263,7 +288,7 @@ def run_id(now_ms: int, random: bytes) -> str:
     return f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:]}"
 
 
-def context_headers(topic_prefix: str, run: str) -> Headers:
+def context_headers_of(topic_prefix: str, run: str) -> Headers:
     """The ``__debezium.context.*`` headers of every change record (SimpleHeaderConverter:
     the strings' UTF-8 bytes)."""
     return [
@@ -279,10 +304,6 @@ _TXN_KEY = b'{"schema":%b,"payload":{"id":"%%b"}}' % _TXN_KEY_SCHEMA
 _AFTER = b',"after":'
 _NULL_AFTER = _AFTER + b"null"
 _COLLECTION_ORDER = b',"data_collection_order":'
-# After the orders: the op, then between the processing times (ts_ms, ts_us, ts_ns).
-_OP_TAILS = tuple(
-    (b'},"op":"%b","ts_ms":' % op, b',"ts_us":', b',"ts_ns":', b"}}") for op in (b"c", b"u", b"d")
-)
 # A compiled record's numbers, as indexes into (lsn, total_order, data_collection_order,
 # *DebeziumEventBuilder._run_numbers): the source block's ts_ms, its sequence's previous
 # commit and lsn, its ts_us, ts_ns, txId and lsn, the transaction id's xid and commit LSN,
@@ -321,11 +342,13 @@ class _RelationShape:
             name,
         )
 
+        end = b"}" + info.encoded.close
+
         def compiled(sequence: tuple[bytes, ...]) -> RowPieces:
             """The pieces with ``sequence``, those from the snapshot flag to the lsn of the
             sequence's second element."""
 
-            def after(op: int) -> tuple[bytes, ...]:
+            def after(op: bytes) -> tuple[bytes, ...]:
                 return (
                     source,
                     *sequence,
@@ -337,16 +360,20 @@ class _RelationShape:
                     b":",
                     b'","total_order":',
                     _COLLECTION_ORDER,
-                    *_OP_TAILS[op],
+                    # After the orders: the op, then between the processing times.
+                    b'},"op":"%b","ts_ms":' % op,
+                    b',"ts_us":',
+                    b',"ts_ns":',
+                    end,
                 )
 
-            deleted = after(2)
+            deleted = after(b"d")
             return (
-                (created, *after(0)),
-                (created, *after(1)),
+                (created, *after(b"c")),
+                (created, *after(b"u")),
                 (value_head, _NULL_AFTER + deleted[0], *deleted[1:]),
                 # With its old row: the before row, then this piece, then the after row.
-                (value_head, _AFTER, *after(1)),
+                (value_head, _AFTER, *after(b"u")),
             )
 
         flag = b',"snapshot":"false","db":%b,"sequence":"[' % database
@@ -370,7 +397,14 @@ class _RelationShape:
 
 
 class DebeziumEventBuilder(EventBuilder):
-    """``EventBuilder`` writing Debezium's records; one per bridge run (the run id)."""
+    """``EventBuilder`` writing Debezium's records; one per bridge run (the run id).
+
+    ``schemas``: keys and values carry their Connect schemas, as JsonConverter writes them
+    with ``schemas.enable=true`` (Debezium's default); without, the payloads alone
+    (``schemas.enable=false``), a fifth of the bytes of a narrow table's record.
+    ``context_headers``: the ``__debezium.context.*`` headers on every change record
+    (``extended.headers.enabled``, Debezium's default); without, none but a key change's
+    (the sink then sends the records in batches, which take no headers)."""
 
     def __init__(
         self,
@@ -381,12 +415,16 @@ class DebeziumEventBuilder(EventBuilder):
         last_end_lsn: int | None,
         *,
         begin_records: bool = True,
+        schemas: bool = True,
+        context_headers: bool = True,
     ) -> None:
-        catalog.encoder = encode_relation
+        catalog.encoder = functools.partial(encode_relation, schemas=schemas)
         super().__init__(catalog, topic_prefix, db, max_record_bytes, begin_records=begin_records)
-        self.headers = context_headers(
-            topic_prefix, run_id(int(time.time() * 1000), os.urandom(10))
-        )
+        self.schemas = schemas
+        if context_headers:
+            self.headers = context_headers_of(
+                topic_prefix, run_id(int(time.time() * 1000), os.urandom(10))
+            )
         # The end of the last published transaction: source.sequence's first element (null
         # before the first one, as for a connector without an offset).
         self.last_end_lsn = last_end_lsn
@@ -406,7 +444,10 @@ class DebeziumEventBuilder(EventBuilder):
         self.last_end_lsn = end_lsn
 
     def _transaction_record(self, status: str, txn: Txn) -> Record:
-        # Debezium writes no context headers on its transaction topic.
+        # Debezium writes no context headers on its transaction topic; without schemas its
+        # records there are the default format's.
+        if not self.schemas:
+            return super()._transaction_record(status, txn)
         return (
             self.transaction_topic,
             _TXN_KEY % txn.txid,
@@ -418,7 +459,7 @@ class DebeziumEventBuilder(EventBuilder):
         if not info.key_names:
             return None
         shape: ConnectShape = info.encoded
-        return shape.key_head + _dumps({n: row[n] for n in info.key_names}) + b"}"
+        return shape.key_head + _dumps({n: row[n] for n in info.key_names}) + shape.close
 
     def _key_change(
         self,
@@ -555,8 +596,8 @@ class DebeziumEventBuilder(EventBuilder):
                 b"%d" % lsn,
                 middle,
                 b'%d,"xmin":null,"origin":null,"origin_lsn":null},"transaction":%b,"op":"%b",'
-                b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}}'
-                % (lsn, transaction, op.encode(), now_ms, now_us, now_ns),
+                b'"ts_ms":%d,"ts_us":%d,"ts_ns":%d}%b'
+                % (lsn, transaction, op.encode(), now_ms, now_us, now_ns, info.encoded.close),
             )
         )
         if len(out) > self.max_record_bytes:
@@ -592,7 +633,7 @@ class DebeziumEventBuilder(EventBuilder):
             b',"xmin":null,"origin":null,"origin_lsn":null},"transaction":null,"op":"r","ts_ms":',
             b',"ts_us":',
             b',"ts_ns":',
-            b"}}",
+            b"}" + info.encoded.close,
         )
         for values in rows:
             made = (

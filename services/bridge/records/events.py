@@ -1,8 +1,9 @@
 """Builds the Kafka records of a sealed transaction: schema, BEGIN (optional), changes, END.
 
-This is the hot path with the decoder: one call per row change. It avoids pydantic and
-builds values as dicts serialised once; what is constant for a whole transaction (the
-``source`` block but for ``lsn``) is computed once per relation per transaction.
+This module decides which records a transaction makes and numbers them; each record format
+writes them its own way (``default.py``, ``debezium.py``). This is the hot path with the
+decoder: one call per row change, or one compiled call per run of row changes to a table.
+It avoids pydantic and builds values as dicts serialised once.
 
 Pure: the relation catalogue gets catalogue facts (nullability, type names, primary key)
 through a callback the daemon supplies, so this module never opens a connection.
@@ -10,6 +11,7 @@ through a callback the daemon supplies, so this module never opens a connection.
 
 from __future__ import annotations
 
+import abc
 import base64
 import functools
 import time
@@ -26,15 +28,11 @@ from services.bridge.records.masking import (
     drop_column,
 )
 from services.bridge.records.values import (
-    JSON_NULL,
     JsonValue,
 )
 from services.common.errors import SlotbridgeError
-from services.common.lsn import PG_EPOCH_UNIX_US, format_lsn
-from services.contract.records import CONNECTOR, VERSION
+from services.common.lsn import PG_EPOCH_UNIX_MS, format_lsn
 from services.contract.topics import message_topic, schema_topic, transaction_topic
-
-_PG_EPOCH_MS = PG_EPOCH_UNIX_US // 1000
 
 # orjson: several times faster than the standard library's C encoder on row-sized dicts,
 # and its Fragment embeds json/jsonb text as is (see values.py).
@@ -121,10 +119,11 @@ class Undecoded:
 _RUN = 1024
 
 
-class EventBuilder:
-    """Turns decoded messages of one sealed transaction into Kafka records, in the default
-    record format; a format of its own overrides how a record is written, never which
-    records a transaction makes."""
+class EventBuilder(abc.ABC):
+    """Turns decoded messages of one sealed transaction into Kafka records: which records a
+    transaction makes, in which order and with which numbers. How a record is written is
+    its record format's, one subclass each (``default.DefaultEventBuilder``,
+    ``debezium.DebeziumEventBuilder``)."""
 
     def __init__(
         self,
@@ -145,11 +144,6 @@ class EventBuilder:
         self.schema_topic = schema_topic(topic_prefix)
         self.transaction_topic = transaction_topic(topic_prefix)
         self.message_topic = message_topic(topic_prefix)
-        # Relation oid -> (the version, its source block's two templates): the same for
-        # every transaction, and made again only for a new version.
-        self._source_templates: dict[int, tuple[RelationInfo, bytes, bytes]] = {}
-        # Relation oid -> (the version, its compiled records' pieces), likewise.
-        self._version_pieces: dict[int, tuple[RelationInfo, RowPieces]] = {}
         # One handler per message class: a dict lookup rather than an isinstance chain,
         # which every row change would walk.
         self._handlers: dict[type, Callable[[Txn, int, Any], Sequence[Record]]] = {
@@ -189,7 +183,7 @@ class EventBuilder:
             xid,
             commit_lsn,
             commit_ts,
-            commit_ts // 1000 + _PG_EPOCH_MS,
+            commit_ts // 1000 + PG_EPOCH_UNIX_MS,
             int(time.time() * 1000),
             f"{xid}:{commit_lsn}".encode(),
         )
@@ -257,13 +251,69 @@ class EventBuilder:
                 return None
             lsn, payload = leftover
 
+    # -- what a record format writes -----------------------------------------------------
+
+    @abc.abstractmethod
+    def _value(
+        self,
+        txn: Txn,
+        info: RelationInfo,
+        lsn: int,
+        op: str,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue] | None,
+        total: int,
+        order: int,
+    ) -> bytes:
+        """A change record's value (``op`` c, u, d or t), at most ``max_record_bytes``."""
+
+    @abc.abstractmethod
+    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
+        """What ``RowPlan`` puts around the rows and the numbers (``_run_numbers``) of an
+        insert, of an update without an old tuple, of a delete and of an update with its
+        old row; kept in ``txn.row_pieces``."""
+
+    @abc.abstractmethod
     def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
         """Which number goes between each two pieces of a compiled record of ``txn`` (see
         ``_row_pieces``), as indexes into (lsn, total_order, data_collection_order, *the
-        numbers its run's records share), and those numbers: here the transaction's xid,
-        commit LSN, commit time and processing time, so that a relation version's pieces
-        are the same in every transaction."""
-        return _SLOTS, (txn.xid, txn.commit_lsn, txn.ts_ms, txn.now_ms)
+        numbers its run's records share), and those numbers."""
+
+    @abc.abstractmethod
+    def _key_change(
+        self,
+        txn: Txn,
+        lsn: int,
+        info: RelationInfo,
+        msg: m.Update,
+        before: dict[str, JsonValue] | None,
+        after: dict[str, JsonValue],
+        old_key: bytes | None,
+        key: bytes | None,
+    ) -> Sequence[Record]:
+        """An update that changed the row's key: consumers of a compacted topic must forget
+        the old key, so a delete and a tombstone for it come first (as Debezium does), then
+        the row under the new key."""
+
+    @abc.abstractmethod
+    def snapshot_rows(
+        self,
+        info: RelationInfo,
+        rows: Iterable[Sequence[str | None]],
+        commit_lsn: int,
+        commit_ts: int,
+        lsn: int,
+    ) -> Iterator[Record]:
+        """Records (op ``r``) of the rows one snapshot chunk read, in their text form.
+
+        They sit at the chunk's watermark: ``lsn`` is its message, ``commit_lsn`` its
+        transaction's commit. A chunk is no source transaction, so it has no BEGIN/END;
+        ``total_order`` still numbers its rows, so each has a position of its own. Built
+        apart from ``transaction`` because everything but the row is the same for the
+        whole chunk.
+        """
+
+    # -- the walk --------------------------------------------------------------------------
 
     def _numbers(self, txn: Txn, lsn: int, total: int, order: int) -> tuple[int, ...]:
         """A compiled record's numbers (``_run_numbers``) when it is built alone."""
@@ -310,38 +360,6 @@ class EventBuilder:
         total, order = txn.number(info.topic)
         value = self._value(txn, info, lsn, "u", before, after, total, order)
         return ((info.topic, key, value, self.headers),)
-
-    def _key_change(
-        self,
-        txn: Txn,
-        lsn: int,
-        info: RelationInfo,
-        msg: m.Update,
-        before: dict[str, JsonValue] | None,
-        after: dict[str, JsonValue],
-        old_key: bytes | None,
-        key: bytes | None,
-    ) -> Sequence[Record]:
-        """An update that changed the row's key: consumers of a compacted topic must forget
-        the old key, so a delete and a tombstone for it come first (as Debezium does), then
-        the update under the new key; all three share the update's numbers."""
-        total, order = txn.number(info.topic)
-        headers = self.headers
-        return (
-            (
-                info.topic,
-                old_key,
-                self._value(txn, info, lsn, "d", before, None, total, order),
-                headers,
-            ),
-            (info.topic, old_key, None, headers),
-            (
-                info.topic,
-                key,
-                self._value(txn, info, lsn, "u", before, after, total, order),
-                headers,
-            ),
-        )
 
     def _delete(self, txn: Txn, lsn: int, msg: m.Delete) -> Sequence[Record]:
         info = self.catalog.by_oid[msg.relation_oid]
@@ -390,11 +408,13 @@ class EventBuilder:
         return ()
 
     def _transaction_record(self, status: str, txn: Txn) -> Record:
-        """The transaction topic's BEGIN or END record (END counts the change records)."""
+        """The transaction topic's BEGIN or END record (END counts the change records):
+        the default format's, and the Debezium format's without Connect schemas."""
         return self.transaction_topic, b'{"id":"%b"}' % txn.txid, status_value(status, txn), None
 
     def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
-        """The record key of a row holding (at least) the key columns."""
+        """The record key of a row holding (at least) the key columns: the key columns'
+        object (a format that frames it overrides this)."""
         return _dumps({n: row[n] for n in info.key_names}) if info.key_names else None
 
     def refuse_oversized(self, lsn: int, relation_oid: int, size: int) -> None:
@@ -413,247 +433,12 @@ class EventBuilder:
         key = _dumps({"schema": info.schema, "table": info.table, "version": info.version})
         return self.schema_topic, key, _dumps(info.schema_record), None
 
-    def snapshot_rows(
-        self,
-        info: RelationInfo,
-        rows: Iterable[Sequence[str | None]],
-        commit_lsn: int,
-        commit_ts: int,
-        lsn: int,
-    ) -> Iterator[Record]:
-        """Records (op ``r``) of the rows one snapshot chunk read, in their text form.
-
-        They sit at the chunk's watermark: ``lsn`` is its message, ``commit_lsn`` its
-        transaction's commit. A chunk is no source transaction, so it has no BEGIN/END;
-        ``total_order`` still numbers its rows, so each has a position of its own. Built
-        here rather than through ``transaction`` because everything but the row is the
-        same for the whole chunk.
-        """
-        if not info.published:
-            yield self._schema_record(info)
-        ts_ms = commit_ts // 1000 + _PG_EPOCH_MS
-        commit = b"%d" % commit_lsn
-        source, sequence = self._source(info, b"null", commit, b"%d" % ts_ms, b"true")
-        rest = _VALUE_REST % (
-            source,
-            lsn,
-            sequence,
-            lsn,
-            b"r",
-            int(time.time() * 1000),
-            f"0:{commit_lsn}".encode(),
-        )
-        topic, key_names, limit, plan = info.topic, info.key_names, self.max_record_bytes, info.plan
-        pieces = (_NO_BEFORE, rest, _ORDER, _END)
-        for n, values in enumerate(rows, 1):
-            key: bytes | None
-            made = plan.record(values, pieces, (n, n)) if plan is not None else None
-            if made is not None:
-                value, key = made
-            else:
-                row = whole_row(info, values)
-                value = _SNAPSHOT_VALUE % (_dumps(row), rest, n, n)
-                if info.json_names:
-                    value = _with_json_nulls(value, info, None, row)
-                key = _dumps({k: row[k] for k in key_names}) if key_names else None
-            if len(value) > limit:
-                raise self._too_large(info, lsn, len(value))
-            yield topic, key, value, None
-
-    def _source(
-        self, info: RelationInfo, xid: bytes, commit_lsn: bytes, ts_ms: bytes, snapshot: bytes
-    ) -> tuple[bytes, bytes]:
-        """The ``source`` block before and after its ``lsn`` (see ``_VALUE``), of every
-        change of a relation in one transaction; the numbers are given as their text."""
-        templates = self._source_templates.get(info.oid)
-        if templates is None or templates[0] is not info:
-            templates = self._source_templates[info.oid] = (info, *_source_templates(self, info))
-        return templates[1] % xid, templates[2] % (commit_lsn, ts_ms, snapshot, commit_lsn)
-
-    def _value(
-        self,
-        txn: Txn,
-        info: RelationInfo,
-        lsn: int,
-        op: str,
-        before: dict[str, JsonValue] | None,
-        after: dict[str, JsonValue] | None,
-        total: int,
-        order: int,
-    ) -> bytes:
-        """A change record's value: its rows and the transaction's shared pieces."""
-        out = self._join(
-            txn,
-            info,
-            lsn,
-            op,
-            _dumps(before) if before is not None else b"null",
-            _dumps(after) if after is not None else b"null",
-            total,
-            order,
-        )
-        if info.json_names:
-            out = _with_json_nulls(out, info, before, after)
-        if len(out) > self.max_record_bytes:
-            raise self._too_large(info, lsn, len(out))
-        return out
-
-    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
-        """What ``RowPlan`` puts around the row and the numbers (``_run_numbers``) of an insert,
-        of an update without an old tuple (no ``before``), of a delete (its old row or key
-        is the ``before``) and of an update with its old row (the ``before``): ``_VALUE``
-        cut at them, the same for a relation version in every transaction, so made once."""
-        made = self._version_pieces.get(info.oid)
-        if made is None or made[0] is not info:
-            made = self._version_pieces[info.oid] = (info, _compiled_pieces(self, info))
-        pieces = txn.row_pieces[info.oid] = made[1]
-        return pieces
-
-    def _pieces(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
-        """The ``source`` block of a relation's records in ``txn``, before and after lsn."""
-        pieces = txn.templates.get(info.oid)
-        if pieces is None:
-            numbers = txn.source_numbers
-            if numbers is None:
-                numbers = txn.source_numbers = (
-                    b"%d" % txn.xid,
-                    b"%d" % txn.commit_lsn,
-                    b"%d" % txn.ts_ms,
-                )
-            pieces = txn.templates[info.oid] = self._source(info, *numbers, b"false")
-        return pieces
-
-    def _join(
-        self,
-        txn: Txn,
-        info: RelationInfo,
-        lsn: int,
-        op: str,
-        before: bytes,
-        after: bytes,
-        total: int,
-        order: int,
-    ) -> bytes:
-        """A change record's value around its serialised rows."""
-        source, sequence = self._pieces(txn, info)
-        return _VALUE % (
-            before,
-            after,
-            source,
-            lsn,
-            sequence,
-            lsn,
-            op.encode(),
-            txn.now_ms,
-            txn.txid,
-            total,
-            order,
-        )
-
     def _too_large(self, info: RelationInfo, lsn: int, size: int) -> RowTooLarge:
         return RowTooLarge(
             f"a change of {info.schema}.{info.table} at LSN {format_lsn(lsn)} is "
             f"{size} bytes, over the limit of {self.max_record_bytes} (max_row_bytes); "
             f"{_TOO_LARGE_REMEDY}"
         )
-
-
-# The numbers of a compiled record (see ``EventBuilder._run_numbers``): the source block's
-# txId, lsn, commit_lsn, ts_ms and its sequence's two LSNs, the record's ts_ms, the
-# transaction id's xid and commit LSN, then the orders.
-_SLOTS = bytes((3, 0, 4, 5, 4, 0, 6, 3, 4, 1, 2))
-# A change record's value is these pieces around, in turn, its after row, its lsn (twice),
-# total_order and data_collection_order; the pieces' own fields are the transaction's.
-_BEFORE_FIELD = b'{"before":'
-_AFTER_FIELD = b',"after":'
-_BEFORE = _BEFORE_FIELD + b"%b" + _AFTER_FIELD  # the before row
-_NO_BEFORE = _BEFORE % b"null"
-_NULL_AFTER = _AFTER_FIELD + b"null"
-_TRANSACTION = b'\\"]"},"op":"%b","ts_ms":%d,"transaction":{"id":"%b","total_order":'
-_ORDER = b',"data_collection_order":'
-_END = b"}}"
-# After the rows: the source block up to its lsn, the lsn, the rest of the source block up
-# to the sequence's second LSN (see ``_source_templates``), the lsn again.
-_VALUE = _BEFORE + b"%b%b%d%b%d" + _TRANSACTION + b"%d" + _ORDER + b"%d" + _END
-# Where a snapshot chunk's records differ from one another: the row and the orders.
-_VALUE_REST = b"%b%d%b%d" + _TRANSACTION
-_SNAPSHOT_VALUE = _NO_BEFORE + b"%b%b%d" + _ORDER + b"%d" + _END
-
-
-def _source_templates(builder: EventBuilder, info: RelationInfo) -> tuple[bytes, bytes]:
-    """The ``source`` block of a relation version's records, as two templates: up to its
-    ``lsn`` (taking the transaction id), and from after the ``lsn`` to the sequence's
-    second LSN (taking the commit LSN, the commit time, the snapshot flag and the commit
-    LSN again). Only numbers are formatted per transaction."""
-    # Names may hold a %: the template's own are escaped.
-    fields = _source_fields(builder, info).replace(b"%", b"%%")
-    head = b',"source":' + fields + b',"txId":%b,"lsn":'
-    tail = b',"commit_lsn":%%b,"ts_ms":%%b,"snapshot":"%%b","schema_version":%d' % info.version
-    return head, tail + b',"sequence":"[\\"%b\\",\\"'
-
-
-def _source_fields(builder: EventBuilder, info: RelationInfo) -> bytes:
-    """The ``source`` block's fields that name the relation, as an unclosed JSON object."""
-    return _dumps(
-        {
-            "connector": CONNECTOR,
-            "version": VERSION,
-            "name": builder.topic_prefix,
-            "db": builder.db,
-            "schema": info.schema,
-            "table": info.table,
-        }
-    )[:-1]
-
-
-def _compiled_pieces(builder: EventBuilder, info: RelationInfo) -> RowPieces:
-    """``_VALUE`` of a relation version's insert, update, delete and update with its old
-    row, cut at the rows and at the numbers (``_SLOTS``)."""
-    source = b',"source":' + _source_fields(builder, info) + b',"txId":'
-    numbers = (
-        b',"lsn":',
-        b',"commit_lsn":',
-        b',"ts_ms":',
-        b',"snapshot":"false","schema_version":%d,"sequence":"[\\"' % info.version,
-        b'\\",\\"',
-    )
-
-    def tail(op: bytes) -> tuple[bytes, ...]:
-        return (
-            b'\\"]"},"op":"%b","ts_ms":' % op,
-            b',"transaction":{"id":"',
-            b":",
-            b'","total_order":',
-            _ORDER,
-            _END,
-        )
-
-    return (
-        (_NO_BEFORE, source, *numbers, *tail(b"c")),
-        (_NO_BEFORE, source, *numbers, *tail(b"u")),
-        (_BEFORE_FIELD, _NULL_AFTER + source, *numbers, *tail(b"d")),
-        (_BEFORE_FIELD, _AFTER_FIELD, source, *numbers, *tail(b"u")),
-    )
-
-
-def _with_json_nulls(
-    value: bytes,
-    info: RelationInfo,
-    before: dict[str, JsonValue] | None,
-    after: dict[str, JsonValue] | None,
-) -> bytes:
-    """``value`` with ``"json_nulls": {"before": [...], "after": [...]}`` naming the json
-    and jsonb columns whose value is JSON ``null`` (embedded, it reads like SQL NULL);
-    ``value`` unchanged when there is none, the usual case."""
-    nulls: dict[str, list[str]] = {}
-    for image, row in (("before", before), ("after", after)):
-        if row is not None:
-            names = [n for n in info.json_names if row.get(n) is JSON_NULL]
-            if names:
-                nulls[image] = names
-    if not nulls:
-        return value
-    return value[:-1] + b',"json_nulls":' + _dumps(nulls) + b"}"
 
 
 def status_value(status: str, txn: Txn) -> bytes:
