@@ -415,7 +415,9 @@ class Run:
     """One workload, one shape, one repeat: its own schema, publication, slots and topics,
     and a daemon slot per record format in ``formats``, all over the same WAL.
     ``other_slots`` are created with the others, before the load, for other readers of the
-    same WAL (plain pgoutput slots: failover, no two_phase)."""
+    same WAL (plain pgoutput slots: failover, no two_phase); ``other_prefixes`` name their
+    change topics (``<prefix>.<other prefix>.<table>``, see ``other_prefix``), made with the
+    daemons' before the load."""
 
     def __init__(
         self,
@@ -431,6 +433,7 @@ class Run:
         py_spy: Path | None = None,
         other_slots: Sequence[str] = (),
         begin_records: bool = True,
+        other_prefixes: Sequence[str] = (),
     ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
         # The daemons' transaction_begin_records.
@@ -448,6 +451,7 @@ class Run:
         self.verify = verify
         self.py_spy = py_spy
         self.other_slots = list(other_slots)
+        self.other_prefixes = list(other_prefixes)
         # The stack's broker, when its CPU seconds are to be measured too.
         self.broker_pid: int | None = None
         # What the load put in the WAL (``load`` sets it).
@@ -470,6 +474,10 @@ class Run:
             "load_s": load_s,
             "ceiling": ceiling,
         }
+
+    def other_prefix(self, name: str) -> str:
+        """The topic prefix of another reader (one of ``other_prefixes``)."""
+        return f"{self.prefix}.{name}"
 
     def format_prefix(self, variant: str) -> str:
         return f"{self.prefix}.{_short(variant)}"
@@ -518,7 +526,9 @@ class Run:
                     (slot,),
                 )
         # Every topic a daemon writes, made now as a running bridge has long made them: the
-        # timed catch-up measures publishing, not creating topics.
+        # timed catch-up measures publishing, not creating topics. Likewise the other
+        # readers' change topics (a consumer probing a topic before it exists may not see
+        # it for minutes: librdkafka refreshes the metadata of topics it does not hold).
         limit = {
             "max.message.bytes": str(
                 BridgeSettings.model_fields["max_row_bytes"].default + RECORD_SLACK
@@ -537,6 +547,11 @@ class Run:
                 NewTopic(f"{prefix}.{table}", 1, replication_factor=-1, config=limit)
                 for table in self.tables
             ]
+        topics += [
+            NewTopic(f"{self.other_prefix(name)}.{table}", 1, replication_factor=-1, config=limit)
+            for name in self.other_prefixes
+            for table in self.tables
+        ]
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         for future in admin.create_topics(topics, operation_timeout=30).values():
             future.result()

@@ -189,7 +189,7 @@ def debezium_catch_up(
     """Debezium through ``run``'s backlog on ``slot``, timed as ``catch_up`` does: done when
     its change topics hold every record the workload's changes make in Debezium's format
     (its producer is not transactional, so their end offsets count records)."""
-    prefix = f"{run.prefix}.dbz"
+    prefix = run.other_prefix("dbz")
     topics = [f"{prefix}.{table}" for table in run.tables]
     expected = run.workload.expected_records("debezium", run.plan)
     worker = _debezium_worker(
@@ -280,6 +280,7 @@ def throughput(
         args.verify,
         formats=(args.format,),
         other_slots=[slot],
+        other_prefixes=["dbz"],
     )
     with run.prepared(args.keep) as (load_s, ceiling):
         say(f"{tag}: ceiling {ceiling['changes_per_s']:,.0f} changes/s; starting Debezium")
