@@ -30,6 +30,10 @@ Fairness:
 - JVM CPU seconds are printed next to wall seconds: on a shared machine the wall time
   moves with the neighbours' load, the CPU time much less.
 
+``--fold``: after the run, housekeeping's fold of the history ends into the history
+(``fold_history_ends``), timed in wall and JVM CPU seconds; the verification then reads the
+folded tables.
+
 Per batch it prints the consumer's own phase breakdown (wall seconds and Spark jobs of
 read/parse/survey, typing, history, current state and, inside it, tombstones) and the JVM
 CPU seconds of the batch; after the run, Delta's operationMetrics of each MERGE commit
@@ -69,6 +73,7 @@ from services.common.logs import setup_logging
 from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
 from slotbridge_dev.synthetic import SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers import schema as s
+from spark_consumers.housekeeping import fold_history_ends
 from spark_consumers.job import build_session, start_query
 from spark_consumers.kafka import kafka_options
 from spark_consumers.settings import ConsumerSettings
@@ -347,6 +352,16 @@ def verify(
     return problems
 
 
+def fold(spark: SparkSession, settings: ConsumerSettings) -> str:
+    """Housekeeping's fold of the ends the run left into the history, timed (after the
+    run, so the verification then reads the folded history)."""
+    pid = jvm_pid(spark)
+    cpu, started = jvm_cpu_s(pid), time.monotonic()
+    ends = fold_history_ends(spark, table_paths(settings.warehouse, TABLE))
+    wall, cpu = time.monotonic() - started, jvm_cpu_s(pid) - cpu
+    return f"history ends fold: {ends} ends, {wall:.1f} s wall, {cpu:.1f} s JVM CPU"
+
+
 def _merge_line(name: str, m: dict[str, int]) -> str:
     def sec(metric: str) -> str:
         return f"{m.get(metric, 0) / 1000:.1f}"
@@ -423,6 +438,8 @@ def run_shape(
     merged = consume(spark, settings)
     plain = append(spark, settings, sent.topic, folder, args.batch)
     print_batches("consumer", merged)
+    if args.fold:
+        print(fold(spark, settings))
     print_merges(spark, settings)
     print(f"parquet append: {plain.wall_s:.1f} s wall, {plain.cpu_s:.1f} s JVM CPU")
     problems = verify(spark, settings, sent, folder / "parquet")
@@ -449,6 +466,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20_000, help="changes of the warm-up")
     parser.add_argument(
         "--deletion-vectors", action="store_true", help="the consumer's deletion_vectors"
+    )
+    parser.add_argument(
+        "--fold",
+        action="store_true",
+        help="after the run, time housekeeping's fold of the history ends (its MERGE is "
+        "listed with the history's)",
     )
     parser.add_argument(
         "--conf", action="append", default=[], help="KEY=VALUE: a Spark setting to try"

@@ -311,7 +311,10 @@ class TableWriter:
         self._key_ceiling: tuple[str, int | None] | None = None
         # Whether the last batch's history write ended stored versions (in the history or
         # in its ends table): the next one most likely does too.
-        self._history_merged = False
+        self._ended_stored = False
+        # Whether ``_stored_versions`` found every change of this batch after its key's
+        # newest tombstone: the current-state write then need not read the tombstones.
+        self._after_tombstones = False
         # Per table written by appends (the history, its ends): the largest commit LSN
         # of a change it holds (None: none), read once per job, then kept up to date.
         self._newest: dict[str, int | None] = {}
@@ -424,6 +427,7 @@ class TableWriter:
         if table.key_columns and not later and not fresh:
             with timings.phase(f"{table.name} stored versions"):
                 stored = self._stored_versions(rows, table, facts)
+        self._after_tombstones = stored is not None
         if stored is None:
             result = self._merge_history(rows, table, facts, target, new_keys, later)
         else:
@@ -515,7 +519,7 @@ class TableWriter:
         if stored.ending:
             with timings.phase(f"{table.name} history ends"):
                 self._write_ends(stored, table, facts)
-        self._history_merged = stored.ending > 0
+        self._ended_stored = stored.ending > 0
         fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
         new_rows = _align(_recompute_ends(fresh, table, ()), target)
         in_batch = (
@@ -635,7 +639,7 @@ class TableWriter:
             # It is a Spark job, spent for nothing when there are such rows: after a batch
             # that ended stored versions (updates), the next most likely does too, so it
             # MERGEs without looking (a MERGE that ends nothing only inserts).
-            only_new = not self._history_merged and stored.isEmpty()
+            only_new = not self._ended_stored and stored.isEmpty()
             identity = [*keys, s.OP, s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO]
             if not only_new:
                 union = fresh.unionByName(
@@ -655,7 +659,7 @@ class TableWriter:
             result = self._close_and_insert(
                 history, ends.where(moved), target, _in_key_range(table, key_range, "t."), facts
             )
-        self._history_merged = not only_new
+        self._ended_stored = not only_new
         return result
 
     def _with_pending_ends(self, stored: DataFrame, table: s.TableSchema) -> DataFrame:
@@ -746,9 +750,10 @@ class TableWriter:
         floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
         if floor is not None:
             latest = latest.where(_newer_than(floor))
-        if self._tombstones and stones is not None and not new_keys:
+        if self._tombstones and stones is not None and not new_keys and not self._after_tombstones:
             # Tombstones are appended, so a key deleted several times has several: its
-            # newest delete is the one a change must come after.
+            # newest delete is the one a change must come after. ``_stored_versions``
+            # already compared every change with it when the history was appended.
             deleted = (
                 stones.toDF()
                 .where(~F.col(IS_TRUNCATE))
