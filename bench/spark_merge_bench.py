@@ -43,7 +43,9 @@ is over.
 Afterwards the results are verified, and the script exits non-zero when they are wrong:
 the current-state table holds exactly the live keys, each with its last change's values;
 the history holds each change (seeded rows included) exactly once and one open version
-per live key; the Parquet copy holds every record; nothing was dead-lettered.
+per live key; the Parquet copy holds every record; nothing was dead-lettered. The tables,
+files and checkpoints (a folder ``spark-bench-*`` in the temporary directory, up to a GB
+with ``update``) are removed at the end, unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -476,6 +479,9 @@ def main() -> None:
     parser.add_argument(
         "--conf", action="append", default=[], help="KEY=VALUE: a Spark setting to try"
     )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the tables and files (their folder is printed)"
+    )
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     unknown = set(shapes) - set(SHAPES)
@@ -483,6 +489,25 @@ def main() -> None:
         parser.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
     setup_logging("text", "WARNING")
     root = Path(tempfile.mkdtemp(prefix="spark-bench-"))
+    try:
+        problems = run(args, shapes, root)
+    finally:
+        if args.keep:
+            print(f"kept: {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    if problems:
+        print("VERIFICATION FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        raise SystemExit(1)
+    print(
+        "verified: current state = live keys with their last values, history = one row "
+        "per change, parquet = every record, no dead letters"
+    )
+
+
+def run(args: argparse.Namespace, shapes: list[str], root: Path) -> list[str]:
+    """Every shape of ``shapes``, its tables under ``root``; prints the figures and
+    returns what the verification found wrong."""
     run_id = uuid.uuid4().hex[:6]
     warm = publish(args.bootstrap, f"warm{run_id}", "mix", args.warmup, 0)
     warm_settings = settings_for(args, f"warm{run_id}", root / "warm", args.batch)
@@ -500,13 +525,7 @@ def main() -> None:
     print("\nshape    changes/s  ratio to plain append")
     for f in results:
         print(f"{f.shape:<8} {f.changes_s:>9,.0f}  {f.ratio:.3f}")
-    if problems:
-        print("VERIFICATION FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
-        raise SystemExit(1)
-    print(
-        "verified: current state = live keys with their last values, history = one row "
-        "per change, parquet = every record, no dead letters"
-    )
+    return problems
 
 
 if __name__ == "__main__":
