@@ -52,7 +52,6 @@ from services.bridge.records.events import (
     Record,
     RowPieces,
     Txn,
-    Undecoded,
     key_row,
     status_value,
     whole_row,
@@ -419,29 +418,21 @@ class DebeziumEventBuilder(EventBuilder):
         context_headers: bool = True,
     ) -> None:
         catalog.encoder = functools.partial(encode_relation, schemas=schemas)
-        super().__init__(catalog, topic_prefix, db, max_record_bytes, begin_records=begin_records)
+        super().__init__(
+            catalog,
+            topic_prefix,
+            db,
+            max_record_bytes,
+            begin_records=begin_records,
+            last_end_lsn=last_end_lsn,
+        )
         self.schemas = schemas
         if context_headers:
             self.headers = context_headers_of(
                 topic_prefix, run_id(int(time.time() * 1000), os.urandom(10))
             )
-        # The end of the last published transaction: source.sequence's first element (null
-        # before the first one, as for a connector without an offset).
-        self.last_end_lsn = last_end_lsn
         # Relation oid -> its version's pieces (see ``_RelationShape``).
         self._shapes: dict[int, _RelationShape] = {}
-
-    def transaction(
-        self,
-        xid: int,
-        commit_lsn: int,
-        commit_ts: int,
-        changes: Iterator[tuple[int, m.Message | bytes]],
-        end_lsn: int | None = None,
-        undecoded: Undecoded | None = None,
-    ) -> Iterator[Record]:
-        yield from super().transaction(xid, commit_lsn, commit_ts, changes, end_lsn, undecoded)
-        self.last_end_lsn = end_lsn
 
     def _transaction_record(self, status: str, txn: Txn) -> Record:
         # Debezium writes no context headers on its transaction topic; without schemas its
@@ -497,6 +488,8 @@ class DebeziumEventBuilder(EventBuilder):
         relation in one transaction: the relation version's templates (``_shape``) with the
         transaction's numbers."""
         us = commit_ts + PG_EPOCH_UNIX_US
+        # The sequence's first element is the previous transaction's end: null before the
+        # first one, as for a connector without an offset.
         prev = b"null" if self.last_end_lsn is None else b'\\"%d\\"' % self.last_end_lsn
         shape = self._shape(info)
         return (

@@ -133,10 +133,15 @@ class EventBuilder(abc.ABC):
         max_record_bytes: int,
         *,
         begin_records: bool = True,
+        last_end_lsn: int | None = None,
     ) -> None:
         """``begin_records``: whether a transaction's records start with a BEGIN record on
-        the transaction topic (its END, always written, carries what a consumer needs)."""
+        the transaction topic (its END, always written, carries what a consumer needs).
+        ``last_end_lsn``: where the last transaction published before this builder's first
+        ended (None: none was)."""
         self.catalog = catalog
+        # The end of the last transaction built (see ``transaction``), or ``last_end_lsn``.
+        self.last_end_lsn = last_end_lsn
         self.begin_records = begin_records
         self.topic_prefix = topic_prefix
         self.db = db
@@ -200,6 +205,7 @@ class EventBuilder(abc.ABC):
                 lsn, msg = left
             yield from handlers[msg.__class__](txn, lsn, msg)
         yield self._transaction_record("END", txn)
+        self.last_end_lsn = end_lsn
 
     def _compiled_runs(
         self,
