@@ -242,22 +242,31 @@ def catch_up(
     pid: int,
     spawned: float,
     mark: LogMark,
-    reached: Callable[[], bool],
+    reached: Callable[[], tuple[bool, int]],
     alive: Callable[[], None],
     changes: int,
     what: str,
-    timeout: float = 1800,
+    stall_s: float = 300,
 ) -> dict[str, Any]:
     """Times a CDC process (``pid``, spawned at monotonic ``spawned``) through a backlog of
     ``changes`` row changes: from ``mark`` (from the spawn if it never showed) until
-    ``reached()`` - a probe that may block briefly, the loop's pace - says the last is readable by a
-    read_committed consumer. ``alive()`` raises if the process failed; it runs once a second,
-    as it may cost the process something. CPU seconds are the process's over the same span;
-    peak RSS is its VmHWM, so it includes its start."""
+    ``reached()`` - a probe that may block briefly, the loop's pace - says the last is
+    readable by a read_committed consumer; it also says how far the process got (a number
+    that grows while it works: a published LSN, records in its topics). ``alive()`` raises
+    if the process failed; it runs once a second, as it may cost the process something.
+    A process whose progress stands still for ``stall_s`` failed, however long the backlog
+    takes. CPU seconds are the process's over the same span; peak RSS is its VmHWM, so it
+    includes its start."""
     peak_kb = 0
-    checked = reported = spawned
-    while not reached():
+    checked = reported = moved = spawned
+    furthest = -1
+    while True:
+        caught_up, progress = reached()
+        if caught_up:
+            break
         now = time.monotonic()
+        if progress > furthest:
+            furthest, moved = progress, now
         peak_kb = max(peak_kb, _rss_kb(pid))
         if now - checked >= 1:
             alive()
@@ -265,8 +274,10 @@ def catch_up(
         if now - reported >= 10:
             say(f"{what}: catching up, {now - spawned:.0f}s since its start")
             reported = now
-        if now - spawned > timeout:
-            raise TimeoutError(f"{what} did not catch up in {timeout:.0f} s; see {mark.log_path}")
+        if now - moved > stall_s:
+            raise TimeoutError(
+                f"{what} made no progress for {stall_s:.0f} s (at {furthest}); see {mark.log_path}"
+            )
     done = time.monotonic()
     cpu, librdkafka_cpu = with_children_cpu_seconds(pid), librdkafka_cpu_seconds(pid)
     peak_kb = max(peak_kb, _rss_kb(pid))
@@ -693,13 +704,13 @@ class Run:
         mark.start()
         published = 0
 
-        def reached() -> bool:
+        def reached() -> tuple[bool, int]:
             nonlocal published
             msg = consumer.poll(0.02)
             value = None if msg is None or msg.error() is not None else msg.value()
             if value is not None:
                 published = max(published, int(json.loads(value)["end_lsn"]))
-            return published >= end_lsn
+            return published >= end_lsn, published
 
         def alive() -> None:
             if proc.poll() is not None:

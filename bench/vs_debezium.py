@@ -219,11 +219,12 @@ def debezium_catch_up(
             return 0
         return int(high)
 
-    def reached() -> bool:
-        if sum(end_offset(topic) for topic in topics) >= expected:
-            return True
+    def reached() -> tuple[bool, int]:
+        records = sum(end_offset(topic) for topic in topics)
+        if records >= expected:
+            return True, records
         time.sleep(0.02)
-        return False
+        return False, records
 
     spawned = time.monotonic()
     worker.start()
