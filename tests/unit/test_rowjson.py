@@ -41,8 +41,9 @@ from services.contract.records import TOAST_PLACEHOLDER
 from tests.unit.pgoutput_builder import encode, tuple_data
 
 CONTROL = "".join(chr(i) for i in range(0x20))
-# The record formats: the default, Debezium's with Connect schemas and without.
-FORMATS = ["slotbridge", "debezium", "debezium-payload"]
+# The record formats: the default, Debezium's with Connect schemas, without them, and
+# without them and the context headers.
+FORMATS = ["slotbridge", "debezium", "debezium-payload", "debezium-lean"]
 # Texts per type OID as the server prints them, plus the odd ones a converter must judge.
 SAMPLES: dict[int, list[str]] = {
     16: ["t", "f"],
@@ -392,7 +393,12 @@ def builder_of(value_format: str) -> EventBuilder:
     if value_format == "slotbridge":
         return DefaultEventBuilder(catalog, "app", "shop", 1 << 20)
     schemas = value_format == "debezium"
-    builder = DebeziumEventBuilder(catalog, "app", "shop", 1 << 20, None, schemas=schemas)
+    headers = value_format != "debezium-lean"
+    builder = DebeziumEventBuilder(
+        catalog, "app", "shop", 1 << 20, None, schemas=schemas, context_headers=headers
+    )
+    if not headers:
+        return builder
     builder.headers = context_headers_of("app", "0190a3b4-0000-7000-8000-000000000000")
     return builder
 
@@ -513,16 +519,13 @@ def test_debezium_records_of_every_type_read_in_place_equal_the_decoded(
     assert all(info.plan is not None for info in builder.catalog.by_oid.values())
 
 
+@pytest.mark.usefixtures("fixed_clock")
 @pytest.mark.parametrize("undecoded", [False, True], ids=["decoded", "compiled"])
-def test_debezium_records_without_schemas_are_the_payloads_of_those_with(
-    monkeypatch: pytest.MonkeyPatch, undecoded: bool
-) -> None:
+def test_debezium_records_without_schemas_are_the_payloads_of_those_with(undecoded: bool) -> None:
     # JsonConverter's schemas.enable=false writes what schemas.enable=true puts under
     # "payload", with the same headers (the transaction topic's too; the schema topic's
     # records are the default format's in both). Every type and change kind, on the
     # compiled and the Python path.
-    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
-    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
     oids = (20, *_DEBEZIUM_TYPES)
     changes = row_changes(
         None, oids, ["0", *_DEBEZIUM_TYPES.values()], ["0", *[None] * len(_DEBEZIUM_TYPES)]
@@ -548,34 +551,16 @@ def test_debezium_records_without_schemas_are_the_payloads_of_those_with(
     assert ops == {"c", "u", "d"}
 
 
+@pytest.mark.usefixtures("fixed_clock")
 @pytest.mark.parametrize("undecoded", [False, True], ids=["decoded", "compiled"])
 def test_debezium_records_without_context_headers_carry_only_a_key_changes(
-    monkeypatch: pytest.MonkeyPatch, undecoded: bool
+    undecoded: bool,
 ) -> None:
     # extended.headers.enabled=false: the same keys and values, no __debezium.context.*
     # headers (so the sink may send them in batches), a key change's newkey/oldkey kept.
-    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
-    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
     changes = row_changes(None, (20, 25), ["0", "x"], ["0", "u"])
-    with_headers = transaction_records("debezium", changes, False, undecoded)[0]
-    builder = DebeziumEventBuilder(
-        RelationCatalog("app", lambda oid: None),
-        "app",
-        "shop",
-        1 << 20,
-        None,
-        context_headers=False,
-    )
-    decoder = PgOutputDecoder()
-    given: list[tuple[int, m.Message | bytes]] = [
-        (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
-    ]
-    how = Undecoded(False, lambda p: decoder.decode(p, False))
-    without = list(
-        builder.transaction(
-            700, 0x200, 785_000_000_123_456, iter(given), undecoded=how if undecoded else None
-        )
-    )
+    with_headers = transaction_records("debezium-payload", changes, False, undecoded)[0]
+    without = transaction_records("debezium-lean", changes, False, undecoded)[0]
     assert [r[:3] for r in without] == [r[:3] for r in with_headers]
     kept = [
         [(name, value) for name, value in r[3] or () if not name.startswith("__debezium.context.")]
