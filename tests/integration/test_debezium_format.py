@@ -102,7 +102,7 @@ class Compared(NamedTuple):
     theirs: list[Any]
     our_topic: str
     their_topic: str
-    schemas: bool  # and context headers: Debezium's defaults, or neither
+    defaults: bool  # Debezium's defaults (schemas and context headers), or neither
 
 
 def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[Any]:
@@ -224,7 +224,7 @@ def test_keys_values_and_headers_match_debezium(both: Compared) -> None:
     our_topic, their_topic = both.our_topic, both.their_topic
     # The context headers are there with Debezium's defaults only (both sides agree below).
     context = {h[0] for _, _, headers in both.theirs for h in headers if "context" in h[0]}
-    assert bool(context) == both.schemas, context
+    assert bool(context) == both.defaults, context
     pairs = zip(both.ours, both.theirs, strict=True)
     for n, ((ok, ov, oh), (tk, tv, th)) in enumerate(pairs):
         assert _parse(ok, our_topic) == _parse(tk, their_topic), n
@@ -235,8 +235,8 @@ def test_keys_values_and_headers_match_debezium(both: Compared) -> None:
         if tv is None:
             assert ov is None, n
             continue
-        mine = _drop_bridge_only(_framed(_parse(ov, our_topic), both.schemas))
-        real = _framed(_parse(tv, their_topic), both.schemas)
+        mine = _drop_bridge_only(_framed(_parse(ov, our_topic), both.defaults))
+        real = _framed(_parse(tv, their_topic), both.defaults)
         assert mine["schema"] == real["schema"], n
         p, q = mine["payload"], real["payload"]
         assert (p["op"], p["before"], p["after"]) == (q["op"], q["before"], q["after"]), n
@@ -269,7 +269,9 @@ def test_debezium_records_hold_to_the_contract(both: Compared) -> None:
     """``schemas/debezium_*.schema.json`` describe what the real connector writes, not only
     what the bridge writes: its keys and values validate against them."""
     key_model, value_model = (
-        (DebeziumKey, DebeziumChangeValue) if both.schemas else (DebeziumKeyPayload, DebeziumChange)
+        (DebeziumKey, DebeziumChangeValue)
+        if both.defaults
+        else (DebeziumKeyPayload, DebeziumChange)
     )
     keys = jsonschema.Draft202012Validator(json_schema(key_model))
     values = jsonschema.Draft202012Validator(json_schema(value_model))
@@ -279,5 +281,5 @@ def test_debezium_records_hold_to_the_contract(both: Compared) -> None:
             keys.validate(json.loads(key))
         if value is not None:
             values.validate(json.loads(value))
-            ops.add(_framed(json.loads(value), both.schemas)["payload"]["op"])
+            ops.add(_framed(json.loads(value), both.defaults)["payload"]["op"])
     assert ops == {"c", "u", "d", "t"}
