@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.bridge.assemble.spool import SpoolStats
@@ -59,15 +61,15 @@ class BridgeMetrics:
             ["slot"],
             registry=r,
         ).labels(slot)
-        self.commit_to_visible = Histogram(
+        self.commit_to_visible = DelayHistogram(
             "slotbridge_commit_to_visible_seconds",
             "Per source transaction: end of the Kafka commit that published it minus its "
             "commit time on the source server (includes the clock difference between the "
             "server and the bridge; negative differences count as 0)",
-            ["slot"],
-            registry=r,
-            buckets=COMMIT_TO_VISIBLE_BUCKETS,
-        ).labels(slot)
+            slot,
+            COMMIT_TO_VISIBLE_BUCKETS,
+        )
+        r.register(self.commit_to_visible)
         self.lag_bytes = Gauge(
             "slotbridge_lag_bytes",
             "Source WAL end minus the last LSN published to Kafka",
@@ -131,6 +133,48 @@ class BridgeMetrics:
             ["slot", "stat"],
             registry=r,
         )
+
+
+class DelayHistogram(Collector):
+    """A histogram of delays that arrive a batch at a time, all ending at one moment: each
+    source transaction of a Kafka commit is visible when the commit ends. prometheus_client's
+    ``Histogram`` takes one value a call, each under a lock and its bucket found by a loop in
+    Python: per source transaction, that was 5% of the publisher's samples in an OLTP
+    backlog (py-spy, 2026-11-25). Here a batch costs one lock, a value one bisection."""
+
+    def __init__(self, name: str, documentation: str, slot: str, bounds: Sequence[float]):
+        self._name = name
+        self._documentation = documentation
+        self._slot = slot
+        self._bounds = tuple(bounds)
+        self._bounds_us = [bound * 1_000_000 for bound in self._bounds]
+        self._counts = [0] * (len(self._bounds) + 1)  # the last: above every bound
+        self._sum_us = 0
+        self._lock = threading.Lock()  # the publisher observes, the HTTP thread collects
+
+    def observe_until(self, end_us: int, starts_us: Sequence[int]) -> None:
+        """One delay per start: ``end_us`` minus it (µs; negative counted as 0)."""
+        bounds_us = self._bounds_us
+        counts = [0] * len(self._counts)
+        total = 0
+        for start in starts_us:
+            delay = max(0, end_us - start)
+            counts[bisect_left(bounds_us, delay)] += 1  # delay <= bound: Prometheus' "le"
+            total += delay
+        with self._lock:
+            self._counts = [held + new for held, new in zip(self._counts, counts, strict=True)]
+            self._sum_us += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, sum_us = list(self._counts), self._sum_us
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["slot"])
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, self._bounds), "+Inf"), counts, strict=True):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        family.add_metric([self._slot], buckets, sum_us / 1_000_000)
+        yield family
 
 
 class SnapshotCollector(Collector):

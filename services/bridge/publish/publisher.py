@@ -410,10 +410,8 @@ class Publisher(threading.Thread):
             self._tracker.finished(gid)
         self._gids.clear()
         self._metrics.kafka_commit.observe(seconds)
-        observe = self._metrics.commit_to_visible.observe
-        for commit_ts in batch.commit_ts:
-            # A bridge clock behind the server's would make it negative.
-            observe(max(0, visible - commit_ts) / 1_000_000)
+        # A bridge clock behind the server's would make a delay negative: counted as 0.
+        self._metrics.commit_to_visible.observe_until(visible, batch.commit_ts)
         self._metrics.events.inc(batch.events)
         # Counted per batch: a counter's lock per source transaction was a cost of its own.
         self._metrics.transactions.inc(len(batch.commit_ts))
