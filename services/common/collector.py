@@ -10,8 +10,10 @@ thousands of them in its queue, which every middle and full collection walks. Me
 the collector's CPU time taken in ``gc.callbacks`` by the thread it ran in): with the
 defaults 666-714 young, 61-65 middle and 6-7 full collections took 0.32-0.43 s of the
 daemon's ~3.7 s of CPU; with the first threshold at 10,000, 22-35 young, 2-3 middle and one
-full collection took 0.10-0.18 s, and the daemon's CPU per change fell in every pair (12.3
--> 10.6, 13.5 -> 11.2, 11.6 -> 11.0 us).
+full collection took 0.10-0.19 s. The daemon's CPU per change moves more than that between
+runs on a loaded machine (12.3 -> 10.6, 13.5 -> 11.2, 11.6 -> 11.0 us in those pairs; 10.9
+and 11.4 before against 11.2 and 11.9 us after in two more), so the collector's own time is
+the figure to go by.
 
 Reference counting frees what the bridge allocates as soon as it is dropped; the collector
 only finds cycles (an exception and its traceback, for one), and these now wait for up to
