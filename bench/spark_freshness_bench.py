@@ -154,17 +154,43 @@ def consumer_env(settings: ConsumerSettings, work: Path) -> dict[str, str]:
     return env
 
 
+class CpuSampler(threading.Thread):
+    """The JVM's CPU seconds every ``every_s``: ``samples`` holds (epoch seconds, CPU s)."""
+
+    def __init__(self, pid: int, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.every_s = every_s
+        self.samples: list[tuple[float, float]] = []
+        self.stop_flag = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                self.samples.append((time.time(), jvm_cpu_s(self.pid)))
+            except FileNotFoundError:
+                return  # the JVM ended
+            self.stop_flag.wait(self.every_s)
+
+    def at(self, when: float) -> float | None:
+        """The CPU seconds of the last sample at or before ``when`` (None: none yet)."""
+        before = [cpu for at, cpu in self.samples if at <= when]
+        return before[-1] if before else None
+
+
 @dataclass
 class Batch:
     batch_id: int
     started: float  # epoch seconds: the checkpoint's offsets file
     spark_s: float | None  # offsets file -> commits file
+    cpu_s: float | None  # the JVM's CPU seconds over the same span (None: not sampled)
     logged: dict[str, Any]  # the consumer's "batch applied" line
 
 
-def batches(log: Path, checkpoint: Path) -> list[Batch]:
+def batches(log: Path, checkpoint: Path, cpu: CpuSampler) -> list[Batch]:
     """The consumer's micro-batches, oldest first: its "batch applied" lines with the
-    times the checkpoint's offsets and commits files were written."""
+    times the checkpoint's offsets and commits files were written and the JVM's CPU
+    seconds in between."""
     lines = [
         json.loads(line)
         for line in log.read_text(errors="replace").splitlines()
@@ -178,8 +204,14 @@ def batches(log: Path, checkpoint: Path) -> list[Batch]:
         offsets = checkpoint / "offsets" / str(batch_id)
         commit = checkpoint / "commits" / str(batch_id)
         started = offsets.stat().st_mtime
-        spark_s = commit.stat().st_mtime - started if commit.exists() else None
-        found.append(Batch(batch_id, started, spark_s, line))
+        spark_s = cpu_s = None
+        if commit.exists():
+            ended = commit.stat().st_mtime
+            spark_s = ended - started
+            cpu_start, cpu_end = cpu.at(started), cpu.at(ended)
+            if cpu_start is not None and cpu_end is not None:
+                cpu_s = cpu_end - cpu_start
+        found.append(Batch(batch_id, started, spark_s, cpu_s, line))
     return found
 
 
@@ -187,9 +219,11 @@ def print_batches(found: list[Batch], measured_from: float, prefix: str) -> None
     for b in found:
         changes = sum(c["applied"] for c in b.logged["tables"].values())
         spark = "-" if b.spark_s is None else f"{b.spark_s:.1f}"
+        cpu = "-" if b.cpu_s is None else f"{b.cpu_s:.1f}"
         print(
             f"batch {b.batch_id}: at {b.started - measured_from:+.1f}s, {changes:,} changes, "
-            f"{spark} s offsets -> commit, {b.logged['seconds']:.1f} s in foreachBatch"
+            f"{spark} s offsets -> commit ({cpu} s JVM CPU), "
+            f"{b.logged['seconds']:.1f} s in foreachBatch"
         )
         jobs = b.logged["jobs"]
         for name, seconds in b.logged["phases"].items():
@@ -248,6 +282,7 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
     paths = table_paths(settings.warehouse, f"{schema}.pgbench_history")
     reader = Reader(paths.current, 0.1)
     bridge: subprocess.Popen[bytes] | None = None
+    cpu: CpuSampler | None = None
     consumer: subprocess.Popen[bytes] | None = None
     try:
         bridge, alive = start_daemon(env, work / f"{tag}-bridge.log")
@@ -273,13 +308,15 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
                 raise RuntimeError(f"the consumer exited; see {work}/{tag}-consume.log")
             time.sleep(0.2)
         say(f"{tag}: first row readable after {time.monotonic() - started:.1f}s")
+        jvm = java_child(consumer.pid)
+        cpu = CpuSampler(jvm, 0.25)
+        cpu.start()
         if args.warm_up > 0:
             say(f"{tag}: warm-up, {tps * OLTP_CHANGES_PER_TXN:,} changes/s for {args.warm_up:.0f}s")
             OLTP.run_pgbench(dsn, schema, *pgbench, "-T", str(int(args.warm_up)))
         first = max_hid(dsn, schema) + 1
         say(f"{tag}: measuring, {tps * OLTP_CHANGES_PER_TXN:,} changes/s for {args.seconds:.0f}s")
         load_before = os.getloadavg()
-        jvm = java_child(consumer.pid)
         cpu_before = jvm_cpu_s(jvm)
         measured_from = time.time()
         began = time.monotonic()
@@ -293,6 +330,8 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
         until_seen_s = time.time() - measured_from
     finally:
         reader.stop_flag.set()
+        if cpu is not None:
+            cpu.stop_flag.set()
         for proc in (consumer, bridge):
             if proc is not None:
                 stop_process(proc)
@@ -307,7 +346,7 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
         return delays[min(len(delays) - 1, int(q * len(delays)))]
 
     return {
-        "batches": batches(work / f"{tag}-consume.log", Path(settings.checkpoint_dir)),
+        "batches": batches(work / f"{tag}-consume.log", Path(settings.checkpoint_dir), cpu),
         "measured_from": measured_from,
         "prefix": f"{schema}.",
         "trigger_interval_s": trigger_s,
