@@ -3,7 +3,7 @@ the current-state Delta table, at a steady OLTP write rate, on the local stack.
 
     .venv/bin/python bench/spark_freshness_bench.py [--rate 2000] [--seconds 120]
         [--warm-up 30] [--stack-dir .stack/bench] [--keep-stack]
-        [--trigger-interval-s DEFAULT]
+        [--trigger-interval-s DEFAULT] [--conf KEY=VALUE ...]
 
 The real pipeline, each part as its own process: pgbench's TPC-B-like script (three
 UPDATEs and one INSERT into ``pgbench_history`` per transaction) rate-limited to
@@ -23,7 +23,12 @@ up to one poll interval. The warm-up write (the JVM's
 first batches) is not counted; every measured row must be seen.
 
 Printed, not asserted: p50/p90/p99/max, the rows, the Delta versions (batches) seen, the
-write rate reached and the load average.
+write rate reached and the load average; then every micro-batch of the consumer: when it
+started (the checkpoint's offsets file, seconds from the start of the measured write), its
+seconds from that file to its commit file (Spark's whole batch), the consumer's own
+seconds and changes (its "batch applied" log line), and per table and phase the wall
+seconds and Spark jobs (``spark_consumers.timings``; tables run side by side, so a
+phase's jobs include the other table's of that time).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +60,7 @@ from bench.bridge_bench import (
     stop_process,
 )
 from bench.latency_bench import start_daemon, wait_streaming
+from bench.spark_merge_bench import jvm_cpu_s
 from bench.workloads import OLTP_CHANGES_PER_TXN, Oltp
 from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
 from slotbridge_dev.stack.stack import Stack
@@ -125,7 +132,8 @@ def max_hid(dsn: str, schema: str) -> int:
 
 def consumer_env(settings: ConsumerSettings, work: Path) -> dict[str, str]:
     """``slotbridge consume``'s environment: where to read and write, nothing else, so the
-    trigger, master and Spark settings are the job's defaults (unless --trigger-interval-s)."""
+    trigger, master and Spark settings are the job's defaults (unless --trigger-interval-s
+    or --conf)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOTBRIDGE_")}
     env.update(
         {
@@ -136,12 +144,101 @@ def consumer_env(settings: ConsumerSettings, work: Path) -> dict[str, str]:
             "SLOTBRIDGE_CHECKPOINT_DIR": settings.checkpoint_dir,
             "SLOTBRIDGE_STATUS_PATH": str(work / "status.json"),
             "SLOTBRIDGE_TRIGGER_INTERVAL_S": str(settings.trigger_interval_s),
+            "SLOTBRIDGE_SPARK_CONF": json.dumps(settings.spark_conf),
             "SLOTBRIDGE_JARS_DIR": str(settings.jars_dir),
-            "SLOTBRIDGE_LOG_FORMAT": "text",
+            # JSON, so the bench reads each batch's phases back from the log.
+            "SLOTBRIDGE_LOG_FORMAT": "json",
             "SLOTBRIDGE_HTTP_PORT": "0",
         }
     )
     return env
+
+
+class CpuSampler(threading.Thread):
+    """The JVM's CPU seconds every ``every_s``: ``samples`` holds (epoch seconds, CPU s)."""
+
+    def __init__(self, pid: int, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.every_s = every_s
+        self.samples: list[tuple[float, float]] = []
+        self.stop_flag = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                self.samples.append((time.time(), jvm_cpu_s(self.pid)))
+            except FileNotFoundError:
+                return  # the JVM ended
+            self.stop_flag.wait(self.every_s)
+
+    def at(self, when: float) -> float | None:
+        """The CPU seconds of the last sample at or before ``when`` (None: none yet)."""
+        before = [cpu for at, cpu in self.samples if at <= when]
+        return before[-1] if before else None
+
+
+@dataclass
+class Batch:
+    batch_id: int
+    started: float  # epoch seconds: the checkpoint's offsets file
+    spark_s: float | None  # offsets file -> commits file
+    cpu_s: float | None  # the JVM's CPU seconds over the same span (None: not sampled)
+    logged: dict[str, Any]  # the consumer's "batch applied" line
+
+
+def batches(log: Path, checkpoint: Path, cpu: CpuSampler) -> list[Batch]:
+    """The consumer's micro-batches, oldest first: its "batch applied" lines with the
+    times the checkpoint's offsets and commits files were written and the JVM's CPU
+    seconds in between."""
+    lines = [
+        json.loads(line)
+        for line in log.read_text(errors="replace").splitlines()
+        if line.startswith("{")
+    ]
+    found = []
+    for line in lines:
+        if line.get("msg") != "batch applied":
+            continue
+        batch_id = int(line["batch_id"])
+        offsets = checkpoint / "offsets" / str(batch_id)
+        commit = checkpoint / "commits" / str(batch_id)
+        started = offsets.stat().st_mtime
+        spark_s = cpu_s = None
+        if commit.exists():
+            ended = commit.stat().st_mtime
+            spark_s = ended - started
+            cpu_start, cpu_end = cpu.at(started), cpu.at(ended)
+            if cpu_start is not None and cpu_end is not None:
+                cpu_s = cpu_end - cpu_start
+        found.append(Batch(batch_id, started, spark_s, cpu_s, line))
+    return found
+
+
+def print_batches(found: list[Batch], measured_from: float, prefix: str) -> None:
+    for b in found:
+        changes = sum(c["applied"] for c in b.logged["tables"].values())
+        spark = "-" if b.spark_s is None else f"{b.spark_s:.1f}"
+        cpu = "-" if b.cpu_s is None else f"{b.cpu_s:.1f}"
+        print(
+            f"batch {b.batch_id}: at {b.started - measured_from:+.1f}s, {changes:,} changes, "
+            f"{spark} s offsets -> commit ({cpu} s JVM CPU), "
+            f"{b.logged['seconds']:.1f} s in foreachBatch"
+        )
+        jobs = b.logged["jobs"]
+        for name, seconds in b.logged["phases"].items():
+            shown = name.replace(prefix, "")
+            print(f"    {shown:<40} {seconds:6.1f} s {jobs.get(name, 0):3d} jobs")
+
+
+def java_child(pid: int) -> int:
+    """The JVM ``slotbridge consume`` (process ``pid``) started: the driver, which runs
+    local mode's tasks."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    javas = [int(c) for c in children if Path(f"/proc/{c}/comm").read_text().strip() == "java"]
+    if len(javas) != 1:
+        raise RuntimeError(f"expected one JVM under the consumer, found {javas}")
+    return javas[0]
 
 
 def wait_seen(
@@ -178,12 +275,14 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
         warehouse=str(work / tag / "warehouse"),
         checkpoint_dir=str(work / tag / "checkpoint"),
         trigger_interval_s=trigger_s,
+        spark_conf=dict(c.split("=", 1) for c in args.conf),
         jars_dir=jars_dir(cache_dir(), SPARK_SET),
     )
     env = daemon_env(dsn, bootstrap, tag, tag, tables, prefix, work / tag / "spool")
     paths = table_paths(settings.warehouse, f"{schema}.pgbench_history")
     reader = Reader(paths.current, 0.1)
     bridge: subprocess.Popen[bytes] | None = None
+    cpu: CpuSampler | None = None
     consumer: subprocess.Popen[bytes] | None = None
     try:
         bridge, alive = start_daemon(env, work / f"{tag}-bridge.log")
@@ -209,12 +308,17 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
                 raise RuntimeError(f"the consumer exited; see {work}/{tag}-consume.log")
             time.sleep(0.2)
         say(f"{tag}: first row readable after {time.monotonic() - started:.1f}s")
+        jvm = java_child(consumer.pid)
+        cpu = CpuSampler(jvm, 0.25)
+        cpu.start()
         if args.warm_up > 0:
             say(f"{tag}: warm-up, {tps * OLTP_CHANGES_PER_TXN:,} changes/s for {args.warm_up:.0f}s")
             OLTP.run_pgbench(dsn, schema, *pgbench, "-T", str(int(args.warm_up)))
         first = max_hid(dsn, schema) + 1
         say(f"{tag}: measuring, {tps * OLTP_CHANGES_PER_TXN:,} changes/s for {args.seconds:.0f}s")
         load_before = os.getloadavg()
+        cpu_before = jvm_cpu_s(jvm)
+        measured_from = time.time()
         began = time.monotonic()
         versions_before = reader.versions
         OLTP.run_pgbench(dsn, schema, *pgbench, "-T", str(int(args.seconds)))
@@ -222,8 +326,12 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
         measured = range(first, max_hid(dsn, schema) + 1)
         wait_seen(reader, measured, 10 * trigger_s + 120, consumer, tag)
         load_after = os.getloadavg()
+        cpu_s = jvm_cpu_s(jvm) - cpu_before
+        until_seen_s = time.time() - measured_from
     finally:
         reader.stop_flag.set()
+        if cpu is not None:
+            cpu.stop_flag.set()
         for proc in (consumer, bridge):
             if proc is not None:
                 stop_process(proc)
@@ -238,6 +346,9 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
         return delays[min(len(delays) - 1, int(q * len(delays)))]
 
     return {
+        "batches": batches(work / f"{tag}-consume.log", Path(settings.checkpoint_dir), cpu),
+        "measured_from": measured_from,
+        "prefix": f"{schema}.",
         "trigger_interval_s": trigger_s,
         "rows": len(delays),
         "changes_per_s": len(delays) * OLTP_CHANGES_PER_TXN / write_s,
@@ -246,6 +357,8 @@ def run(args: argparse.Namespace, stack: Stack, work: Path) -> dict[str, Any]:
         "p90_s": pct(0.90),
         "p99_s": pct(0.99),
         "max_s": delays[-1],
+        "jvm_cpu_s": cpu_s,
+        "until_seen_s": until_seen_s,
         "load_before": load_before,
         "load_after": load_after,
     }
@@ -259,6 +372,9 @@ def main() -> None:
     parser.add_argument(
         "--trigger-interval-s", type=float, default=None, help="default: the job's own"
     )
+    parser.add_argument(
+        "--conf", action="append", default=[], help="KEY=VALUE: a Spark setting to try"
+    )
     add_stack_arguments(parser)
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
     args = parser.parse_args()
@@ -266,14 +382,18 @@ def main() -> None:
         work = args.stack_dir / "spark-freshness-bench"
         work.mkdir(parents=True, exist_ok=True)
         result = run(args, stack, work)
+    found, measured_from, prefix = (result.pop(k) for k in ("batches", "measured_from", "prefix"))
     print(json.dumps(result))
     print(
         f"commit -> readable in the current-state table, trigger {result['trigger_interval_s']}s, "
         f"{result['rows']:,} rows at {result['changes_per_s']:,.0f} changes/s over "
         f"{result['versions']} table versions: p50 {result['p50_s']:.1f}s, "
         f"p90 {result['p90_s']:.1f}s, p99 {result['p99_s']:.1f}s, max {result['max_s']:.1f}s "
-        f"(load {result['load_before'][0]:.1f} -> {result['load_after'][0]:.1f})"
+        f"(load {result['load_before'][0]:.1f} -> {result['load_after'][0]:.1f}); the consumer's "
+        f"JVM used {result['jvm_cpu_s']:.1f} s of CPU from the measured write's start until "
+        f"its last row was seen ({result['until_seen_s']:.1f} s)"
     )
+    print_batches(found, measured_from, prefix)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,9 @@ class TableWriter:
         # Whether ``_stored_versions`` found every change of this batch after its key's
         # newest tombstone: the current-state write then need not read the tombstones.
         self._after_tombstones = False
+        # Whether ``_stored_versions`` found no current-state row of any key of this batch:
+        # the current-state write then only inserts, so it appends.
+        self._current_lacks_keys = False
         # Per table written by appends (the history, its ends): the largest commit LSN
         # of a change it holds (None: none), read once per job, then kept up to date.
         self._newest: dict[str, int | None] = {}
@@ -352,7 +355,8 @@ class TableWriter:
             failpoint("consume_after_history")
             if table.key_columns:
                 with timings.phase(f"{table.name} current"):
-                    self._merge_current(changes, table, facts, timings, new_keys)
+                    absent = new_keys or self._current_lacks_keys
+                    self._merge_current(changes, table, facts, timings, absent)
         finally:
             if toasted is not None:
                 toasted.unpersist()
@@ -428,6 +432,7 @@ class TableWriter:
             with timings.phase(f"{table.name} stored versions"):
                 stored = self._stored_versions(rows, table, facts)
         self._after_tombstones = stored is not None
+        self._current_lacks_keys = stored is not None and stored.ending == 0
         if stored is None:
             result = self._merge_history(rows, table, facts, target, new_keys, later)
         else:
@@ -730,10 +735,13 @@ class TableWriter:
         table: s.TableSchema,
         facts: BatchFacts,
         timings: BatchTimings,
-        new_keys: bool,
+        absent: bool,
     ) -> None:
         """Bring the current-state table to the newest change of every key in the batch;
-        ``new_keys`` (see ``_only_new_keys``): the table holds none of them."""
+        ``absent``: the table holds none of them (new serial keys, see ``_only_new_keys``,
+        or ``_stored_versions`` found none: keys of concurrent transactions commit out of
+        their serial order, and keys that are not serial), so the MERGE would only insert
+        and an append does that in one commit without its jobs."""
         target = self._target(self.paths.current, table, current_struct(table))
         keys = list(table.key_columns)
         current = DeltaTable.forPath(self.spark, self.paths.current)
@@ -750,7 +758,7 @@ class TableWriter:
         floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
         if floor is not None:
             latest = latest.where(_newer_than(floor))
-        if self._tombstones and stones is not None and not new_keys and not self._after_tombstones:
+        if self._tombstones and stones is not None and not absent and not self._after_tombstones:
             # Tombstones are appended, so a key deleted several times has several: its
             # newest delete is the one a change must come after. ``_stored_versions``
             # already compared every change with it when the history was appended.
@@ -769,8 +777,8 @@ class TableWriter:
             latest = latest.persist()  # read again for the tombstones
         in_range = _in_key_range(table, facts.key_range, "t.")
         try:
-            if self.paths.current in self._empty or new_keys:
-                # What the MERGE would insert into a table without rows, without its join.
+            if self.paths.current in self._empty or absent:
+                # What the MERGE would insert into a table without these keys, without its join.
                 live = latest.where(F.col(s.OP) != "d")
                 _align(live, target).write.format("delta").mode("append").save(self.paths.current)
                 self._empty.discard(self.paths.current)

@@ -515,6 +515,42 @@ def test_a_change_of_a_stored_key_is_merged_after_a_batch_of_smaller_keys(
     ]
 
 
+def test_keys_the_current_state_lacks_are_appended_and_a_stored_key_is_merged(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A batch none of whose keys has a current-state row (a serial key committed after a
+    larger one, a deleted key inserted again) is appended to both tables; a later change
+    of such a key is merged, never appended as a second row. Split or whole, the tables
+    are the same."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    first = [*t.change("c", row(1), 100, 1, 1), *t.change("c", row(3), 100, 2, 1)]
+    smaller = t.change("c", row(2), 200, 1, 2)
+    update = t.change("u", row(2, "x"), 300, 1, 3)
+    delete = t.change("d", {"id": 1}, 400, 1, 4)
+    again = t.change("c", row(1, "again"), 500, 1, 5)
+    whole = Harness(spark, tmp_path / "whole", t)
+    whole.run([*first, *smaller, *update, *delete, *again])
+    split = Harness(spark, tmp_path / "split", t)
+    merges = []
+    for batch in (first, smaller, update, delete, again):
+        split.run(batch)
+        merges.append(set(split.processor.status.last_batch_timings.merges))
+    assert merges == [set(), set(), {"public.t current"}, {"public.t current"}, set()]
+    path = table_paths(split.settings.warehouse, "public.t").current
+    assert spark.read.format("delta").load(path).count() == 3
+    assert split.current() == whole.current()
+    assert split.current()[2]["name"] == "x" and split.current()[1]["name"] == "again"
+    assert split.history() == whole.history()
+    assert sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in split.history()) == [
+        (1, 100, 400),
+        (1, 400, 400),
+        (1, 500, None),
+        (2, 200, 300),
+        (2, 300, None),
+        (3, 100, None),
+    ]
+
+
 def test_deletion_vectors_give_every_delta_reader_the_same_tables(
     spark: SparkSession, tmp_path: Path
 ) -> None:
