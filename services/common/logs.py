@@ -52,8 +52,10 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    # librdkafka and psycopg chatter is not the operator's business at INFO.
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    # librdkafka's chatter is not the operator's business at INFO; at DEBUG it is: the
+    # debug contexts an operator turns on through kafka_config's "debug" log at DEBUG.
+    chatter = logging.DEBUG if root.level <= logging.DEBUG else logging.WARNING
+    logging.getLogger("kafka").setLevel(chatter)
 
 
 def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
