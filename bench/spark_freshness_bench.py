@@ -26,7 +26,8 @@ Printed, not asserted: p50/p90/p99/max, the rows, the Delta versions (batches) s
 write rate reached and the load average; then every micro-batch of the consumer: when it
 started (the checkpoint's offsets file, seconds from the start of the measured write), its
 seconds from that file to its commit file (Spark's whole batch), the consumer's own
-seconds and changes (its "batch applied" log line), and per table and phase the wall
+seconds and changes (its "batch applied" log line) with the classes its driver JVM loaded
+and its JIT compilation and GC milliseconds (a warm JVM loads few), and per table and phase the wall
 seconds and Spark jobs (``spark_consumers.timings``; tables run side by side, so a
 phase's jobs include the other table's of that time).
 """
@@ -223,12 +224,21 @@ def print_batches(found: list[Batch], measured_from: float, prefix: str) -> None
         print(
             f"batch {b.batch_id}: at {b.started - measured_from:+.1f}s, {changes:,} changes, "
             f"{spark} s offsets -> commit ({cpu} s JVM CPU), "
-            f"{b.logged['seconds']:.1f} s in foreachBatch"
+            f"{b.logged['seconds']:.1f} s in foreachBatch; the driver JVM {_jvm(b.logged)}"
         )
         jobs = b.logged["jobs"]
         for name, seconds in b.logged["phases"].items():
             shown = name.replace(prefix, "")
             print(f"    {shown:<40} {seconds:6.1f} s {jobs.get(name, 0):3d} jobs")
+
+
+def _jvm(logged: dict[str, Any]) -> str:
+    """The batch's JVM work as its line gives it (``spark_consumers.timings``)."""
+    jvm = logged.get("jvm") or {}
+    return (
+        f"loaded {jvm.get('classes_loaded', '-')} classes, JIT {jvm.get('jit_ms', '-')} ms, "
+        f"GC {jvm.get('gc_ms', '-')} ms"
+    )
 
 
 def java_child(pid: int) -> int:

@@ -388,7 +388,8 @@ def print_batches(label: str, run: Run) -> None:
         )
         print(
             f"  batch {b.batch_id}: {b.applied:>7} changes, {b.seconds:5.1f} s wall, "
-            f"{b.cpu_s:5.1f} s JVM CPU; {phases}"
+            f"{b.cpu_s:5.1f} s JVM CPU (loaded {b.timings.jvm.get('classes_loaded', '-')} "
+            f"classes, JIT {b.timings.jvm.get('jit_ms', '-')} ms); {phases}"
         )
 
 

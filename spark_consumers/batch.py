@@ -101,6 +101,7 @@ class BatchProcessor:
             counts = self._process(raw, envs, batch_id, timings)
         finally:
             envs.unpersist()
+        timings.finish()
         self.status.record_batch(batch_id, counts, time.monotonic() - started, timings)
         if self.housekeeper.due(time.monotonic()):
             tables = {t: table_paths(self.settings.warehouse, t) for t in self.registry.versions}

@@ -60,6 +60,30 @@ def extra_jars(jars_dir: Path) -> list[str]:
     return [j for j in jars if _artifact(j) not in shipped]
 
 
+# Distinct classes Spark generates for one table's batch (typing, the look for stored
+# versions, the appends and MERGEs, Delta's own queries): about 100 measured on the pgbench
+# tables, with room for the other write paths (truncates, the exact history MERGE).
+_GENERATED_CLASSES_PER_TABLE = 150
+
+
+def codegen_cache_entries(settings: ConsumerSettings) -> int:
+    """Spark's cache of generated classes, sized so one batch of every table fits.
+
+    Spark keeps 100 by default; a batch of the four pgbench tables runs ~400 distinct
+    ones, so every batch evicted the last one's, compiled them all again (~10 s of Janino
+    there) and loaded ~800 new classes for the JIT to compile anew: the JVM never warmed
+    up. Classes whose code holds a batch's own LSNs and keys (~3 a table and batch) are
+    used once and are the first evicted. Each entry holds a compiled class in the JVM's
+    metaspace, so the size follows the tables named rather than being large for all; with
+    every change topic (``tables`` unset) it is 2,000 (13 tables' worth). A job whose
+    batches still load hundreds of classes (the "batch applied" line's ``jvm``) sets a
+    larger one in ``spark_conf``.
+    """
+    if settings.tables is None:
+        return 2000
+    return max(1000, _GENERATED_CLASSES_PER_TABLE * len(settings.tables))
+
+
 def session_conf(settings: ConsumerSettings) -> dict[str, str]:
     """Spark settings of the job: the same for ``slotbridge consume`` and spark-submit."""
     return {
@@ -73,6 +97,7 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # where Spark turns it off) that was 6-8 of a MERGE's 13-19 jobs. Without it a
         # write has as many files as its last shuffle has partitions (shuffle_partitions).
         "spark.sql.adaptive.enabled": "false",
+        "spark.sql.codegen.cache.maxEntries": str(codegen_cache_entries(settings)),
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         # Delta rebuilds table state with this many tasks (default 50): far too many for

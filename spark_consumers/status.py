@@ -84,6 +84,7 @@ class Status:
             phases=self.last_batch_timings.phases,
             merges=self.last_batch_timings.merges,
             jobs=self.last_batch_timings.jobs,
+            jvm=self.last_batch_timings.jvm,
         )
 
     @property
@@ -110,6 +111,7 @@ class Status:
             "last_batch_phases": self.last_batch_timings.phases,
             "last_batch_merges": self.last_batch_timings.merges,
             "last_batch_jobs": self.last_batch_timings.jobs,
+            "last_batch_jvm": self.last_batch_timings.jvm,
             "tables": {t: _counts(c) for t, c in sorted(self.tables.items())},
             "stopped_tables": sorted(t for t, c in self.tables.items() if c.stopped),
             "quarantined": self.quarantined,

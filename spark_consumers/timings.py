@@ -11,6 +11,11 @@ The jobs are counted because each costs Spark's fixed scheduling and planning ti
 whatever its rows: on a small table they, not the rows, decide the phase's seconds. They
 are the jobs the query started during the phase: with tables applied side by side, the
 other tables' jobs of that time are in it too.
+
+Per batch, the driver JVM's classes loaded, JIT compilation and garbage collection
+milliseconds (Java's own management beans): a warm JVM running the same plans again loads
+few classes; hundreds per batch mean Spark compiles its generated code again every batch
+(its codegen cache is too small for the job's tables: ``spark.sql.codegen.cache.maxEntries``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from py4j.protocol import Py4JError
 from pyspark import SparkContext
 from pyspark.sql import DataFrame
 
@@ -29,8 +35,21 @@ class BatchTimings:
     phases: dict[str, float] = field(default_factory=dict)
     merges: dict[str, dict[str, int]] = field(default_factory=dict)
     jobs: dict[str, int] = field(default_factory=dict)
+    # The driver JVM's work during the batch (``finish``): classes_loaded, jit_ms, gc_ms.
+    jvm: dict[str, int] = field(default_factory=dict)
     # Where the jobs are counted; without it (a batch not run by Spark) they are not.
     context: SparkContext | None = field(default=None, repr=False, compare=False)
+    _jvm_at_start: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.context is not None:
+            self._jvm_at_start = _jvm_counters(self.context)
+
+    def finish(self) -> None:
+        """The batch is over: what the driver JVM did during it, into ``jvm``."""
+        if self.context is not None:
+            now = _jvm_counters(self.context)
+            self.jvm = {k: v - self._jvm_at_start.get(k, 0) for k, v in now.items()}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -60,3 +79,30 @@ class BatchTimings:
         row = result.first()
         if row is not None:
             self.merges[name] = {k: int(v) for k, v in row.asDict().items() if v is not None}
+
+
+def _jvm_counters(context: SparkContext) -> dict[str, int]:
+    """The driver JVM's totals so far, from ``java.lang.management``: classes loaded, JIT
+    compilation ms (absent when the JVM has no JIT) and collection ms of every collector.
+
+    PySpark reaches the driver's JVM only through its Py4J gateway (``_jvm``, which the job
+    already uses for its log levels). These figures explain a batch; they must never fail
+    one: a context without the gateway (Spark Connect) or a gateway error gives none.
+    """
+    jvm = getattr(context, "_jvm", None)
+    if jvm is None:
+        return {}
+    try:
+        beans = jvm.java.lang.management.ManagementFactory
+        collectors = beans.getGarbageCollectorMXBeans()
+        counters = {
+            "classes_loaded": int(beans.getClassLoadingMXBean().getTotalLoadedClassCount()),
+            # -1: a collector that does not keep the figure.
+            "gc_ms": sum(max(0, int(b.getCollectionTime())) for b in collectors),
+        }
+        jit = beans.getCompilationMXBean()
+        if jit is not None and jit.isCompilationTimeMonitoringSupported():
+            counters["jit_ms"] = int(jit.getTotalCompilationTime())
+    except Py4JError:
+        return {}
+    return counters
