@@ -60,24 +60,24 @@ def extra_jars(jars_dir: Path) -> list[str]:
     return [j for j in jars if _artifact(j) not in shipped]
 
 
-# Distinct classes Spark generates for one table's batch (typing, the look for stored
-# versions, the appends and MERGEs, Delta's own queries): about 100 measured on the pgbench
-# tables, with room for the other write paths (truncates, the exact history MERGE).
+# Generated classes one table's batch needs cached (typing, the look for stored versions,
+# the appends and MERGEs, Delta's own queries), with room for the rarer write paths
+# (truncates, the exact history MERGE): the four pgbench tables fit in 1,000 (see below).
 _GENERATED_CLASSES_PER_TABLE = 150
 
 
 def codegen_cache_entries(settings: ConsumerSettings) -> int:
     """Spark's cache of generated classes, sized so one batch of every table fits.
 
-    Spark keeps 100 by default; a batch of the four pgbench tables runs ~400 distinct
-    ones, so every batch evicted the last one's, compiled them all again (~10 s of Janino
-    there) and loaded ~800 new classes for the JIT to compile anew: the JVM never warmed
-    up. Classes whose code holds a batch's own LSNs and keys (~3 a table and batch) are
-    used once and are the first evicted. Each entry holds a compiled class in the JVM's
-    metaspace, so the size follows the tables named rather than being large for all; with
-    every change topic (``tables`` unset) it is 2,000 (13 tables' worth). A job whose
-    batches still load hundreds of classes (the "batch applied" line's ``jvm``) sets a
-    larger one in ``spark_conf``.
+    Spark keeps 100 by default, fewer than one batch of the four pgbench tables runs, so
+    each batch evicted the previous one's: Janino compiled them again and the driver JVM
+    loaded them anew for the JIT to compile again (763-854 classes a steady batch in
+    ``bench/spark_freshness_bench.py``; 17-134 with 1,000 entries, what is left being
+    mostly code holding a batch's own LSNs and keys). Each entry holds a compiled class in
+    the JVM's metaspace, so the size follows the tables named rather than being large for
+    all; with every change topic (``tables`` unset) it is 2,000 (13 tables' worth). A job
+    whose batches still load hundreds of classes (``jvm`` in the "batch applied" line)
+    sets a larger one in ``spark_conf``.
     """
     if settings.tables is None:
         return 2000

@@ -16,6 +16,8 @@ Per batch, the driver JVM's classes loaded, JIT compilation and garbage collecti
 milliseconds (Java's own management beans): a warm JVM running the same plans again loads
 few classes; hundreds per batch mean Spark compiles its generated code again every batch
 (its codegen cache is too small for the job's tables: ``spark.sql.codegen.cache.maxEntries``).
+The JIT's milliseconds are the compiler threads' elapsed time added up, not CPU time: on a
+busy machine they include waiting for a core.
 """
 
 from __future__ import annotations
