@@ -198,8 +198,10 @@ class Batch:
 
 
 def applied_lines(log: Path) -> list[dict[str, Any]]:
-    """The consumer's "batch applied" lines so far, oldest first."""
-    lines = (line for line in log.read_text(errors="replace").splitlines() if line.startswith("{"))
+    """The consumer's "batch applied" lines so far, oldest first. The consumer may be
+    writing its last line as this reads: only whole lines (ended by a newline) count."""
+    whole = log.read_text(errors="replace").rpartition("\n")[0]
+    lines = (line for line in whole.splitlines() if line.startswith("{"))
     return [d for d in map(json.loads, lines) if d.get("msg") == "batch applied"]
 
 
