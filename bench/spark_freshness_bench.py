@@ -35,9 +35,9 @@ Printed, not asserted: p50/p90/p99/max, the rows, the Delta versions (batches) s
 write rate reached and the load average; then every micro-batch of the consumer: when it
 started (the checkpoint's offsets file, seconds from the start of the measured write), its
 seconds from that file to its commit file (Spark's whole batch), the consumer's own
-seconds and changes (its "batch applied" log line) with the classes its driver JVM loaded
-and its JIT compilation and GC milliseconds (a warm JVM loads few), and per table and phase the wall
-seconds and Spark jobs (``spark_consumers.timings``; tables run side by side, so a
+seconds and changes (its "batch applied" log line) with the classes its driver JVM
+loaded and its JIT compilation and GC milliseconds (a warm JVM loads few), and per table
+and phase the wall seconds and Spark jobs (``spark_consumers.timings``; tables run side by side, so a
 phase's jobs include the other table's of that time).
 """
 

@@ -557,8 +557,8 @@ def test_a_steady_batch_reuses_the_code_spark_generated_for_the_last(
     """Batches of the same shape run the same plans, so from the second such batch on the
     driver JVM loads few classes: Spark's generated code comes from its codegen cache.
 
-    Four tables of different columns run a few hundred distinct generated classes a
-    batch; with Spark's default cache of 100 every batch compiled and loaded them all
+    Four tables of different columns run more distinct generated classes a batch than
+    Spark's default cache holds (100), so every batch compiled and loaded them all
     again (``spark.sql.codegen.cache.maxEntries`` in the job's session). What a batch
     still loads is the code of the filters whose literals are its own LSNs and keys.
     """
