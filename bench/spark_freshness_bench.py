@@ -37,8 +37,8 @@ started (the checkpoint's offsets file, seconds from the start of the measured w
 seconds from that file to its commit file (Spark's whole batch), the consumer's own
 seconds and changes (its "batch applied" log line) with the classes its driver JVM
 loaded and its JIT compilation and GC milliseconds (a warm JVM loads few), and per table
-and phase the wall seconds and Spark jobs (``spark_consumers.timings``; tables run side by side, so a
-phase's jobs include the other table's of that time).
+and phase the wall seconds and Spark jobs (``spark_consumers.timings``; tables run side by
+side, so a phase's jobs include the other table's of that time).
 """
 
 from __future__ import annotations
