@@ -1,7 +1,7 @@
 """Changes applied per second into the Delta tables, per phase, next to a plain append.
 
     .venv/bin/python bench/spark_merge_bench.py --bootstrap HOST:PORT
-        [--shapes mix,insert,update] [--changes 400000] [--batch 200000]
+        [--shapes mix,insert,update,wide] [--changes 400000] [--batch 200000]
         [--seed-rows 10000000]
 
 A shape may be named more than once (``--shapes mix,mix,mix``): each run has its own topic.
@@ -17,6 +17,9 @@ the raw records to Parquet. Shapes:
 - ``update``: the current-state and history tables first hold ``--seed-rows`` keys
   (written directly, as if consumed before, in files of a million rows), then every
   change updates a random one of them: few keys per file, where rewriting files hurts most.
+- ``wide``: the ``mix`` over a table of 40 columns (jsonb, text[], bytea, numeric,
+  timestamptz, text and bigint), whose updates leave a TOASTed text unchanged (the
+  placeholder in the record, filled in by the consumer from the key's stored row).
 - ``insert-seeded`` (not in the default list): inserts of new, growing keys after the same
   seeded rows, as a serial key grows: the MERGEs should not read the seeded files.
 
@@ -51,6 +54,7 @@ with ``update``) are removed at the end, unless ``--keep``.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import random
@@ -73,6 +77,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from services.common.logs import setup_logging
+from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.bootstrap import SPARK_SET, cache_dir, jars_dir
 from slotbridge_dev.synthetic import SynthColumn, SynthTable, TransactionalWriter
 from spark_consumers import schema as s
@@ -93,7 +98,7 @@ from spark_consumers.timings import BatchTimings
 
 NUM = ((12 << 16) | 2) + 4
 TABLE = "public.bench"
-SHAPES = ("mix", "insert", "update", "insert-seeded")
+SHAPES = ("mix", "insert", "update", "wide", "insert-seeded")
 SEEDED = ("update", "insert-seeded")
 # Seeded rows are one transaction before every published change (those start at 1000).
 SEED_LSN = 500
@@ -101,7 +106,23 @@ SEED_FILE_ROWS = 1_000_000
 AT = "2024-05-01T10:00:00.000001Z"
 
 
-def synth_table(prefix: str) -> SynthTable:
+# The ``wide`` shape's columns after the four of every shape: 40 in all, with JSON, an
+# array, binary and a text of TOAST size that updates leave unchanged.
+WIDE = (
+    SynthColumn("doc", "jsonb", 3802),
+    SynthColumn("tags", "text[]", 1009),
+    SynthColumn("blob", "bytea", 17),
+    SynthColumn("body", "text", 25),
+    *(SynthColumn(f"n{i}", "bigint", 20) for i in range(12)),
+    *(SynthColumn(f"t{i}", "text", 25) for i in range(12)),
+    *(SynthColumn(f"d{i}", "numeric(12,2)", 1700, NUM) for i in range(4)),
+    *(SynthColumn(f"ts{i}", "timestamp with time zone", 1184) for i in range(4)),
+)
+# PostgreSQL moves a value out of line (TOAST) from about 2 kB on.
+BODY = "b" * 2100
+
+
+def synth_table(prefix: str, shape: str = "mix") -> SynthTable:
     return SynthTable(
         prefix,
         "public",
@@ -111,8 +132,24 @@ def synth_table(prefix: str) -> SynthTable:
             SynthColumn("name", "text", 25),
             SynthColumn("amount", "numeric(12,2)", 1700, NUM),
             SynthColumn("at", "timestamp with time zone", 1184),
+            *(WIDE if shape == "wide" else ()),
         ),
     )
+
+
+def _wide_values(n: int, update: bool) -> dict[str, Any]:
+    """The ``wide`` columns of change ``n``; an update sends the TOASTed text's placeholder,
+    as the bridge does for a TOASTed value the update left unchanged."""
+    return {
+        "doc": {"n": n, "tags": ["a", "b"], "nested": {"x": n % 7, "ok": True}},
+        "tags": [f"t{n % 5}", "x", None],
+        "blob": base64.b64encode(n.to_bytes(8, "big")).decode(),
+        "body": TOAST_PLACEHOLDER if update else BODY,
+        **{f"n{i}": n * (i + 1) for i in range(12)},
+        **{f"t{i}": f"text {i} of change {n}" for i in range(12)},
+        **{f"d{i}": f"{n % 100000}.{i:02d}" for i in range(4)},
+        **{f"ts{i}": AT for i in range(4)},
+    }
 
 
 @dataclass
@@ -142,7 +179,7 @@ def _ops(shape: str, changes: int, seeded: int) -> Iterator[tuple[str, int]]:
 
 
 def publish(bootstrap: str, prefix: str, shape: str, changes: int, seeded: int) -> Published:
-    table = synth_table(prefix)
+    table = synth_table(prefix, shape)
     writer = TransactionalWriter(bootstrap, f"{prefix}-bench")
     writer.create_topics([table.topic], compacted=[f"{prefix}.schema"])
     writer.send([table.schema_record()])
@@ -155,6 +192,8 @@ def publish(bootstrap: str, prefix: str, shape: str, changes: int, seeded: int) 
         else:
             values = {"id": key, "name": f"name {n}", "amount": f"{n % 100000}.50", "at": AT}
             was = key in out.live or key < seeded
+            if shape == "wide":
+                values |= _wide_values(n, was)
             batch += table.change("u" if was else "c", values, 1000 + n, 1, n)
             out.live[key] = n
         if len(batch) >= 20_000:
@@ -331,6 +370,10 @@ def verify(
     )
     if wrong:
         problems.append(f"current state: {wrong} rows differ from the last change")
+    if sent.shape == "wide":
+        unfilled = current.where(F.col("body").isNull() | (F.col("body") != BODY)).count()
+        if unfilled:
+            problems.append(f"current state: {unfilled} rows without their unchanged TOAST text")
     history = resolved_history(spark, paths)
     counts = history.agg(
         F.count("*").alias("rows"),
@@ -463,7 +506,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--shapes", default=",".join(SHAPES[:3]), help="comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES[:4]), help="comma-separated")
     parser.add_argument("--changes", type=int, default=400_000)
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
     parser.add_argument("--seed-rows", type=int, default=10_000_000, help="update shape")

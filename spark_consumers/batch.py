@@ -319,7 +319,10 @@ class BatchProcessor:
         if writer is None:
             paths = table_paths(self.settings.warehouse, schema.name)
             writer = self.writers[schema.name] = TableWriter(
-                self.spark, paths, self.settings.deletion_vectors
+                self.spark,
+                paths,
+                self.settings.deletion_vectors,
+                tuple(self.settings.stats_columns.get(schema.name, ())),
             )
         # Good rows all have a commit LSN, so the survey found one.
         assert survey.oldest_lsn is not None and survey.newest_lsn is not None

@@ -98,6 +98,12 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # write has as many files as its last shuffle has partitions (shuffle_partitions).
         "spark.sql.adaptive.enabled": "false",
         "spark.sql.codegen.cache.maxEntries": str(codegen_cache_entries(settings)),
+        # The optimizer's constraint propagation grows exponentially with the aliased
+        # predicates of a wide table's TOAST fill-in (merge.resolve_toast): a batch of two
+        # rows with unchanged TOAST values in 24 text columns ran the driver out of memory
+        # while it was planned. The constraints it infers only add filters the job's own
+        # conditions already hold (keys, positions).
+        "spark.sql.constraintPropagation.enabled": "false",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         # Delta rebuilds table state with this many tasks (default 50): far too many for

@@ -38,6 +38,7 @@ from spark_consumers.tables import (
     history_ends_struct,
     history_struct,
     quote,
+    stats_columns,
     tombstone_struct,
 )
 from spark_consumers.timings import BatchTimings
@@ -252,18 +253,23 @@ def resolve_toast(
         .orderBy(*_position_order())
         .rowsBetween(upto, Window.currentRow)
     )
-    for index, name in toastable:
-        flag = F.col(toast_flag(index))
-        prior = F.last(
-            F.when(~flag, F.struct(F.col(quote(name)).alias("v"))), ignorenulls=True
-        ).over(segment)
-        rows = rows.withColumn(f"_prior_{index}", prior)
+    # One projection for all columns per step, not one per column: a wide table's plan
+    # stays a few nodes deep.
+    rows = rows.withColumns(
+        {
+            f"_prior_{index}": F.last(
+                F.when(~F.col(toast_flag(index)), F.struct(F.col(quote(name)).alias("v"))),
+                ignorenulls=True,
+            ).over(segment)
+            for index, name in toastable
+        }
+    )
+    filled: dict[str, Column] = {}
     for index, name in toastable:
         flag, prior = F.col(toast_flag(index)), F.col(f"_prior_{index}")
-        rows = rows.withColumn(
-            name, F.when(flag, prior["v"]).otherwise(F.col(quote(name)))
-        ).withColumn(toast_flag(index), flag & prior.isNull())
-    rows = rows.drop("_segment", *[f"_prior_{i}" for i, _ in toastable])
+        filled[name] = F.when(flag, prior["v"]).otherwise(F.col(quote(name)))
+        filled[toast_flag(index)] = flag & prior.isNull()
+    rows = rows.withColumns(filled).drop("_segment", *[f"_prior_{i}" for i, _ in toastable])
     if not DeltaTable.isDeltaTable(spark, paths.current):
         return rows
     pending = F.lit(False)
@@ -276,13 +282,19 @@ def resolve_toast(
         *[F.col(quote(k)) for k in table.key_columns],
         *[F.col(quote(n)).alias(f"_stored_{i}") for i, n in carried],
     )
-    needs = rows.where(pending).join(stored, list(table.key_columns), "left")
-    for index, name in carried:
-        flag = F.col(toast_flag(index))
-        needs = needs.withColumn(
-            name, F.when(flag, F.col(f"_stored_{index}")).otherwise(F.col(quote(name)))
+    needs = (
+        rows.where(pending)
+        .join(stored, list(table.key_columns), "left")
+        .withColumns(
+            {
+                name: F.when(F.col(toast_flag(index)), F.col(f"_stored_{index}")).otherwise(
+                    F.col(quote(name))
+                )
+                for index, name in carried
+            }
         )
-    needs = needs.drop(*[f"_stored_{i}" for i, _ in carried])
+        .drop(*[f"_stored_{i}" for i, _ in carried])
+    )
     return rows.where(~pending).unionByName(needs)
 
 
@@ -295,11 +307,17 @@ class TableWriter:
     """
 
     def __init__(
-        self, spark: SparkSession, paths: TablePaths, deletion_vectors: bool = False
+        self,
+        spark: SparkSession,
+        paths: TablePaths,
+        deletion_vectors: bool = False,
+        stats_extra: tuple[str, ...] = (),
     ) -> None:
         self.spark = spark
         self.paths = paths
         self.deletion_vectors = deletion_vectors
+        # Source columns the operator wants statistics of, besides the key and positions.
+        self.stats_extra = stats_extra
         # Tables this writer created and has not written yet: nothing to merge with.
         self._empty: set[str] = set()
         self._schemas: dict[str, tuple[s.TableSchema, StructType]] = {}
@@ -367,9 +385,10 @@ class TableWriter:
             if not DeltaTable.isDeltaTable(self.spark, path):
                 self._empty.add(path)
                 self._newest[path] = None
+            stats = stats_columns(table, self.stats_extra)
             known = self._schemas[path] = (
                 table,
-                ensure_table(self.spark, path, wanted, self.deletion_vectors),
+                ensure_table(self.spark, path, wanted, self.deletion_vectors, stats),
             )
         return known[1]
 

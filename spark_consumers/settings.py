@@ -92,6 +92,12 @@ class ConsumerSettings(ServiceSettings):
         "rewriting their files (much cheaper updates of big tables); every reader must "
         "then apply deletion vectors (Spark, delta-rs), a plain Parquet reader cannot",
     )
+    stats_columns: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="per schema.table, source columns besides the key whose min/max Delta "
+        "keeps, so that readers filtering on them skip files; the others get none (each "
+        "one costs every write)",
+    )
     housekeeping_interval_s: float = Field(
         default=3600.0,
         ge=0,
@@ -129,6 +135,13 @@ class ConsumerSettings(ServiceSettings):
 
     _topic = field_validator("topic_prefix")(kafka_topic_name)
     _qualified = field_validator("tables")(qualified_tables)
+
+    @field_validator("stats_columns")
+    @classmethod
+    def _qualified_keys(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        qualified_tables(list(value))
+        return value
+
     _strings = field_validator("kafka_options", "spark_conf", mode="before")(string_values)
 
     @property

@@ -30,11 +30,15 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import (
     ArrayType,
     BooleanType,
+    DataType,
+    DateType,
     IntegerType,
     LongType,
+    NumericType,
     StringType,
     StructField,
     StructType,
+    TimestampNTZType,
     TimestampType,
 )
 
@@ -206,6 +210,39 @@ _COLUMN_MAPPING = {
 
 _DV_KEY = "delta.enableDeletionVectors"
 _DV = {_DV_KEY: "true"}
+_STATS_KEY = "delta.dataSkippingStatsColumns"
+# The consumer's own reads skip files by these columns (and the key): a batch's LSN range,
+# the open history versions (``valid_to_lsn``), housekeeping's tombstone trim (commit time).
+_SKIPPED_BY = (s.COMMIT_LSN, s.TOTAL_ORDER, s.VALID_TO, s.COMMIT_TS)
+
+
+def _has_min_max(data_type: DataType) -> bool:
+    """Delta keeps min/max statistics of these types only (and refuses the others in
+    ``delta.dataSkippingStatsColumns``)."""
+    return isinstance(
+        data_type, NumericType | StringType | DateType | TimestampType | TimestampNTZType
+    )
+
+
+def stats_columns(table: s.TableSchema, extra: Sequence[str] = ()) -> frozenset[str]:
+    """The columns one of ``table``'s Delta tables keeps min/max statistics of, where it
+    has them (``ensure_table``): its key, the change position, and the ``extra`` source
+    columns the operator named.
+
+    Delta's default is the first 32 columns, computed for every row written and every
+    file: most of a write's statistics work went to source columns no read of the
+    consumer skips by, and in a table of more than 32 columns the position columns, which
+    it does skip by, came after them and had none.
+    """
+    return frozenset({*table.key_columns, *_SKIPPED_BY, *extra})
+
+
+def _stats_property(struct: StructType, stats: frozenset[str]) -> str:
+    """``delta.dataSkippingStatsColumns``: the ``stats`` columns of ``struct`` whose type
+    Delta keeps min/max of, in the table's order."""
+    return ",".join(
+        quote(f.name) for f in struct.fields if f.name in stats and _has_min_max(f.dataType)
+    )
 
 
 def needs_column_mapping(struct: StructType) -> bool:
@@ -214,7 +251,11 @@ def needs_column_mapping(struct: StructType) -> bool:
 
 
 def ensure_table(
-    spark: SparkSession, path: str, wanted: StructType, deletion_vectors: bool = False
+    spark: SparkSession,
+    path: str,
+    wanted: StructType,
+    deletion_vectors: bool = False,
+    stats: frozenset[str] | None = None,
 ) -> StructType:
     """Create the Delta table or add the columns it lacks; returns its schema afterwards.
 
@@ -222,9 +263,16 @@ def ensure_table(
     physical column names, which readers without Delta support cannot interpret.
     ``deletion_vectors`` turns them on (also on an existing table): a MERGE then marks
     the rows it replaces instead of rewriting their files, and readers must apply them.
+    ``stats``: the columns Delta keeps statistics of where the table has them
+    (``stats_columns``; None: Delta's default), also set on an existing table once its
+    columns are added (its older files keep the statistics they have).
     """
     mapped = needs_column_mapping(wanted)
-    properties = {**(_COLUMN_MAPPING if mapped else {}), **(_DV if deletion_vectors else {})}
+    properties = {
+        **(_COLUMN_MAPPING if mapped else {}),
+        **(_DV if deletion_vectors else {}),
+        **({_STATS_KEY: _stats_property(wanted, stats)} if stats is not None else {}),
+    }
     if not DeltaTable.isDeltaTable(spark, path):
         builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(wanted)
         for key, value in properties.items():
@@ -263,12 +311,24 @@ def ensure_table(
                 delta_type=have[field.name].simpleString(),
                 source_type=field.dataType.simpleString(),
             )
-    if not missing:
-        return existing
-    ddl = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
-    spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({ddl})")
-    log_event(log, logging.INFO, "added columns", path=path, columns=[f.name for f in missing])
-    return DeltaTable.forPath(spark, path).toDF().schema
+    if missing:
+        ddl = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
+        spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({ddl})")
+        log_event(log, logging.INFO, "added columns", path=path, columns=[f.name for f in missing])
+        existing = DeltaTable.forPath(spark, path).toDF().schema
+    # After the new columns: the setting may name them. The table's own types decide (a
+    # retyped source column keeps its first Delta type).
+    chosen = None if stats is None else _stats_property(existing, stats)
+    if chosen is not None and detail["properties"].get(_STATS_KEY) != chosen:
+        setting = f"'{_STATS_KEY}' = {_literal(chosen)}"
+        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({setting})")
+        log_event(log, logging.INFO, "statistics columns set", path=path, columns=chosen)
+    return existing
+
+
+def _literal(text: str) -> str:
+    """A Spark SQL string literal (column names may hold quotes and backslashes)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def quote(name: str) -> str:

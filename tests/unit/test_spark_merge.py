@@ -41,7 +41,13 @@ from spark_consumers.housekeeping import Housekeeper, fold_history_ends
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
-from spark_consumers.tables import dead_letter_path, resolved_history, table_paths
+from spark_consumers.tables import (
+    current_struct,
+    dead_letter_path,
+    ensure_table,
+    resolved_history,
+    table_paths,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -276,6 +282,51 @@ def test_unchanged_toast_keeps_stored_value(spark: SparkSession, tmp_path: Path)
     assert (current[1]["name"], current[1]["amount"]) == ("long text", Decimal("1.00"))
     assert (current[2]["name"], current[2]["amount"]) == ("two", Decimal("2.00"))
     assert [r["name"] for r in h.history()] == ["long text", "long text", "two", "two"]
+
+
+def test_unchanged_toast_in_forty_text_columns_is_filled_in(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Updates leaving 39 of 40 text columns unchanged (TOAST placeholders) get the stored
+    values, from the batch and from the current state. With Spark's constraint
+    propagation on, planning such a batch ran the driver out of memory from 24 columns on
+    (``spark.sql.constraintPropagation.enabled`` in the job's session)."""
+    texts = (SynthColumn(f"t{n}", "text", 25) for n in range(40))
+    t = SynthTable("p", "public", "wide", (SynthColumn("id", "integer", 23, key=True), *texts))
+    h = Harness(spark, tmp_path, t)
+    stored = {"id": 1, **{f"t{n}": f"value {n}" for n in range(40)}}
+    h.run(t.change("c", stored, 100, 1, 1))
+    unchanged = {f"t{n}": TOAST_PLACEHOLDER for n in range(40)}
+    h.run(
+        [
+            *t.change("u", {"id": 1, **unchanged, "t0": "first"}, 200, 1, 2),
+            *t.change("u", {"id": 1, **unchanged, "t1": "second"}, 300, 1, 3),
+            *t.change("c", {**stored, "id": 2, "t39": "two"}, 300, 2, 3),
+            *t.change("u", {"id": 2, **unchanged, "t0": "again"}, 400, 1, 4),
+        ]
+    )
+    current = h.current("public.wide")
+    assert current[1] == {
+        **stored,
+        "t0": "first",
+        "t1": "second",
+        "_cdc_commit_lsn": 300,
+        "_cdc_total_order": 1,
+    }
+    assert current[2] == {
+        **stored,
+        "id": 2,
+        "t0": "again",
+        "t39": "two",
+        "_cdc_commit_lsn": 400,
+        "_cdc_total_order": 1,
+    }
+    versions = [r for r in h.history("public.wide") if r["id"] == 1]
+    assert [(r["t0"], r["t1"], r["t20"]) for r in versions] == [
+        ("value 0", "value 1", "value 20"),
+        ("first", "value 1", "value 20"),
+        ("first", "second", "value 20"),
+    ]
 
 
 def test_truncate(spark: SparkSession, tmp_path: Path) -> None:
@@ -587,6 +638,98 @@ def test_a_steady_batch_reuses_the_code_spark_generated_for_the_last(
     # 4.0, Delta 4.0); the later ones reuse it and load ~100, the filters with their own
     # LSNs and keys among them. With the default cache they loaded 819-850 each.
     assert max(loaded[2:]) < 250, loaded
+
+
+def _stats_columns(path: str) -> set[str]:
+    """The columns any data file of the Delta table at ``path`` has min/max statistics of,
+    from the add actions of its log (Delta's protocol: ``stats`` is a JSON text)."""
+    columns: set[str] = set()
+    for commit in sorted(Path(path, "_delta_log").glob("*.json")):
+        for line in commit.read_text().splitlines():
+            add = json.loads(line).get("add")
+            if add and add.get("stats"):
+                columns |= set(json.loads(add["stats"]).get("minValues", {}))
+    return columns
+
+
+def test_statistics_are_kept_of_the_key_the_positions_and_the_chosen_columns(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Each table keeps min/max statistics of what reads skip files by (its key, the change
+    position, the history's end and commit time) and of the columns the operator names in
+    ``stats_columns``, and of nothing else: Delta's default (the first 32 columns) cost
+    every write statistics of source columns no read skips by, and left the positions of
+    a table of more than 32 columns without any.
+
+    Covered: a table of 40 columns created before the setting (Delta's default), a key
+    Delta keeps no statistics of (bytea), a key whose name needs column mapping."""
+    wide = SynthTable(
+        "p",
+        "public",
+        "wide",
+        (*COLUMNS[:4], *(SynthColumn(f"c{n}", "bigint", 20) for n in range(36))),
+    )
+    blob_key = SynthTable(
+        "p",
+        "public",
+        "blobkey",
+        (SynthColumn("id", "integer", 23, key=True), SynthColumn("blob", "bytea", 17, key=True)),
+    )
+    odd_columns = (SynthColumn("the,key", "integer", 23, key=True), SynthColumn("v", "text", 25))
+    odd = SynthTable("p", "public", "odd", odd_columns)
+    chosen = {"public.wide": ["name", "c35", "later"]}
+    h = Harness(spark, tmp_path, wide, blob_key, odd, stats_columns=chosen)
+    paths = table_paths(h.settings.warehouse, "public.wide")
+    registry_schema = h.registry.merged("public.wide")
+    ensure_table(spark, paths.current, current_struct(registry_schema))
+    wide_row = {f"c{n}": n for n in range(36)}
+    h.run(
+        [
+            *[r for k in (1, 2) for r in wide.change("c", {**row(k), **wide_row}, 100, k, 1)],
+            *blob_key.change("c", {"id": 1, "blob": "AP8="}, 100, 3, 1),
+            *odd.change("c", {"the,key": 1, "v": "a"}, 100, 4, 1),
+        ]
+    )
+    h.run(
+        [
+            *wide.change("u", {**row(1, "x"), **wide_row}, 200, 1, 2),
+            *wide.change("d", {"id": 2}, 200, 2, 2),
+            *blob_key.change("d", {"id": 1, "blob": "AP8="}, 200, 3, 2),
+            *odd.change("u", {"the,key": 1, "v": "b"}, 200, 4, 2),
+        ]
+    )
+    position = {"_cdc_commit_lsn", "_cdc_total_order"}
+    assert _stats_columns(paths.current) == {"id", "name", "c35", *position}
+    # A column named in the setting that the source adds later gets statistics from then on.
+    wide_v2 = SynthTable(
+        "p", "public", "wide", (*wide.columns, SynthColumn("later", "text", 25)), 2
+    )
+    h.announce(wide_v2)
+    h.run(wide_v2.change("c", {**row(3), **wide_row, "later": "l"}, 300, 1, 3))
+    assert _stats_columns(paths.current) == {"id", "name", "c35", "later", *position}
+    assert _stats_columns(paths.history) == {
+        "id",
+        "name",
+        "c35",
+        "later",
+        *position,
+        "_cdc_commit_ts",
+        "valid_to_lsn",
+    }
+    assert _stats_columns(paths.history_ends) == {"id", *position, "valid_to_lsn"}
+    assert _stats_columns(paths.tombstones) == {"id", *position, "_cdc_commit_ts"}
+    blob_paths = table_paths(h.settings.warehouse, "public.blobkey")
+    assert _stats_columns(blob_paths.current) == {"id", *position}
+    odd_paths = table_paths(h.settings.warehouse, "public.odd")
+    detail = spark.sql(f"DESCRIBE DETAIL delta.`{odd_paths.current}`").first()
+    assert detail is not None
+    assert detail["properties"]["delta.dataSkippingStatsColumns"] == (
+        "`the,key`,`_cdc_commit_lsn`,`_cdc_total_order`"
+    )
+    assert h.current("public.wide")[1]["name"] == "x"
+    assert sorted(h.current("public.wide")) == [1, 3]
+    odd_rows = spark.read.format("delta").load(odd_paths.current).collect()
+    assert [(r["the,key"], r["v"]) for r in odd_rows] == [(1, "b")]
 
 
 def test_deletion_vectors_give_every_delta_reader_the_same_tables(
