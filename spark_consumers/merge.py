@@ -374,7 +374,7 @@ class TableWriter:
             if table.key_columns:
                 with timings.phase(f"{table.name} current"):
                     absent = new_keys or self._current_lacks_keys
-                    self._merge_current(changes, table, facts, timings, absent)
+                    self._merge_current(changes, rows, table, facts, timings, absent)
         finally:
             if toasted is not None:
                 toasted.unpersist()
@@ -751,6 +751,7 @@ class TableWriter:
     def _merge_current(
         self,
         rows: DataFrame,
+        unfilled: DataFrame,
         table: s.TableSchema,
         facts: BatchFacts,
         timings: BatchTimings,
@@ -760,7 +761,13 @@ class TableWriter:
         ``absent``: the table holds none of them (new serial keys, see ``_only_new_keys``,
         or ``_stored_versions`` found none: keys of concurrent transactions commit out of
         their serial order, and keys that are not serial), so the MERGE would only insert
-        and an append does that in one commit without its jobs."""
+        and an append does that in one commit without its jobs.
+
+        ``unfilled``: ``rows`` before their TOAST placeholders were filled in, which is
+        where the tombstones come from. Filling them in reads the current state, and once
+        this writes it Spark computes every cached plan reading it again (it re-caches by
+        path): the tombstones of a TOASTed table would pay the windows and the join once
+        more. A delete's key and position are the same in both."""
         target = self._target(self.paths.current, table, current_struct(table))
         keys = list(table.key_columns)
         current = DeltaTable.forPath(self.spark, self.paths.current)
@@ -773,10 +780,8 @@ class TableWriter:
         if facts.truncates:
             latest_truncate = max(facts.truncates)
             current.delete(_older_than(latest_truncate))
-        latest = rows.where((F.col(s.OP) != "t") & F.col(_NEXT).isNull())
         floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
-        if floor is not None:
-            latest = latest.where(_newer_than(floor))
+        deleted = None
         if self._tombstones and stones is not None and not absent and not self._after_tombstones:
             # Tombstones are appended, so a key deleted several times has several: its
             # newest delete is the one a change must come after. ``_stored_versions``
@@ -787,41 +792,44 @@ class TableWriter:
                 .groupBy(*[F.col(quote(k)) for k in keys])
                 .agg(F.max(F.struct(*_position_order())).alias("_d"))
             )
-            latest = (
-                latest.join(deleted, keys, "left")
-                .where(F.col("_d").isNull() | (F.struct(*_position_order()) > F.col("_d")))
-                .drop("_d")
-            )
-        if facts.has_deletes:
-            latest = latest.persist()  # read again for the tombstones
-        in_range = _in_key_range(table, facts.key_range, "t.")
-        try:
-            if self.paths.current in self._empty or absent:
-                # What the MERGE would insert into a table without these keys, without its join.
-                live = latest.where(F.col(s.OP) != "d")
-                _align(live, target).write.format("delta").mode("append").save(self.paths.current)
-                self._empty.discard(self.paths.current)
-            else:
-                result = (
-                    current.alias("t")
-                    .merge(
-                        _align(latest, target, (s.OP,)).alias("s"),
-                        f"{_key_match(table.key_columns)} AND {in_range}",
-                    )
-                    .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
-                    .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
-                    .whenNotMatchedInsert(
-                        condition=f"s.{quote(s.OP)} <> 'd'", values=_assign(target)
-                    )
-                    .execute()
+
+        def newest(changes: DataFrame) -> DataFrame:
+            """Each key's newest change, if after the truncates and the key's deletes."""
+            latest = changes.where((F.col(s.OP) != "t") & F.col(_NEXT).isNull())
+            if floor is not None:
+                latest = latest.where(_newer_than(floor))
+            if deleted is not None:
+                latest = (
+                    latest.join(deleted, keys, "left")
+                    .where(F.col("_d").isNull() | (F.struct(*_position_order()) > F.col("_d")))
+                    .drop("_d")
                 )
-                timings.merged(f"{table.name} current", result)
-            if facts.has_deletes and tombstones is not None:
-                with timings.phase(f"{table.name} tombstones"):
-                    _append_tombstones(latest, tombstones, self.paths.tombstones)
-                self._tombstones = True
-        finally:
-            latest.unpersist()
+            return latest
+
+        latest = newest(rows)
+        in_range = _in_key_range(table, facts.key_range, "t.")
+        if self.paths.current in self._empty or absent:
+            # What the MERGE would insert into a table without these keys, without its join.
+            live = latest.where(F.col(s.OP) != "d")
+            _align(live, target).write.format("delta").mode("append").save(self.paths.current)
+            self._empty.discard(self.paths.current)
+        else:
+            result = (
+                current.alias("t")
+                .merge(
+                    _align(latest, target, (s.OP,)).alias("s"),
+                    f"{_key_match(table.key_columns)} AND {in_range}",
+                )
+                .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
+                .whenMatchedUpdate(condition=newer("s", "t"), set=_assign(target))
+                .whenNotMatchedInsert(condition=f"s.{quote(s.OP)} <> 'd'", values=_assign(target))
+                .execute()
+            )
+            timings.merged(f"{table.name} current", result)
+        if facts.has_deletes and tombstones is not None:
+            with timings.phase(f"{table.name} tombstones"):
+                _append_tombstones(newest(unfilled), tombstones, self.paths.tombstones)
+            self._tombstones = True
         if (
             stones is not None
             and facts.truncates

@@ -282,6 +282,18 @@ def test_unchanged_toast_keeps_stored_value(spark: SparkSession, tmp_path: Path)
     assert (current[1]["name"], current[1]["amount"]) == ("long text", Decimal("1.00"))
     assert (current[2]["name"], current[2]["amount"]) == ("two", Decimal("2.00"))
     assert [r["name"] for r in h.history()] == ["long text", "long text", "two", "two"]
+    # A delete beside a placeholder: its tombstone (taken from the rows before the fill-in,
+    # which reads the current state this batch then writes) turns away a late insert.
+    h.run(
+        [
+            *t.change("u", row(1, TOAST_PLACEHOLDER, amount="3.00"), 400, 1, 4),
+            *t.change("d", {"id": 2}, 400, 2, 4),
+        ]
+    )
+    h.run(t.change("c", row(2, "zombie"), 350, 1, 5))
+    current = h.current()
+    assert sorted(current) == [1]
+    assert (current[1]["name"], current[1]["amount"]) == ("long text", Decimal("3.00"))
 
 
 def test_unchanged_toast_in_forty_text_columns_is_filled_in(
