@@ -786,6 +786,8 @@ class TableWriter:
             # Tombstones are appended, so a key deleted several times has several: its
             # newest delete is the one a change must come after. ``_stored_versions``
             # already compared every change with it when the history was appended.
+            # Read twice when the batch deletes (the MERGE's rows and the tombstones'), as
+            # the rare path it is: only batches that took the history's MERGE come here.
             deleted = (
                 stones.toDF()
                 .where(~F.col(IS_TRUNCATE))
