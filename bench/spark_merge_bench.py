@@ -1,7 +1,7 @@
 """Changes applied per second into the Delta tables, per phase, next to a plain append.
 
     .venv/bin/python bench/spark_merge_bench.py --bootstrap HOST:PORT
-        [--shapes mix,insert,update,wide] [--changes 400000] [--batch 200000]
+        [--shapes mix,insert,update,delete,wide] [--changes 400000] [--batch 200000]
         [--seed-rows 10000000]
 
 A shape may be named more than once (``--shapes mix,mix,mix``): each run has its own topic.
@@ -17,6 +17,8 @@ the raw records to Parquet. Shapes:
 - ``update``: the current-state and history tables first hold ``--seed-rows`` keys
   (written directly, as if consumed before, in files of a million rows), then every
   change updates a random one of them: few keys per file, where rewriting files hurts most.
+- ``delete``: after the same seeded rows, every change deletes another random seeded key
+  (a purge by a condition the key does not follow), with its Kafka tombstone.
 - ``wide``: the ``mix`` over a table of 40 columns (jsonb, text[], bytea, numeric,
   timestamptz, text and bigint), whose updates leave a TOASTed text unchanged (the
   placeholder in the record, filled in by the consumer from the key's stored row).
@@ -98,8 +100,8 @@ from spark_consumers.timings import BatchTimings
 
 NUM = ((12 << 16) | 2) + 4
 TABLE = "public.bench"
-SHAPES = ("mix", "insert", "update", "wide", "insert-seeded")
-SEEDED = ("update", "insert-seeded")
+SHAPES = ("mix", "insert", "update", "delete", "wide", "insert-seeded")
+SEEDED = ("update", "delete", "insert-seeded")
 # Seeded rows are one transaction before every published change (those start at 1000).
 SEED_LSN = 500
 SEED_FILE_ROWS = 1_000_000
@@ -155,7 +157,7 @@ def _wide_values(n: int, update: bool) -> dict[str, Any]:
 @dataclass
 class Published:
     """What the publisher sent, and the state it leaves: key -> number of its last change
-    (seeded keys no change touched are not in ``live``)."""
+    (seeded keys no change touched are not in ``live``), and the seeded keys deleted."""
 
     topic: str
     shape: str
@@ -163,17 +165,21 @@ class Published:
     seeded: int = 0
     records: int = 0
     live: dict[int, int] = field(default_factory=dict)
+    deleted_seeded: set[int] = field(default_factory=set)
 
 
 def _ops(shape: str, changes: int, seeded: int) -> Iterator[tuple[str, int]]:
     """(op, key) of each change; ``live`` decides c/u, so only deletes are chosen here."""
     rng = random.Random(1)
     keys = max(1, changes // 10)
+    seeded_keys = rng.sample(range(seeded), changes) if shape == "delete" else []
     for n in range(changes):
         if shape.startswith("insert"):
             yield "c", seeded + n
         elif shape == "update":
             yield "u", rng.randrange(seeded)
+        elif shape == "delete":
+            yield "d", seeded_keys[n]
         else:
             yield ("d" if rng.random() < 0.1 else "w"), rng.randrange(keys)
 
@@ -186,9 +192,11 @@ def publish(bootstrap: str, prefix: str, shape: str, changes: int, seeded: int) 
     out = Published(table.topic, shape, changes, seeded)
     batch = []
     for n, (op, key) in enumerate(_ops(shape, changes, seeded)):
-        if op == "d" and key in out.live:
+        if op == "d" and (key in out.live or key < seeded):
             batch += table.change("d", {"id": key}, 1000 + n, 1, n)
-            del out.live[key]
+            out.live.pop(key, None)
+            if key < seeded:
+                out.deleted_seeded.add(key)
         else:
             values = {"id": key, "name": f"name {n}", "amount": f"{n % 100000}.50", "at": AT}
             was = key in out.live or key < seeded
@@ -355,7 +363,8 @@ def verify(
     changed = spark.createDataFrame(
         [(k, f"name {n}") for k, n in sent.live.items()], "id bigint, name string"
     )
-    seeded = _seed_rows(spark, sent.seeded).select("id", "name")
+    gone = spark.createDataFrame([(k,) for k in sent.deleted_seeded], "id bigint")
+    seeded = _seed_rows(spark, sent.seeded).select("id", "name").join(gone, "id", "left_anti")
     expected = seeded.join(changed, "id", "left_anti").unionByName(changed)
     live = expected.count()
     current = spark.read.format("delta").load(paths.current)
@@ -506,7 +515,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bootstrap", required=True)
-    parser.add_argument("--shapes", default=",".join(SHAPES[:4]), help="comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES[:5]), help="comma-separated")
     parser.add_argument("--changes", type=int, default=400_000)
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
     parser.add_argument("--seed-rows", type=int, default=10_000_000, help="update shape")
