@@ -8,14 +8,17 @@ including the texts a kind does not recognise and hands back to the column's con
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib.util
 import itertools
 import json
+import math
 import random
 import re
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
+from decimal import Decimal
 from typing import Any, Literal
 
 import orjson
@@ -32,11 +35,12 @@ from services.bridge.records.catalog import (
     TableFacts,
     row_plan,
 )
+from services.bridge.records.connect_values import COMPILED_KINDS
 from services.bridge.records.debezium import DebeziumEventBuilder, context_headers_of
 from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import EventBuilder, Record, Undecoded, whole_row
 from services.bridge.records.masking import HashRule, column_mask
-from services.bridge.records.values import TYPE_NAMES
+from services.bridge.records.values import TYPE_NAMES, ArrayOf, JsonValue
 from services.contract.records import TOAST_PLACEHOLDER
 from tests.unit.pgoutput_builder import encode, tuple_data
 
@@ -63,8 +67,13 @@ SAMPLES: dict[int, list[str]] = {
     23: ["2147483647", "-2147483648", "1 "],
     25: ["", "plain", 'quote " back \\ slash /', CONTROL, "\x7f é 😀 \u2028 中文"],
     26: ["4294967295"],
-    700: ["1.5", "NaN", "Infinity", "-Infinity", "3.4028235e+38", "1e-45"],
-    701: ["0.1", "1e+20", "-1.7976931348623157e+308", "NaN"],
+    700: ["1.5", "NaN", "Infinity", "-Infinity", "3.4028235e+38", "1e-45", "-0", "3"],
+    701: [
+        *("0.1", "1e+20", "-1.7976931348623157e+308", "NaN", "0", "-0", "100", "-1.25"),
+        *("0.0001", "0.000123", "0.00001", "123456789012345", "1234567890123456", "99.5"),
+        *("0.30000000000000004", "12345678901234.5", "1.50", "01.5", "1.", ".5", "1e5", "1e-05"),
+        *("-", "0.", "1.2.3", " 1", "0.0"),
+    ],
     790: ["$12.34", "-$1,234.56", "$0.00"],
     1042: ["a   ", " padded "],
     1043: ["x", "line\nbreak"],
@@ -84,9 +93,29 @@ SAMPLES: dict[int, list[str]] = {
     1266: ["10:00:00+02", "10:00:00-03:30"],
     1700: ["1.50", "NaN", "Infinity", "-0.000000000000000000001", "123456789012345678901234567890"],
     2950: ["a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"],
-    1007: ["{}", "{1,2,NULL}", "{{1,2},{3,4}}", "[0:1]={7,8}"],
-    1009: ['{"a b","NULL",NULL,"q\\"uote"}', "{x,y}"],
-    1185: ['{"2024-01-02 03:04:05+00",NULL}'],
+    # Arrays: what the compiled builder writes itself (one dimension, no escapes) and what
+    # it leaves to parse_array (bounds, nesting, escapes, malformed or odd elements).
+    1000: ["{t,f,NULL}", "{true}"],
+    1005: ["{1,-2}", "{01}"],
+    1007: ["{}", "{1,2,NULL}", "{{1,2},{3,4}}", "[0:1]={7,8}", '{"3",4}', '{"NULL"}', "{1 }"],
+    1009: [
+        *('{"a b","NULL",NULL,"q\\"uote"}', "{x,y}", "{NULL}", "{null,Null}", '{""}'),
+        *('{"a,b","{c}",d}', "{é,😀,中文}", '{"ctl\x01\t"}', "{a,,b}", "{a,}", "{,}"),
+        *("{,a}", '{"a"b}', '{a"b"}', '{"a}', "{a", "a}", "{}}", "{{}}", "{{a},{b}}"),
+        *("[1:2]={a,b}", "{a\\,b}", "{ a , b }"),
+    ],
+    1015: ["{x,NULL}", '{"with space"}'],
+    1016: ["{9223372036854775807,-9223372036854775808}", "{-0}"],
+    1022: ["{1.5,NULL}", "{NaN}"],
+    1115: ['{"2024-01-02 03:04:05.5",infinity}'],
+    1182: ["{2024-02-29,NULL}"],
+    1185: [
+        *('{"2024-01-02 03:04:05+00",NULL}', '{"2024-01-02 05:04:05+02"}'),
+        '{"2024-01-02 03:04:05+00","2024-01-02 05:04:05+02"}',
+    ],
+    1231: ["{1.50,NaN,NULL}"],
+    2951: ["{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}"],
+    3807: ['{"{\\"a\\": 1}",NULL}'],
     16_385: ["an enum label", "citext value"],  # not in the table: stays text
 }
 
@@ -165,6 +194,42 @@ def test_each_type_matches_the_python_path(oid: int) -> None:
                     built(plan, values)
                 continue
             assert built(plan, values) == expected, (oid, text)
+
+
+def _server_float(value: float) -> str:
+    """A double as PostgreSQL prints it with extra_float_digits > 0: its shortest digits, in
+    fixed notation for decimal exponents -4 to 14, else as d.ddde+XX."""
+    if value == 0:
+        return "-0" if math.copysign(1, value) < 0 else "0"
+    shortest = Decimal(repr(value)).normalize()
+    sign, digits, exp = shortest.as_tuple()
+    assert isinstance(exp, int)
+    exponent = len(digits) + exp - 1
+    if -4 <= exponent < 15:
+        return format(shortest, "f")
+    mantissa = "".join(map(str, digits))
+    mantissa = mantissa[0] + ("." + mantissa[1:] if len(mantissa) > 1 else "")
+    return f"{'-' if sign else ''}{mantissa}e{'-' if exponent < 0 else '+'}{abs(exponent):02d}"
+
+
+def test_floats_as_postgresql_prints_them_match_the_python_path() -> None:
+    # float4/float8 in fixed notation are written by the builder (kind 'f'), the rest by the
+    # converter: doubles of every magnitude in the server's form, with 16-17 digits (most
+    # random doubles) or rounded to fewer.
+    assert [_server_float(v) for v in (100.0, 1e15, 1.5e-7, 0.0001, -0.0)] == [
+        *("100", "1e+15", "1.5e-07", "0.0001", "-0"),
+    ]
+    info = info_of(relation((20, 701, 1022)))
+    plan = info.plan
+    assert plan is not None
+    draw = random.Random(701)
+    for _ in range(5_000):
+        value = draw.uniform(-1, 1) * 10.0 ** draw.randint(-7, 17)
+        if draw.random() < 0.5:
+            value = float(f"{value:.{draw.randint(1, 15)}g}")
+        text = _server_float(value)
+        values = ["1", text, "{" + text + ",NULL}"]
+        assert built(plan, values) == python_path(info, values), text
 
 
 def test_keys_in_key_order_and_keyless_tables() -> None:
@@ -683,6 +748,40 @@ def test_the_compiled_kinds_write_what_the_server_prints_without_the_converter()
         b'{"v":"2024-01-02T01:04:05.500Z"}',
         None,
     )
+
+
+@pytest.mark.parametrize("value_format", ["slotbridge", "debezium"])
+def test_arrays_of_the_compiled_kinds_are_written_without_the_converter(value_format: str) -> None:
+    # The samples above would pass on parse_array alone: here each array's converter refuses
+    # every text, so the arrays the builder writes itself come out (equal to the Python
+    # path's), and the forms it leaves to parse_array reach the converter.
+    class Refusing(ArrayOf):
+        __slots__ = ()
+
+        def __call__(self, text: str) -> JsonValue:
+            raise ValueError(f"converter called for {text!r}")
+
+    oids = (20, 1007, 1009, 1182, 1185)
+    columns = tuple(m.Column(f"c{i}", oid, -1, i == 0) for i, oid in enumerate(oids))
+    info = builder_of(value_format).catalog.apply(
+        m.Relation(None, 16_401, "public", "t", "d", columns)
+    )
+    refusing = tuple(Refusing(c.element) if isinstance(c, ArrayOf) else c for c in info.converters)
+    plan = row_plan(dataclasses.replace(info, converters=refusing), own_kinds=COMPILED_KINDS)
+    assert plan is not None
+    values = ["1", "{1,NULL,-3}", '{a,"b, c",NULL,"NULL"}', "{2024-02-29,NULL}", None]
+    assert built(plan, values)[0] == orjson.dumps(whole_row(info, values))
+    # Bounds, nesting, an escape, an element the kind does not read (here, Debezium's
+    # timestamptz elements: its kind takes a width, so the array stays with the converter).
+    for column, text in ((1, "[0:1]={7,8}"), (1, "{{1}}"), (2, '{"q\\"x"}'), (1, "{01}")):
+        with pytest.raises(ValueError, match="converter called"):
+            built(plan, [*values[:column], text, *values[column + 1 :]])
+    zoned = [*values[:4], '{"2024-01-02 03:04:05+00"}']
+    if value_format == "slotbridge":
+        assert built(plan, zoned)[0] == orjson.dumps(whole_row(info, zoned))
+    else:
+        with pytest.raises(ValueError, match="converter called"):
+            built(plan, zoned)
 
 
 @pytest.mark.usefixtures("fixed_clock")

@@ -24,6 +24,8 @@ column's Python converter (which also raises the converter's errors), as do the 
 #define K_HASH_HEX 'h'    /* the hash transform: HMAC-SHA-256 of the text, in hex */
 #define K_HASH_BASE64 'H' /* ... in base64 */
 #define K_BYTEA 'B'       /* bytea printed as hex (\x...): its bytes in base64 */
+#define K_FLOAT 'f'       /* float4/float8 in fixed notation: its digits as orjson writes them */
+#define K_ARRAY 'a'       /* a one-dimensional array; its param is its elements' kind */
 /* Kafka Connect's encodings of the Debezium format (connect_values.py); a column's param
    is the scale or the fraction digits its type modifier gives. */
 #define K_DECIMAL 'D'          /* numeric(p, s): Connect Decimal, the value at param digits */
@@ -125,6 +127,37 @@ static int put_string(Buf *b, const char *s, Py_ssize_t n, int t_for_blank, cons
     *out++ = '"';
     b->len = out - b->data;
     return 0;
+}
+
+/* A float in fixed notation (-?D+(.D+)?) as orjson writes the double it reads as: the same
+   digits, ".0" after an integer. Only texts that are the shortest decimal of their double,
+   whatever printed them: no leading zero, no zero ending the fraction, at most 15
+   significant digits (a double keeps 15: no shorter decimal reads as the same double), and
+   from 1e-4 to below 1e15, where both PostgreSQL and orjson print fixed notation. Anything
+   else (exponents, NaN, Infinity, 16 or 17 digits) goes to the converter: 0. */
+static int put_float(Buf *b, const char *s, Py_ssize_t n) {
+    Py_ssize_t i = (n > 0 && s[0] == '-') ? 1 : 0, start = i;
+    for (; i < n && s[i] >= '0' && s[i] <= '9'; i++)
+        ;
+    Py_ssize_t whole = i - start, fraction = 0, zeros = 0;
+    if (whole == 0 || whole > 15 || (whole > 1 && s[start] == '0'))
+        return 0;
+    if (i < n) {
+        if (s[i] != '.' || i + 1 == n || s[n - 1] == '0')
+            return 0;
+        for (Py_ssize_t j = i + 1; j < n; j++)
+            if (s[j] < '0' || s[j] > '9')
+                return 0;
+        fraction = n - i - 1;
+        if (whole == 1 && s[start] == '0') /* 0.000123: the zeros after the point lead */
+            for (whole = 0; s[i + 1 + zeros] == '0'; zeros++)
+                ;
+        if (zeros > 3 || whole + fraction - zeros > 15)
+            return 0;
+    }
+    if (buf_put(b, s, n) < 0)
+        return -1;
+    return (i == n && buf_put(b, ".0", 2) < 0) ? -1 : 1;
 }
 
 /* Integer text as PostgreSQL prints it: 0 or -?[1-9][0-9]*. Anything else goes to int(). */
@@ -606,6 +639,87 @@ static int put_connect(Buf *b, char kind, int param, const char *s, Py_ssize_t n
     return 0;
 }
 
+/* Text s[0:n] of a kind that needs nothing of the plan (param: the kind's scale, width or
+   element kind) as JSON appended to b: 1 written, 0 when the kind does not read this text
+   (b as it was: the converter's), -1 on error. */
+static int put_kind(Buf *b, char kind, int param, const char *s, Py_ssize_t n);
+
+/* A one-dimensional array as array_out prints it ({1,NULL,3}, {a,"b c"}) whose elements
+   are of kind `element`: the JSON array of them, 1. 0 (b as it was) for what the converter
+   must read: bounds ([0:1]={...}), nested arrays, backslash escapes, an empty or malformed
+   element, an element the kind does not read. NULL unquoted is null, "NULL" a string. */
+static int put_array(Buf *b, char element, const char *s, Py_ssize_t n) {
+    if (n < 2 || s[0] != '{' || s[n - 1] != '}')
+        return 0;
+    Py_ssize_t start = b->len, i = 1, end = n - 1;
+    if (buf_byte(b, '[') < 0)
+        return -1;
+    while (i < end) {
+        const char *e = s + i;
+        Py_ssize_t j = i;
+        int quoted = s[i] == '"', rc;
+        if (quoted) {
+            for (j = i + 1; j < end && s[j] != '"' && s[j] != '\\'; j++)
+                ;
+            if (j == end || s[j] != '"')
+                goto converter;
+            rc = put_kind(b, element, 0, e + 1, j - i - 1);
+            j++;
+        } else {
+            for (; j < end && s[j] != ',' && s[j] != '"' && s[j] != '\\' && s[j] != '{' &&
+                   s[j] != '}';
+                 j++)
+                ;
+            if (j == i)
+                goto converter;
+            rc = (j - i == 4 && memcmp(e, "NULL", 4) == 0) ? (buf_put(b, "null", 4) < 0 ? -1 : 1)
+                                                           : put_kind(b, element, 0, e, j - i);
+        }
+        if (rc < 0)
+            return -1;
+        if (rc == 0 || (j < end && (s[j] != ',' || j + 1 == end)))
+            goto converter;
+        i = j + 1;
+        if (j < end && buf_byte(b, ',') < 0)
+            return -1;
+    }
+    return buf_byte(b, ']') < 0 ? -1 : 1;
+converter:
+    b->len = start;
+    return 0;
+}
+
+static int put_kind(Buf *b, char kind, int param, const char *s, Py_ssize_t n) {
+    switch (kind) {
+    case K_TEXT:
+        return put_string(b, s, n, 0, "") < 0 ? -1 : 1;
+    case K_INT:
+        return canonical_integer(s, n) ? (buf_put(b, s, n) < 0 ? -1 : 1) : 0;
+    case K_BOOL:
+        if (n == 1 && s[0] == 't')
+            return buf_put(b, "true", 4) < 0 ? -1 : 1;
+        if (n == 1 && s[0] == 'f')
+            return buf_put(b, "false", 5) < 0 ? -1 : 1;
+        return 0;
+    case K_TIMESTAMP:
+        return put_string(b, s, n, 1, "") < 0 ? -1 : 1;
+    case K_JSON:
+        return buf_put(b, s, n) < 0 ? -1 : 1;
+    case K_TIMESTAMPTZ:
+        if (n >= 3 && memcmp(s + n - 3, "+00", 3) == 0)
+            return put_string(b, s, n - 3, 1, "Z") < 0 ? -1 : 1;
+        return 0;
+    case K_BYTEA:
+        return put_bytea(b, s, n);
+    case K_FLOAT:
+        return put_float(b, s, n);
+    case K_ARRAY:
+        return put_array(b, (char)param, s, n);
+    default:
+        return put_connect(b, kind, param, s, n);
+    }
+}
+
 /* The value of column i: its JSON text appended to b. */
 static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     const char *s = col->s;
@@ -614,44 +728,16 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
         return buf_put(b, "null", 4);
     if (col->raw)
         return buf_put(b, s, n);
-    switch (self->kinds[i]) {
-    case K_TEXT:
-        return put_string(b, s, n, 0, "");
-    case K_INT:
-        if (canonical_integer(s, n))
-            return buf_put(b, s, n);
-        break;
-    case K_BOOL:
-        if (n == 1 && s[0] == 't')
-            return buf_put(b, "true", 4);
-        if (n == 1 && s[0] == 'f')
-            return buf_put(b, "false", 5);
-        break;
-    case K_TIMESTAMP:
-        return put_string(b, s, n, 1, "");
-    case K_JSON:
-        return buf_put(b, s, n);
-    case K_TIMESTAMPTZ:
-        if (n >= 3 && memcmp(s + n - 3, "+00", 3) == 0)
-            return put_string(b, s, n - 3, 1, "Z");
-        break;
-    case K_HASH_HEX:
-    case K_HASH_BASE64:
-        if (self->has_hash_key)
-            return put_hash(b, &self->hash_key, s, n, self->kinds[i] == K_HASH_BASE64);
-        break;
-    case K_BYTEA: {
-        int rc = put_bytea(b, s, n);
-        if (rc != 0)
-            return rc < 0 ? -1 : 0;
-        break;
-    }
-    default: {
-        int rc = put_connect(b, self->kinds[i], self->params[i], s, n);
-        if (rc != 0)
-            return rc < 0 ? -1 : 0;
-    }
-    }
+    char kind = self->kinds[i];
+    int rc;
+    if (kind != K_HASH_HEX && kind != K_HASH_BASE64)
+        rc = put_kind(b, kind, self->params[i], s, n);
+    else if (self->has_hash_key)
+        rc = put_hash(b, &self->hash_key, s, n, kind == K_HASH_BASE64) < 0 ? -1 : 1;
+    else
+        rc = 0;
+    if (rc != 0)
+        return rc < 0 ? -1 : 0;
     PyObject *text = col->text;
     if (text == NULL) {
         text = PyUnicode_DecodeUTF8(s, n, NULL);
@@ -668,8 +754,8 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
     Py_DECREF(converted);
     if (json == NULL)
         return -1;
-    int rc = PyBytes_Check(json) ? buf_put(b, PyBytes_AS_STRING(json), PyBytes_GET_SIZE(json))
-                                 : (PyErr_SetString(PyExc_TypeError, "dumps must return bytes"), -1);
+    rc = PyBytes_Check(json) ? buf_put(b, PyBytes_AS_STRING(json), PyBytes_GET_SIZE(json))
+                             : (PyErr_SetString(PyExc_TypeError, "dumps must return bytes"), -1);
     Py_DECREF(json);
     return rc;
 }

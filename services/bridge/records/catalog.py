@@ -31,11 +31,13 @@ from services.bridge.records.masking import (
 from services.bridge.records.routing import Routing, RoutingRefused, TableShape
 from services.bridge.records.values import (
     TYPE_NAMES,
+    ArrayOf,
     Converter,
     JsonValue,
     bool_from_text,
     bytea_base64,
     converter_for,
+    float_or_text,
     raw_json,
     timestamp_iso,
     timestamptz_iso,
@@ -330,9 +332,23 @@ _KINDS: dict[Callable[[str], JsonValue], bytes] = {
     raw_json: b"j",
     # Printed in hex (bytea_output's default; escape: the converter's).
     bytea_base64: b"B",
+    # In fixed notation (exponents, NaN and Infinity: the converter's).
+    float_or_text: b"f",
     # Left out of the row (a transform's other converters are called: 'p').
     drop_column: b"x",
 }
+# The kinds an array's elements may have for the builder to write the array itself ('a',
+# its param the element's kind): those that need no param, whose elements array_out never
+# escapes in the usual case (json's and bytea's it always does).
+_ELEMENT_KINDS = frozenset(b"isbtzfMmdUuV")
+
+
+def _kind(conv: Converter, own: Mapping[Converter, tuple[bytes, int]]) -> tuple[bytes, int]:
+    """How the compiled builder writes a converter's values: its kind and the kind's param."""
+    if isinstance(conv, ArrayOf):
+        element, param = _kind(conv.element, own)
+        return (b"a", element[0]) if element[0] in _ELEMENT_KINDS and not param else (b"p", 0)
+    return own.get(conv) or (_KINDS.get(conv, b"p"), 0)
 
 
 def row_plan(
@@ -353,9 +369,7 @@ def row_plan(
     masks = info.masks or (None,) * len(info.names)
     own = own_kinds or {}
     kinds = [
-        (mask.compiled, 0)
-        if mask is not None and mask.compiled
-        else own.get(conv) or (_KINDS.get(conv, b"p"), 0)
+        (mask.compiled, 0) if mask is not None and mask.compiled else _kind(conv, own)
         for conv, mask in zip(info.converters, masks, strict=True)
     ]
     return RowPlan(

@@ -36,13 +36,13 @@ from typing import Any
 
 from services.bridge.records.values import (
     ARRAY_ELEMENT,
+    ArrayOf,
     Converter,
     JsonValue,
     bool_from_text,
     bytea_base64,
     float_or_text,
     money_decimal,
-    parse_array,
 )
 from services.contract.records import TOAST_PLACEHOLDER
 
@@ -419,18 +419,11 @@ def column_encoding(column: ColumnType) -> tuple[Schema, Converter]:
     if element is not None and column.type_oid not in _UNMAPPED_ARRAYS:
         # An array's modifier is its element's (numeric(10,2)[] keeps its scale).
         item, convert = _scalar(ColumnType(element, column.type_modifier))
-        return ({"type": "array", "items": {**item, "optional": True}}, _array(convert))
+        return ({"type": "array", "items": {**item, "optional": True}}, ArrayOf(convert))
     if column.enum_array:
         item, convert = _scalar(column)
-        return {"type": "array", "items": {**item, "optional": True}}, _array(convert)
+        return {"type": "array", "items": {**item, "optional": True}}, ArrayOf(convert)
     return _scalar(column)
-
-
-def _array(element: Converter) -> Converter:
-    def convert(text: str) -> JsonValue:
-        return parse_array(text, element)
-
-    return convert
 
 
 def placeholder(column: ColumnType) -> JsonValue:

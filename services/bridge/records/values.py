@@ -208,18 +208,26 @@ def _parse_nested(text: str, element: Converter) -> JsonValue:
     raise ValueError(f"malformed array literal at offset {pos}: {text!r}")
 
 
-def _array_converter(element: Converter) -> Converter:
-    def convert(text: str) -> JsonValue:
-        return parse_array(text, element)
+class ArrayOf:
+    """The converter of an array type: ``parse_array`` with its element's converter.
 
-    return convert
+    An object rather than a closure so that ``catalog.row_plan`` can see the element's
+    converter and let the compiled builder write arrays of the kinds it knows."""
+
+    __slots__ = ("element",)
+
+    def __init__(self, element: Converter) -> None:
+        self.element = element
+
+    def __call__(self, text: str) -> JsonValue:
+        return parse_array(text, self.element)
 
 
 TYPE_NAMES: dict[int, str] = {oid: name for oid, _, name, _ in _TYPES}
 TYPE_NAMES.update({array: name + "[]" for _, array, name, _ in _TYPES})
 ARRAY_ELEMENT: dict[int, int] = {array: oid for oid, array, _, _ in _TYPES}
 _CONVERTERS: dict[int, Converter] = {oid: convert for oid, _, _, convert in _TYPES}
-_CONVERTERS.update({array: _array_converter(convert) for _, array, _, convert in _TYPES})
+_CONVERTERS.update({array: ArrayOf(convert) for _, array, _, convert in _TYPES})
 
 
 def converter_for(type_oid: int) -> Converter:
