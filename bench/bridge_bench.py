@@ -1133,6 +1133,11 @@ def main() -> None:
         [w.name for w in chosen] != ["wide"] or not 0 < args.hashed_columns <= 8
     ):
         parser.error("--hashed-columns takes 1 to 8, with --workload wide alone")
+    if args.py_spy is not None:
+        # Checked before the load: py-spy is a profiling tool, not one of the venv's.
+        if not (ROOT / ".venv/bin/py-spy").exists():
+            parser.error("--py-spy needs py-spy in the venv: .venv/bin/pip install py-spy")
+        args.py_spy.mkdir(parents=True, exist_ok=True)
 
     with bench_stack(args) as stack:
         work = args.stack_dir / "bridge-bench"
