@@ -18,8 +18,6 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import reduce
-from operator import or_
 
 from pyspark import inheritable_thread_target
 from pyspark.errors import AnalysisException
@@ -40,10 +38,9 @@ from spark_consumers.parse import (
     COORDINATES,
     REASON,
     TABLE,
+    RowTyping,
     envelopes,
     kafka_texts,
-    toast_flag,
-    typed_rows,
 )
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts
@@ -92,6 +89,8 @@ class BatchProcessor:
         self.gaps_stored: set[tuple[str, int]] = set()
         # Tables share one dead-letter table, and two MERGEs into it at once would conflict.
         self._dead_letter_lock = threading.Lock()
+        # Per table, its typing expressions for its current schema (see RowTyping).
+        self._typings: dict[str, RowTyping] = {}
 
     def __call__(self, raw: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
@@ -260,22 +259,20 @@ class BatchProcessor:
                 f"columns {' and '.join(collisions[0])} differ only in case; "
                 "a Delta table cannot hold both (rename one at the source)"
             )
+        typing = self._typings.get(table)
+        if typing is None or typing.table != schema or typing.known_versions != tuple(known):
+            typing = self._typings[table] = RowTyping(schema, tuple(known))
         typed = (
-            with_neighbours(typed_rows(envs, schema, known), schema)
-            .withColumn(TABLE, F.lit(table))
-            .persist()
+            with_neighbours(typing.apply(envs), schema).withColumn(TABLE, F.lit(table)).persist()
         )
         try:
-            toast = reduce(
-                or_, [F.col(toast_flag(i)) for i in range(len(schema.columns))], F.lit(False)
-            )
             with timings.phase(f"{table} type"):
                 split = {
                     bool(r["good"]): r
                     for r in typed.groupBy(F.col(REASON).isNull().alias("good"))
                     .agg(
                         F.count("*").alias("n"),
-                        F.max(toast).alias("toast"),
+                        F.max(typing.any_toast).alias("toast"),
                         *_key_bounds(schema),
                     )
                     .collect()

@@ -123,10 +123,19 @@ def _in_key_range(table: s.TableSchema, key_range: tuple[int, int] | None, alias
 
 
 def _align(frame: DataFrame, target: StructType, extra: tuple[str, ...] = ()) -> DataFrame:
-    """``frame`` with exactly the target's columns (cast to the target's types) + ``extra``."""
-    have = set(frame.columns)
+    """``frame`` with exactly the target's columns (cast to the target's types) + ``extra``.
+
+    A column already of the target's type is taken as it is: a cast costs more round
+    trips to the JVM (the type goes over as JSON) than the column itself, and most columns
+    need none.
+    """
+    have = {f.name: f.dataType for f in frame.schema.fields}
     columns = [
-        (F.col(quote(f.name)) if f.name in have else F.lit(None)).cast(f.dataType).alias(f.name)
+        F.col(quote(f.name))
+        if have.get(f.name) == f.dataType
+        else (F.col(quote(f.name)) if f.name in have else F.lit(None))
+        .cast(f.dataType)
+        .alias(f.name)
         for f in target.fields
     ]
     return frame.select(*columns, *[F.col(quote(name)) for name in extra])

@@ -23,7 +23,7 @@ busy machine they include waiting for a core.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -42,10 +42,14 @@ class BatchTimings:
     # Where the jobs are counted; without it (a batch not run by Spark) they are not.
     context: SparkContext | None = field(default=None, repr=False, compare=False)
     _jvm_at_start: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _group_jobs: Callable[[str | None], set[int]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.context is not None:
             self._jvm_at_start = _jvm_counters(self.context)
+            self._group_jobs = _group_job_ids(self.context)
 
     def finish(self) -> None:
         """The batch is over: what the driver JVM did during it, into ``jvm``."""
@@ -68,10 +72,10 @@ class BatchTimings:
     def _job_ids(self) -> set[int]:
         """The jobs run so far in this thread's job group (the streaming query's, whose
         jobs are the batch's: the status tracker keeps the last ``spark.ui.retainedJobs``)."""
-        if self.context is None:
+        if self._group_jobs is None:
             return set()
-        group = self.context.getLocalProperty("spark.jobGroup.id")
-        return set(self.context.statusTracker().getJobIdsForGroup(group))
+        assert self.context is not None
+        return self._group_jobs(self.context.getLocalProperty("spark.jobGroup.id"))
 
     def merged(self, name: str, result: DataFrame) -> None:
         """Keep the row counts of the MERGE that returned ``result`` (num_inserted_rows...).
@@ -81,6 +85,28 @@ class BatchTimings:
         row = result.first()
         if row is not None:
             self.merges[name] = {k: int(v) for k, v in row.asDict().items() if v is not None}
+
+
+def _group_job_ids(context: SparkContext) -> Callable[[str | None], set[int]]:
+    """A function giving the ids of a job group's known jobs, one round trip to the JVM a
+    call.
+
+    PySpark's ``statusTracker().getJobIdsForGroup`` hands the Java array over one element
+    per round trip, and a long-running query's group holds up to ``spark.ui.retainedJobs``
+    (1,000) ids: at two calls per phase and about 25 phases a batch of four tables, counting
+    the jobs cost up to 50,000 round trips a batch. The same array read as one string
+    (``java.util.Arrays.toString``) is one round trip.
+    """
+    jvm = context._jvm
+    assert jvm is not None  # a classic SparkContext: the job runs on one
+    tracker = jvm.org.apache.spark.SparkContext.getOrCreate().statusTracker()
+    as_text = jvm.java.util.Arrays.toString
+
+    def ids(group: str | None) -> set[int]:
+        text = as_text(tracker.getJobIdsForGroup(group))
+        return {int(i) for i in text.strip("[]").split(",") if i.strip()}
+
+    return ids
 
 
 def _jvm_counters(context: SparkContext) -> dict[str, int]:

@@ -48,6 +48,7 @@ from spark_consumers.tables import (
     resolved_history,
     table_paths,
 )
+from spark_consumers.timings import BatchTimings
 
 pytestmark = pytest.mark.spark
 
@@ -612,6 +613,27 @@ def test_keys_the_current_state_lacks_are_appended_and_a_stored_key_is_merged(
         (2, 300, None),
         (3, 100, None),
     ]
+
+
+def test_a_phase_counts_the_spark_jobs_its_job_group_ran(spark: SparkSession) -> None:
+    """The jobs of a phase are the ones its job group started during it, also when the
+    group already holds many (a long-running query's does: they are read from the JVM as
+    one text, not one round trip per id)."""
+    context = spark.sparkContext
+    context.setJobGroup("phase-count-test", "BatchTimings")
+    try:
+        for _ in range(30):
+            context.parallelize(range(3)).count()
+        timings = BatchTimings(context=context)
+        with timings.phase("two jobs"):
+            context.parallelize(range(3)).count()
+            context.parallelize(range(3)).collect()
+        with timings.phase("none"):
+            pass
+    finally:
+        # None removes the property: the session's later jobs are in no group again.
+        context.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+    assert timings.jobs == {"two jobs": 2, "none": 0}
 
 
 def test_a_steady_batch_reuses_the_code_spark_generated_for_the_last(
