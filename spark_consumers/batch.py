@@ -297,6 +297,7 @@ class BatchProcessor:
                     survey,
                     bool(split[True]["toast"]),
                     _key_range(split[True]),
+                    good_n,
                     timings,
                 )
         finally:
@@ -310,6 +311,7 @@ class BatchProcessor:
         survey: _Survey,
         has_toast: bool,
         key_range: tuple[int, int] | None,
+        changes: int,
         timings: BatchTimings,
     ) -> None:
         writer = self.writers.get(schema.name)
@@ -333,6 +335,7 @@ class BatchProcessor:
                 oldest_lsn=survey.oldest_lsn,
                 newest_lsn=survey.newest_lsn,
                 key_range=key_range,
+                changes=changes,
             ),
             timings,
         )

@@ -36,6 +36,7 @@ from pyspark.sql.types import (
 
 from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
+from spark_consumers import merge
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.housekeeping import Housekeeper, fold_history_ends
 from spark_consumers.schema import SchemaRegistry
@@ -268,7 +269,15 @@ def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path
     assert h.current()[2]["name"] == "back"
 
 
-def test_unchanged_toast_keeps_stored_value(spark: SparkSession, tmp_path: Path) -> None:
+@pytest.mark.parametrize("keys_sent", [True, False], ids=["batch-keys-sent", "batch-too-large"])
+def test_unchanged_toast_keeps_stored_value(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys_sent: bool
+) -> None:
+    # The stored rows of the batch's keys (current state for the fill-in and the stored
+    # versions, tombstones) are found either way: with the batch's keys sent to the join,
+    # or, for a batch above the bound, by joining the whole tables.
+    if not keys_sent:
+        monkeypatch.setattr(merge, "_BROADCAST_KEYS", 0)
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
     h.run(t.change("c", row(1, "long text"), 100, 1, 1))
@@ -584,34 +593,48 @@ def test_keys_the_current_state_lacks_are_appended_and_a_stored_key_is_merged(
 ) -> None:
     """A batch none of whose keys has a current-state row (a serial key committed after a
     larger one, a deleted key inserted again) is appended to both tables; a later change
-    of such a key is merged, never appended as a second row. Split or whole, the tables
-    are the same."""
+    of such a key is merged, never appended as a second row. A batch all of whose keys
+    have one is merged without an insert clause, a batch with some with one. Split or
+    whole, the tables are the same."""
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     first = [*t.change("c", row(1), 100, 1, 1), *t.change("c", row(3), 100, 2, 1)]
     smaller = t.change("c", row(2), 200, 1, 2)
     update = t.change("u", row(2, "x"), 300, 1, 3)
     delete = t.change("d", {"id": 1}, 400, 1, 4)
     again = t.change("c", row(1, "again"), 500, 1, 5)
+    mixed = [*t.change("u", row(3, "y"), 600, 1, 6), *t.change("c", row(0, "zero"), 600, 2, 6)]
     whole = Harness(spark, tmp_path / "whole", t)
-    whole.run([*first, *smaller, *update, *delete, *again])
+    whole.run([*first, *smaller, *update, *delete, *again, *mixed])
     split = Harness(spark, tmp_path / "split", t)
     merges = []
-    for batch in (first, smaller, update, delete, again):
+    for batch in (first, smaller, update, delete, again, mixed):
         split.run(batch)
         merges.append(set(split.processor.status.last_batch_timings.merges))
-    assert merges == [set(), set(), {"public.t current"}, {"public.t current"}, set()]
+    current = {"public.t current"}
+    assert merges == [set(), set(), current, current, set(), current]
     path = table_paths(split.settings.warehouse, "public.t").current
-    assert spark.read.format("delta").load(path).count() == 3
+    inserts = [
+        json.loads(r["operationParameters"]["notMatchedPredicates"])
+        for r in spark.sql(f"DESCRIBE HISTORY delta.`{path}`")
+        .where("operation = 'MERGE'")
+        .orderBy("version")
+        .collect()
+    ]
+    assert [[p["actionType"] for p in clauses] for clauses in inserts] == [[], [], ["insert"]]
+    assert spark.read.format("delta").load(path).count() == 4
     assert split.current() == whole.current()
     assert split.current()[2]["name"] == "x" and split.current()[1]["name"] == "again"
+    assert (split.current()[3]["name"], split.current()[0]["name"]) == ("y", "zero")
     assert split.history() == whole.history()
     assert sorted((r["id"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in split.history()) == [
+        (0, 600, None),
         (1, 100, 400),
         (1, 400, 400),
         (1, 500, None),
         (2, 200, 300),
         (2, 300, None),
-        (3, 100, None),
+        (3, 100, 600),
+        (3, 600, None),
     ]
 
 
