@@ -236,6 +236,38 @@ def test_abort_that_timed_out_is_finished_before_the_next_transaction(stack: Sta
     assert _values(stack, name) == ["after"]
 
 
+def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: Stack) -> None:
+    """confluent-kafka can fail a call with a bare SystemError ("returned NULL without
+    setting an exception") once the producer is fenced: CI saw a losing bridge's fence check
+    end on such a flush under CPU load and report "Kafka: <method 'flush' ...>" instead of
+    the takeover. Whatever call failed that way, the error must be the fencing. The
+    producer is fenced for real here; the bare SystemError cannot be provoked on demand, so
+    it is handed to the classification as the flush raised it."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    settings = _settings(stack, name)
+    sink = KafkaSink(settings)
+    successor = None
+    try:
+        sink.start()
+        sink.topics.ensure({settings.progress_topic: True})
+        sink.begin()
+        successor = KafkaSink(settings)
+        successor.start()  # registers the transactional id: fences ``sink``
+        # The first write to a partition makes the producer ask the coordinator to add it
+        # to the transaction, which answers that a newer producer holds the id.
+        with pytest.raises(FencedError):
+            sink.produce(settings.progress_topic, b"fenced", None)
+        bare = SystemError(
+            "<method 'flush' of 'cimpl.Producer' objects> returned NULL without setting an "
+            "exception"
+        )
+        assert isinstance(sink._classify(bare), FencedError)
+    finally:
+        sink.close()
+        if successor is not None:
+            successor.close()
+
+
 def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None:
     """An idle bridge asks every 5 s whether a successor fenced it, and a bridge whose
     stream broke asks before anything else. Asked with a consumer-group offset, librdkafka

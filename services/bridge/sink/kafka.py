@@ -547,6 +547,25 @@ class KafkaSink:
             return self._classify(why)
         return None
 
+    def _fatal_error(self) -> KafkaError | None:
+        """The producer's fatal error, where a call failed without naming any: confluent-kafka
+        raises a bare SystemError ("returned NULL without setting an exception") when an
+        exception a callback raised during the call was cleared before the call returned (a
+        fenced bridge's fence check failed that way under CPU load, and its one line said
+        "Kafka: <method 'flush' ...>" instead of who took the slot over). Within a
+        transaction begin_transaction starts nothing: a producer in a fatal state answers
+        with that error, any other with _STATE. None outside a transaction (it would start
+        one) and when the producer holds no fatal error."""
+        if not self._in_txn:
+            return None
+        try:
+            self._producer.begin_transaction()
+        except (KafkaException, SystemError) as exc:
+            err = cause(exc)
+            if isinstance(err, KafkaError) and err.fatal():
+                return err
+        return None
+
     def _transaction_error(self) -> KafkaError | None:
         """The error the open transaction failed with where no record's report has it (a
         partition the coordinator would not add to it: TOPIC_AUTHORIZATION_FAILED): in a
@@ -580,6 +599,8 @@ class KafkaSink:
         # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
         # bridge would reconnect and fence the bridge that fenced it, in turn.
         err = cause(exc)
+        if isinstance(err, SystemError):
+            err = self._fatal_error() or err
         if isinstance(err, KafkaError) and err.code() not in NOT_ABOUT_TOPICS:
             # A topic deleted under a transaction fails it in more ways than one (a
             # partition that cannot join it, a purged queue, an abort the broker refuses):
