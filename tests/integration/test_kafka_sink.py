@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -236,6 +238,27 @@ def test_abort_that_timed_out_is_finished_before_the_next_transaction(stack: Sta
     assert _values(stack, name) == ["after"]
 
 
+@contextlib.contextmanager
+def _fenceable(settings: BridgeSettings) -> Iterator[tuple[KafkaSink, Callable[[], None]]]:
+    """A started sink with its progress topic, and what fences it: a successor registering
+    the same transactional id. Both are closed at the end."""
+    sink = KafkaSink(settings)
+    successors: list[KafkaSink] = []
+
+    def fence() -> None:
+        successors.append(KafkaSink(settings))
+        successors[-1].start()
+
+    try:
+        sink.start()
+        sink.topics.ensure({settings.progress_topic: True})
+        yield sink, fence
+    finally:
+        sink.close()
+        for successor in successors:
+            successor.close()
+
+
 def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: Stack) -> None:
     """confluent-kafka can fail a call with a bare SystemError ("returned NULL without
     setting an exception") once the producer is fenced: CI saw a losing bridge's fence check
@@ -243,16 +266,10 @@ def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: 
     the takeover. Whatever call failed that way, the error must be the fencing. The
     producer is fenced for real here; the bare SystemError cannot be provoked on demand, so
     it is handed to the classification as the flush raised it."""
-    name = f"sink{uuid.uuid4().hex[:8]}"
-    settings = _settings(stack, name)
-    sink = KafkaSink(settings)
-    successor = None
-    try:
-        sink.start()
-        sink.topics.ensure({settings.progress_topic: True})
+    settings = _settings(stack, f"sink{uuid.uuid4().hex[:8]}")
+    with _fenceable(settings) as (sink, fence):
         sink.begin()
-        successor = KafkaSink(settings)
-        successor.start()  # registers the transactional id: fences ``sink``
+        fence()
         # The first write to a partition makes the producer ask the coordinator to add it
         # to the transaction, which answers that a newer producer holds the id.
         with pytest.raises(FencedError):
@@ -262,10 +279,6 @@ def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: 
             "exception"
         )
         assert isinstance(sink._classify(bare), FencedError)
-    finally:
-        sink.close()
-        if successor is not None:
-            successor.close()
 
 
 def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None:
@@ -278,11 +291,7 @@ def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None
     name = f"sink{uuid.uuid4().hex[:8]}"
     timeout_s = 60
     settings = _settings(stack, name, kafka_transaction_timeout_ms=timeout_s * 1000)
-    sink = KafkaSink(settings)
-    successor = None
-    try:
-        sink.start()
-        sink.topics.ensure({settings.progress_topic: True})
+    with _fenceable(settings) as (sink, fence):
         sink.prove_not_fenced()
         stack.kafka.stop()
         stack.kafka.start()
@@ -303,12 +312,7 @@ def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None
         worker.join(2 * timeout_s)
         assert not worker.is_alive(), "prove_not_fenced went past its timeout after a restart"
         assert outcome == [None]
-        successor = KafkaSink(settings)
-        successor.start()  # registers the transactional id: fences ``sink``
+        fence()
         with pytest.raises(FencedError):
             sink.prove_not_fenced()
-    finally:
-        sink.close()
-        if successor is not None:
-            successor.close()
     assert _values(stack, settings.progress_topic) == []
