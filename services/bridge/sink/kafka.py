@@ -549,10 +549,11 @@ class KafkaSink:
 
     def _fatal_error(self) -> KafkaError | None:
         """The producer's fatal error, where a call failed without naming any: confluent-kafka
-        raises a bare SystemError ("returned NULL without setting an exception") when an
-        exception a callback raised during the call was cleared before the call returned (a
-        fenced bridge's fence check failed that way under CPU load, and its one line said
-        "Kafka: <method 'flush' ...>" instead of who took the slot over). Within a
+        can raise a bare SystemError ("returned NULL without setting an exception"), most
+        likely when an exception a callback raised during the call was cleared before the
+        call returned (a fenced bridge's fence check failed that way under CPU load, and
+        its one line said "Kafka: <method 'flush' ...>" instead of who took the slot
+        over). Within a
         transaction begin_transaction starts nothing: a producer in a fatal state answers
         with that error, any other with _STATE. None outside a transaction (it would start
         one) and when the producer holds no fatal error."""
