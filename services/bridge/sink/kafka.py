@@ -553,30 +553,28 @@ class KafkaSink:
         likely when an exception a callback raised during the call was cleared before the
         call returned (a fenced bridge's fence check failed that way under CPU load, and
         its one line said "Kafka: <method 'flush' ...>" instead of who took the slot
-        over). Within a
-        transaction begin_transaction starts nothing: a producer in a fatal state answers
-        with that error, any other with _STATE. None outside a transaction (it would start
-        one) and when the producer holds no fatal error."""
+        over). None outside a transaction (asking would start one) and when the producer
+        holds no fatal error."""
         if not self._in_txn:
             return None
+        err = self._begin_answer()
+        return err if err is not None and err.fatal() else None
+
+    def _transaction_error(self) -> KafkaError | None:
+        """The error the open transaction failed with where no record's report has it (a
+        partition the coordinator would not add to it: TOPIC_AUTHORIZATION_FAILED)."""
+        err = self._begin_answer()
+        return err if err is not None and err.txn_requires_abort() else None
+
+    def _begin_answer(self) -> KafkaError | None:
+        """What begin_transaction answers within the open transaction, where it starts
+        nothing: a fatal producer its fatal error, a failed transaction its error, any
+        other _STATE."""
         try:
             self._producer.begin_transaction()
         except (KafkaException, SystemError) as exc:
             err = cause(exc)
-            if isinstance(err, KafkaError) and err.fatal():
-                return err
-        return None
-
-    def _transaction_error(self) -> KafkaError | None:
-        """The error the open transaction failed with where no record's report has it (a
-        partition the coordinator would not add to it: TOPIC_AUTHORIZATION_FAILED): in a
-        failed transaction begin_transaction does nothing but answer it."""
-        try:
-            self._producer.begin_transaction()
-        except KafkaException as exc:
-            err = cause(exc)
-            if isinstance(err, KafkaError) and err.txn_requires_abort():
-                return err
+            return err if isinstance(err, KafkaError) else None
         return None
 
     def _classify(
