@@ -4,9 +4,10 @@ Per batch the driver runs one small aggregation to learn which tables, schema ve
 truncates and deletes the batch holds, refreshes the schema registry if a version is new
 or snapshot rows are in the batch (a resync's gap record, see gaps.py),
 and then, table by table, counts bad rows (and TOAST markers among the good ones),
-quarantines the bad rows and merges the good ones. Tables are applied side by side (as
-many at once as Spark has cores): each is a chain of small Spark jobs whose fixed costs
-(planning, scheduling, Delta's log) would otherwise leave cores idle between them.
+quarantines the bad rows and merges the good ones. Tables are applied side by side (twice
+as many at once as Spark has cores, ``_TABLES_PER_CORE``): each is a chain of small Spark
+jobs whose fixed costs (planning, scheduling, Delta's log) would otherwise leave cores idle
+between them.
 Every write is idempotent (see merge.py), so Spark replaying a batch after a crash is safe.
 """
 
@@ -48,6 +49,14 @@ from spark_consumers.tables import dead_letter_path, gaps_path, quote, table_pat
 from spark_consumers.timings import BatchTimings
 
 log = logging.getLogger("slotbridge.consume")
+
+# Tables applied at once per core Spark has. A table's part of a batch is a chain of small
+# Spark jobs, and each job has a part on the driver (planning, Delta's log, the calls from
+# Python) during which that table has no task running. With one table per core the cores
+# idled through those parts; with two, another table's tasks fill them: on local[2] at
+# 2,000 changes/s of the pgbench mix a steady batch took 13-14 s instead of 17-19 s for
+# the same JVM CPU (bench/spark_freshness_bench.py; docs/spark-consumers.md).
+_TABLES_PER_CORE = 2
 
 
 @dataclass
@@ -153,7 +162,8 @@ class BatchProcessor:
             return self._set_aside(raw, table_envs, table, why, batch_id)
 
         tables = sorted(surveys)
-        workers = max(1, min(len(tables), self.spark.sparkContext.defaultParallelism))
+        cores = self.spark.sparkContext.defaultParallelism
+        workers = max(1, min(len(tables), _TABLES_PER_CORE * cores))
         # Every table's writes finish (or fail) before the batch ends; a failure then
         # fails the batch, which is replayed on restart. Worker threads inherit the
         # query's job group and tags, so stopping the query cancels their jobs too.
