@@ -54,8 +54,9 @@ log = logging.getLogger("slotbridge.consume")
 # Spark jobs, and each job has a part on the driver (planning, Delta's log, the calls from
 # Python) during which that table has no task running. With one table per core the cores
 # idled through those parts; with two, another table's tasks fill them: on local[2] at
-# 2,000 changes/s of the pgbench mix a steady batch took 13-14 s instead of 17-19 s for
-# the same JVM CPU (bench/spark_freshness_bench.py; docs/spark-consumers.md).
+# 2,000 changes/s of the pgbench mix the freshness p99 went from 38-40 s to 26-31 s, for
+# about a tenth more JVM CPU a change as batches got smaller (bench/spark_freshness_bench.py;
+# docs/spark-consumers.md).
 _TABLES_PER_CORE = 2
 
 
