@@ -26,7 +26,14 @@ from enum import Enum
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructType
+from pyspark.sql.types import (
+    ByteType,
+    DataType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StructType,
+)
 
 from services.common.failpoints import failpoint
 from spark_consumers import schema as s
@@ -151,15 +158,39 @@ def _key_match(keys: tuple[str, ...]) -> str:
 
 
 def _in_key_range(table: s.TableSchema, key_range: tuple[int, int] | None, alias: str = "") -> str:
-    """SQL: the row's key lies within the batch's key range (TRUE without a range).
+    """SQL: the row's key lies within the batch's key range widened to a grid
+    (``grid_bounds``); TRUE without a range.
 
     Only a condition on the target's own columns lets Delta skip files by their min/max
-    statistics; a join condition on the key does not.
+    statistics; a join condition on the key does not. Spark writes an integer literal into
+    the code it generates for a query, so bounds that moved with every batch made each
+    batch's filters new code, compiled by Janino and then by the JIT all over again (five
+    to seven classes a batch of random keys, ``spark_merge_bench``'s mix). On the grid,
+    batches over the same keys give the same bounds and run the code of the batch before.
     """
     if key_range is None:
         return "TRUE"
-    low, high = key_range
-    return f"{alias}{quote(table.key_columns[0])} BETWEEN {low} AND {high}"
+    key = next(c for c in table.columns if c.name == table.key_columns[0])
+    low, high = grid_bounds(*key_range, _INTEGER_BITS[type(key.spark_type)])
+    return f"{alias}{quote(key.name)} BETWEEN {low} AND {high}"
+
+
+# The integer types a key range is kept for (``batch._key_bounds``), by their width.
+_INTEGER_BITS: dict[type[DataType], int] = {
+    ByteType: 8,
+    ShortType: 16,
+    IntegerType: 32,
+    LongType: 64,
+}
+
+
+def grid_bounds(low: int, high: int, bits: int) -> tuple[int, int]:
+    """``low``..``high`` widened outwards to multiples of the largest power of two not above
+    its span, within the values of a ``bits``-bit integer. At most three times as wide:
+    where keys are serial, a filter by it may read a few files more than the exact range."""
+    step = 1 << max(0, (high - low).bit_length() - 1)
+    lowest, highest = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return max(lowest, low - low % step), min(highest, high - high % step + step - 1)
 
 
 def _align(frame: DataFrame, target: StructType, extra: tuple[str, ...] = ()) -> DataFrame:

@@ -1,8 +1,9 @@
-"""Pure parts of the Spark consumer: type mapping, schema registry, settings, lag."""
+"""Pure parts of the Spark consumer: type mapping, schema registry, settings, lag, key ranges."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from pyspark.sql.types import (
@@ -23,6 +24,7 @@ from pyspark.sql.types import (
 
 from services.contract.records import GapRecord
 from slotbridge_dev.synthetic import SynthColumn, SynthTable
+from spark_consumers.merge import grid_bounds
 from spark_consumers.schema import SchemaRegistry, numeric_precision_scale, spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import lag_from_progress
@@ -174,3 +176,27 @@ def test_case_collisions() -> None:
         ]
     )
     assert table.merged("public.t").case_collisions() == [("x", "X")]
+
+
+def test_key_ranges_widen_to_a_grid_that_batches_of_the_same_keys_share() -> None:
+    """A batch's key range filters the stored tables on a grid (``merge._in_key_range``),
+    so that the code Spark generates for the filter is the same from batch to batch: ranges
+    in one cell of the grid give the same bounds, each range lies within its bounds, at
+    most three times as wide, and the bounds are values of the key's type."""
+    # Random keys of pgbench_accounts (1..100,000), batch after batch.
+    batches = [(1, 99_990), (7, 100_000), (3, 99_871), (12, 99_999)]
+    assert {grid_bounds(low, high, 32) for low, high in batches} == {(0, 131_071)}
+    # A serial key's recent rows, updated a few thousand keys at a time.
+    assert grid_bounds(1_000_000, 1_005_000, 64) == grid_bounds(1_000_100, 1_005_900, 64)
+    assert grid_bounds(5, 5, 16) == (5, 5)
+    assert grid_bounds(2**31 - 3, 2**31 - 1, 32) == (2**31 - 4, 2**31 - 1)
+    assert grid_bounds(-(2**63), -(2**63) + 5, 64) == (-(2**63), -(2**63) + 7)
+    draw = random.Random(34)
+    for _ in range(10_000):
+        bits = draw.choice((16, 32, 64))
+        top = 2 ** (bits - 1)
+        low = draw.randrange(-top, top)
+        high = min(top - 1, low + draw.choice((0, 1, 7, 1_000, 2**20, 2**40)))
+        wide_low, wide_high = grid_bounds(low, high, bits)
+        assert -top <= wide_low <= low <= high <= wide_high <= top - 1
+        assert wide_high - wide_low + 1 <= 3 * (high - low + 1)
