@@ -24,6 +24,9 @@ the raw records to Parquet. Shapes:
   placeholder in the record, filled in by the consumer from the key's stored row).
 - ``insert-seeded`` (not in the default list): inserts of new, growing keys after the same
   seeded rows, as a serial key grows: the MERGEs should not read the seeded files.
+- ``keyless`` (not in the default list): inserts into a table without a key (an append-only
+  log) whose history already holds the same seeded rows; it has no current-state table.
+  A batch should not read the stored rows, which no change of a keyless table can end.
 
 Fairness:
 
@@ -100,8 +103,8 @@ from spark_consumers.timings import BatchTimings
 
 NUM = ((12 << 16) | 2) + 4
 TABLE = "public.bench"
-SHAPES = ("mix", "insert", "update", "delete", "wide", "insert-seeded")
-SEEDED = ("update", "delete", "insert-seeded")
+SHAPES = ("mix", "insert", "update", "delete", "wide", "insert-seeded", "keyless")
+SEEDED = ("update", "delete", "insert-seeded", "keyless")
 # Seeded rows are one transaction before every published change (those start at 1000).
 SEED_LSN = 500
 SEED_FILE_ROWS = 1_000_000
@@ -130,7 +133,7 @@ def synth_table(prefix: str, shape: str = "mix") -> SynthTable:
         "public",
         "bench",
         (
-            SynthColumn("id", "bigint", 20, key=True),
+            SynthColumn("id", "bigint", 20, key=shape != "keyless"),
             SynthColumn("name", "text", 25),
             SynthColumn("amount", "numeric(12,2)", 1700, NUM),
             SynthColumn("at", "timestamp with time zone", 1184),
@@ -174,7 +177,7 @@ def _ops(shape: str, changes: int, seeded: int) -> Iterator[tuple[str, int]]:
     keys = max(1, changes // 10)
     seeded_keys = rng.sample(range(seeded), changes) if shape == "delete" else []
     for n in range(changes):
-        if shape.startswith("insert"):
+        if shape.startswith("insert") or shape == "keyless":
             yield "c", seeded + n
         elif shape == "update":
             yield "u", rng.randrange(seeded)
@@ -231,17 +234,20 @@ def _seed_rows(spark: SparkSession, rows: int) -> DataFrame:
     )
 
 
-def seed(spark: SparkSession, settings: ConsumerSettings, prefix: str, rows: int) -> None:
-    """Both tables as the consumer would have left them after ``rows`` inserts."""
-    record = synth_table(prefix).schema_record()[2]
+def seed(
+    spark: SparkSession, settings: ConsumerSettings, prefix: str, shape: str, rows: int
+) -> None:
+    """The tables as the consumer would have left them after ``rows`` inserts (a keyless
+    table has no current state)."""
+    record = synth_table(prefix, shape).schema_record()[2]
     assert record is not None
     table = s.TableSchema.from_record(json.loads(record))
     paths = table_paths(settings.warehouse, TABLE)
     frame = _seed_rows(spark, rows)
-    for path, struct in (
-        (paths.current, current_struct(table)),
-        (paths.history, history_struct(table)),
-    ):
+    tables = [(paths.history, history_struct(table))]
+    if table.key_columns:
+        tables.append((paths.current, current_struct(table)))
+    for path, struct in tables:
         columns = ensure_table(spark, path, struct, settings.deletion_vectors).fieldNames()
         frame.select(*columns).write.format("delta").mode("append").save(path)
 
@@ -367,19 +373,10 @@ def verify(
     seeded = _seed_rows(spark, sent.seeded).select("id", "name").join(gone, "id", "left_anti")
     expected = seeded.join(changed, "id", "left_anti").unionByName(changed)
     live = expected.count()
-    current = spark.read.format("delta").load(paths.current)
-    rows = current.count()
-    if rows != live:
-        problems.append(f"current state: {rows} rows, {live} live keys")
-    wrong = (
-        current.select("id", "name")
-        .join(expected.withColumnRenamed("name", "want"), "id", "full_outer")
-        .where(~F.col("name").eqNullSafe(F.col("want")))
-        .count()
-    )
-    if wrong:
-        problems.append(f"current state: {wrong} rows differ from the last change")
+    if sent.shape != "keyless":
+        problems += _current_state_problems(spark, paths.current, expected, live)
     if sent.shape == "wide":
+        current = spark.read.format("delta").load(paths.current)
         unfilled = current.where(F.col("body").isNull() | (F.col("body") != BODY)).count()
         if unfilled:
             problems.append(f"current state: {unfilled} rows without their unchanged TOAST text")
@@ -404,6 +401,27 @@ def verify(
     copied = spark.read.parquet(str(parquet)).count()
     if copied != sent.records:
         problems.append(f"parquet: {copied} rows, {sent.records} records were published")
+    return problems
+
+
+def _current_state_problems(
+    spark: SparkSession, path: str, expected: DataFrame, live: int
+) -> list[str]:
+    """What is wrong with the current-state table: the ``live`` keys of ``expected``, each
+    with its last change's name."""
+    problems = []
+    current = spark.read.format("delta").load(path)
+    rows = current.count()
+    if rows != live:
+        problems.append(f"current state: {rows} rows, {live} live keys")
+    wrong = (
+        current.select("id", "name")
+        .join(expected.withColumnRenamed("name", "want"), "id", "full_outer")
+        .where(~F.col("name").eqNullSafe(F.col("want")))
+        .count()
+    )
+    if wrong:
+        problems.append(f"current state: {wrong} rows differ from the last change")
     return problems
 
 
@@ -489,7 +507,7 @@ def run_shape(
     settings = settings_for(args, prefix, folder, args.batch)
     if seeded:
         started = time.monotonic()
-        seed(spark, settings, prefix, seeded)
+        seed(spark, settings, prefix, shape, seeded)
         print(f"seeded {seeded} rows into both tables in {time.monotonic() - started:.1f} s")
     merged = consume(spark, settings)
     plain = append(spark, settings, sent.topic, folder, args.batch)
@@ -553,8 +571,8 @@ def main() -> None:
         print("VERIFICATION FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
         raise SystemExit(1)
     print(
-        "verified: current state = live keys with their last values, history = one row "
-        "per change, parquet = every record, no dead letters"
+        "verified: current state = live keys with their last values (a keyless table has "
+        "none), history = one row per change, parquet = every record, no dead letters"
     )
 
 

@@ -525,12 +525,14 @@ class TableWriter:
         they are, so it reads them there and does not start the fill-in (its windows and
         its read of the current state), which the history's write then runs once.
 
-        A batch of a table with a key appends (``_append_history``) unless a truncate
-        can end a version it writes (a truncate in the batch, or a stored one at or after
-        its oldest change: a truncate ends every key's version, also of keys the batch
-        does not hold, and it reaches the job in any order with the changes around it) or
-        ``_stored_versions`` finds a late change. Those take ``_merge_history``, as does a
-        table without a key (its rows have no identity to end a version by).
+        A batch appends (``_append_history``, or ``_add_changes`` for a table without a
+        key) unless a truncate can end a version it writes (a truncate in the batch, or a
+        stored one at or after its oldest change: a truncate ends every key's version, also
+        of keys the batch does not hold, and it reaches the job in any order with the
+        changes around it) or ``_stored_versions`` finds a late change. Those take
+        ``_merge_history``. A table without a key has no identity to end a version by, so
+        only a truncate ends its rows: all of them stay open, and a MERGE matching the
+        open ones read its whole history every batch.
         """
         truncates = self._history_truncates() | set(facts.truncates)
         # A truncate before the batch's oldest change ends nothing this batch recomputes:
@@ -543,7 +545,10 @@ class TableWriter:
                 stored = self._stored_versions(unfilled, table, facts)
         self._after_tombstones = stored is not None
         self._held = _Held.SOME if stored is None else stored.held()
-        if stored is None:
+        if stored is None and not table.key_columns and not later:
+            self._ended_stored = False
+            result = self._add_changes(rows, table, facts, target)
+        elif stored is None:
             result = self._merge_history(rows, table, facts, target, new_keys, later)
         else:
             try:
@@ -627,23 +632,34 @@ class TableWriter:
         target: StructType,
         timings: BatchTimings,
     ) -> DataFrame | None:
-        """The batch's rows added to the history and the ends of the stored versions they
-        close to the ``_history_ends`` table: no stored file is rewritten. The result of
-        the insert-only MERGE into the history when that took one (None: an append).
+        """The batch's rows added to the history (``_add_changes``) and the ends of the
+        stored versions they close to the ``_history_ends`` table: no stored file is
+        rewritten. The result of the insert-only MERGE into the history when that took one
+        (None: an append).
 
-        The batch's own rows carry their ends (the key's next change in the batch, a delete
-        its own LSN). Each write is an append, or, when the table may hold the batch's rows
-        already (``_may_hold_batch``: a replay), an insert-only MERGE that adds only the
-        missing ones; the history's is limited to the batch's LSN and key range, so Delta
-        reads only the files that can hold a replayed change. Ends are written first: the
-        resolved history counts an end only once the history holds the change it ends at
-        (``tables.resolved_history_sql``), so a reader between the two commits sees none
-        of the batch.
+        Each write is an append, or, when the table may hold the batch's rows already
+        (``_may_hold_batch``: a replay), an insert-only MERGE that adds only the missing
+        ones. Ends are written first: the resolved history counts an end only once the
+        history holds the change it ends at (``tables.resolved_history_sql``), so a reader
+        between the two commits sees none of the batch.
         """
         if stored.ending:
             with timings.phase(f"{table.name} history ends"):
                 self._write_ends(stored, table, facts)
         self._ended_stored = stored.ending > 0
+        return self._add_changes(rows, table, facts, target)
+
+    def _add_changes(
+        self, rows: DataFrame, table: s.TableSchema, facts: BatchFacts, target: StructType
+    ) -> DataFrame | None:
+        """The batch's rows added to the history, each once; the result of the insert-only
+        MERGE when that took one (None: an append).
+
+        The rows carry their ends within the batch (the key's next change, a delete its own
+        LSN). When the history may hold some of them already (``_may_hold_batch``: a
+        replay), an insert-only MERGE adds only the missing ones, limited to the batch's LSN
+        and key range, so Delta reads only the files that can hold a replayed change.
+        """
         fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
         new_rows = _align(_recompute_ends(fresh, table, ()), target)
         in_batch = (

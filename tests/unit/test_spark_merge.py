@@ -516,6 +516,48 @@ def test_new_serial_keys_are_appended_and_replay_after_a_restart_changes_nothing
     assert sorted(whole.current()) == [1, 2, 3, 5]
 
 
+def test_a_table_without_a_key_is_appended_and_only_a_truncate_ends_its_rows(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Nothing identifies a keyless row's next version, so its rows stay open until a
+    truncate: a batch is appended without a MERGE over the stored rows (which would read
+    the whole history, every row being open), a replay by a new job adds nothing, and a
+    truncate still closes every row before it."""
+    t = SynthTable("p", "public", "log", (SynthColumn("a", "integer", 23), COLUMNS[3]))
+    first = [
+        *t.change("c", {"a": 1, "name": "x"}, 100, 1, 1),
+        *t.change("c", {"a": 1, "name": "x"}, 100, 2, 1),  # the same row twice
+    ]
+    second = [
+        *t.change("c", {"a": 2, "name": "y"}, 200, 1, 2),
+        *t.change("d", {"a": 1, "name": "x"}, 200, 2, 2),
+    ]
+    h = Harness(spark, tmp_path, t)
+    h.run(first)
+    h.run(second)
+    assert h.processor.status.last_batch_timings.merges == {}  # an append
+    # A new job on the same table (killed before its checkpoint): the batch again.
+    h = Harness(spark, tmp_path, t)
+    h.run(second)
+    assert set(h.processor.status.last_batch_timings.merges) == {"public.log history"}
+    h.run([*t.change("t", None, 300, 1, 3), *t.change("c", {"a": 3, "name": "z"}, 400, 1, 4)])
+    rows = [
+        (r["a"], r["_cdc_op"], r["valid_from_lsn"], r["valid_to_lsn"])
+        for r in h.history("public.log")
+    ]
+    assert rows == [
+        (1, "c", 100, 300),
+        (1, "c", 100, 300),
+        (2, "c", 200, 300),
+        (1, "d", 200, 200),
+        (None, "t", 300, 300),
+        (3, "c", 400, None),
+    ]
+    assert not DeltaTable.isDeltaTable(
+        spark, table_paths(h.settings.warehouse, "public.log").current
+    )
+
+
 def test_ends_wait_in_their_table_until_housekeeping_folds_them(
     spark: SparkSession, tmp_path: Path
 ) -> None:
