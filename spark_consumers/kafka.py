@@ -14,10 +14,20 @@ from pyspark.sql import DataFrame, SparkSession
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 
+# How long the broker holds a fetch that finds no record (Kafka's fetch.max.wait.ms, 500 ms
+# by default). A read's last offset is most often a transaction's commit marker: the
+# consumer skips it, but it is no record, so the task that has read every record of a topic
+# partition asks for the rest once more and the broker held that fetch the whole 500 ms,
+# every batch and every topic partition. The reads here are of offset ranges that exist
+# (never a wait for new data), so a short hold costs nothing: reading 5,000 changes of a
+# topic went from 0.81-0.93 s to 0.31-0.33 s. The operator's ``kafka_options`` override it.
+_FETCH_MAX_WAIT_MS = "10"
+
 
 def kafka_options(settings: ConsumerSettings) -> dict[str, str]:
     """Options shared by every read: bootstrap, isolation level, the operator's extras."""
-    options = {f"kafka.{key}": value for key, value in settings.kafka_options.items()}
+    options = {"kafka.fetch.max.wait.ms": _FETCH_MAX_WAIT_MS}
+    options.update({f"kafka.{key}": value for key, value in settings.kafka_options.items()})
     options["kafka.bootstrap.servers"] = settings.kafka_bootstrap
     options["kafka.isolation.level"] = "read_committed"
     return options

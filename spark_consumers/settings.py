@@ -36,7 +36,7 @@ class ConsumerSettings(ServiceSettings):
     kafka_options: dict[str, str] = Field(
         default_factory=dict,
         description="extra Kafka client settings without the 'kafka.' prefix "
-        "(security.protocol, sasl.jaas.config ...)",
+        "(security.protocol, sasl.jaas.config ...); fetch.max.wait.ms is 10 unless set here",
     )
     topic_prefix: str = Field(
         default="slotbridge", max_length=MAX_PREFIX, description="the bridge's topic_prefix"
