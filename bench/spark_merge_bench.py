@@ -508,7 +508,7 @@ def run_shape(
     if seeded:
         started = time.monotonic()
         seed(spark, settings, prefix, shape, seeded)
-        print(f"seeded {seeded} rows into both tables in {time.monotonic() - started:.1f} s")
+        print(f"seeded {seeded} rows into its tables in {time.monotonic() - started:.1f} s")
     merged = consume(spark, settings)
     plain = append(spark, settings, sent.topic, folder, args.batch)
     print_batches("consumer", merged)
