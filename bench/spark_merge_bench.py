@@ -28,6 +28,11 @@ the raw records to Parquet. Shapes:
   log) whose history already holds the same seeded rows; it has no current-state table.
   A batch should not read the stored rows, which no change of a keyless table can end.
 
+``--seed-tombstones N`` (seeded shapes with a key): the tombstone table first holds N
+deletes spread over the seeded keys, older than their seeded rows (keys deleted and created
+again), as a table in service holds a week of deletes until housekeeping trims them. A
+batch in the stream's order should not read them.
+
 Fairness:
 
 - Warm-up. The first query of a JVM pays for class loading, JIT compilation, Spark's code
@@ -92,12 +97,14 @@ from spark_consumers.kafka import kafka_options
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
 from spark_consumers.tables import (
+    IS_TRUNCATE,
     current_struct,
     dead_letter_path,
     ensure_table,
     history_struct,
     resolved_history,
     table_paths,
+    tombstone_struct,
 )
 from spark_consumers.timings import BatchTimings
 
@@ -234,22 +241,42 @@ def _seed_rows(spark: SparkSession, rows: int) -> DataFrame:
     )
 
 
+def _seed_tombstones(spark: SparkSession, rows: int, tombstones: int) -> DataFrame:
+    """Deletes of ``tombstones`` seeded keys, spread over them, before their seeded rows."""
+    ids = spark.range(tombstones, numPartitions=max(1, tombstones // SEED_FILE_ROWS))
+    return ids.select(
+        (F.col("id") * max(1, rows // tombstones)).alias("id"),
+        F.lit(SEED_LSN - 16).cast("long").alias(s.COMMIT_LSN),
+        (F.col("id") + 1).alias(s.TOTAL_ORDER),
+        F.lit(AT).cast("timestamp").alias(s.COMMIT_TS),
+        F.lit(False).alias(IS_TRUNCATE),
+    )
+
+
 def seed(
-    spark: SparkSession, settings: ConsumerSettings, prefix: str, shape: str, rows: int
+    spark: SparkSession,
+    settings: ConsumerSettings,
+    prefix: str,
+    shape: str,
+    rows: int,
+    tombstones: int,
 ) -> None:
     """The tables as the consumer would have left them after ``rows`` inserts (a keyless
-    table has no current state)."""
+    table has no current state), and ``tombstones`` deletes before them."""
     record = synth_table(prefix, shape).schema_record()[2]
     assert record is not None
     table = s.TableSchema.from_record(json.loads(record))
     paths = table_paths(settings.warehouse, TABLE)
     frame = _seed_rows(spark, rows)
-    tables = [(paths.history, history_struct(table))]
+    tables = [(paths.history, history_struct(table), frame)]
     if table.key_columns:
-        tables.append((paths.current, current_struct(table)))
-    for path, struct in tables:
+        tables.append((paths.current, current_struct(table), frame))
+        if tombstones:
+            stones = _seed_tombstones(spark, rows, tombstones)
+            tables.append((paths.tombstones, tombstone_struct(table), stones))
+    for path, struct, rows_of in tables:
         columns = ensure_table(spark, path, struct, settings.deletion_vectors).fieldNames()
-        frame.select(*columns).write.format("delta").mode("append").save(path)
+        rows_of.select(*columns).write.format("delta").mode("append").save(path)
 
 
 def jvm_cpu_s(pid: int) -> float:
@@ -507,8 +534,11 @@ def run_shape(
     settings = settings_for(args, prefix, folder, args.batch)
     if seeded:
         started = time.monotonic()
-        seed(spark, settings, prefix, shape, seeded)
-        print(f"seeded {seeded} rows into its tables in {time.monotonic() - started:.1f} s")
+        seed(spark, settings, prefix, shape, seeded, args.seed_tombstones)
+        print(
+            f"seeded {seeded} rows and {args.seed_tombstones} tombstones into its tables in "
+            f"{time.monotonic() - started:.1f} s"
+        )
     merged = consume(spark, settings)
     plain = append(spark, settings, sent.topic, folder, args.batch)
     print_batches("consumer", merged)
@@ -537,6 +567,9 @@ def main() -> None:
     parser.add_argument("--changes", type=int, default=400_000)
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
     parser.add_argument("--seed-rows", type=int, default=10_000_000, help="update shape")
+    parser.add_argument(
+        "--seed-tombstones", type=int, default=0, help="seeded shapes: deletes before the rows"
+    )
     parser.add_argument("--warmup", type=int, default=20_000, help="changes of the warm-up")
     parser.add_argument(
         "--deletion-vectors", action="store_true", help="the consumer's deletion_vectors"

@@ -421,8 +421,9 @@ class TableWriter:
         # How many keys of this batch ``_stored_versions`` found in the current state
         # (SOME when it did not look).
         self._held = _Held.SOME
-        # Per table written by appends (the history, its ends): the largest commit LSN
-        # of a change it holds (None: none), read once per job, then kept up to date.
+        # Per table written by appends (the history, its ends, the tombstones): the largest
+        # commit LSN of a change it holds (None: none), read once per job, then kept up to
+        # date.
         self._newest: dict[str, int | None] = {}
 
     def apply(
@@ -573,7 +574,8 @@ class TableWriter:
         reordered, offsets reset) or a replay after the current state was written: the
         batch could end a version that an older stored version's recorded end skips, so
         the MERGE path recomputes the ends. One Spark job, reading the current state (and
-        the tombstones) within the batch's key range.
+        the tombstones, when one may be at or after the batch's oldest change) within the
+        batch's key range.
         """
         keys = list(table.key_columns)
         by_key = [F.col(quote(k)) for k in keys]
@@ -598,7 +600,11 @@ class TableWriter:
             late = late | F.coalesce(F.col(_LIVE_AT) >= F.col(_FIRST), F.lit(False))
         else:
             checked = checked.withColumn(_LIVE_AT, F.lit(None).cast(_POINT))
-        if self._tombstones:
+        # A tombstone before the batch's oldest change is before every key's first change in
+        # it, so only a stored tombstone at or after that can make a change late: in a
+        # stream's order there is none, and the tombstones, a week of deletes until
+        # housekeeping trims them, are not read at all.
+        if self._tombstones and self._may_hold_batch(self.paths.tombstones, s.COMMIT_LSN, facts):
             deleted = (
                 _of_batch_keys(
                     DeltaTable.forPath(self.spark, self.paths.tombstones)
@@ -679,7 +685,8 @@ class TableWriter:
     def _may_hold_batch(self, path: str, column: str, facts: BatchFacts) -> bool:
         """Whether the table at ``path`` may hold rows of this batch: rows whose ``column``
         (a commit LSN of one of its changes) is ``facts.oldest_lsn`` or later. If not, the
-        batch is appended without an insert-only MERGE's look at the stored rows.
+        batch is appended without an insert-only MERGE's look at the stored rows, and no
+        stored tombstone can make one of its changes late (``_stored_versions``).
 
         A stream's batches follow each other in LSN order, so this is the common case; a
         replay (a restart before the checkpoint, or from older offsets) or a change held
@@ -962,6 +969,7 @@ class TableWriter:
             with timings.phase(f"{table.name} tombstones"):
                 _append_tombstones(newest(unfilled), tombstones, self.paths.tombstones)
             self._tombstones = True
+            self._wrote(self.paths.tombstones, facts)
         if (
             stones is not None
             and facts.truncates
@@ -969,6 +977,7 @@ class TableWriter:
         ):
             self._floor = max(facts.truncates)
             _store_truncate(self.spark, stones, self._floor)
+            self._wrote(self.paths.tombstones, facts)
 
 
 def _append_tombstones(latest: DataFrame, target: StructType, path: str) -> None:

@@ -269,6 +269,34 @@ def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path
     assert h.current()[2]["name"] == "back"
 
 
+def test_tombstones_are_read_only_when_one_may_be_newer_than_the_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A batch after every stored tombstone does not read them; a late change older than
+    a delete the job wrote since it last read the tombstones is still turned away."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+
+    def stored_versions_jobs(h: Harness) -> int:
+        return int(h.processor.status.as_dict()["last_batch_jobs"]["public.t stored versions"])
+
+    plain = Harness(spark, tmp_path / "plain", t)
+    deleted = Harness(spark, tmp_path / "deleted", t)
+    plain.run([*t.change("c", row(1), 100, 1, 1), *t.change("c", row(2), 100, 2, 1)])
+    deleted.run([*t.change("c", row(1), 100, 1, 1), *t.change("d", {"id": 2}, 100, 2, 1)])
+    # The first look at the tombstones reads their newest position (once per job).
+    for h in (plain, deleted):
+        h.run(t.change("u", row(1, "a"), 200, 1, 2))
+        h.run(t.change("u", row(1, "b"), 300, 1, 3))
+    # Key 2's tombstone is older than the batch: the same jobs as without tombstones.
+    assert stored_versions_jobs(deleted) == stored_versions_jobs(plain)
+
+    deleted.run(t.change("d", {"id": 1}, 500, 1, 5))
+    # Older than key 1's delete, newer than any tombstone the job read: late all the same.
+    deleted.run(t.change("u", row(1, "zombie"), 400, 1, 4))
+    assert deleted.current() == {}
+    assert stored_versions_jobs(deleted) > stored_versions_jobs(plain)
+
+
 @pytest.mark.parametrize("keys_sent", [True, False], ids=["batch-keys-sent", "batch-too-large"])
 def test_unchanged_toast_keeps_stored_value(
     spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys_sent: bool
