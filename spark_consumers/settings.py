@@ -68,7 +68,10 @@ class ConsumerSettings(ServiceSettings):
         description="e.g. local[2]; unset under spark-submit (it sets the master)",
     )
     spark_conf: dict[str, str] = Field(
-        default_factory=dict, description="extra Spark settings for the session"
+        default_factory=dict,
+        description="extra Spark settings for the session; they win over the job's own, so "
+        "spark.driver.extraJavaOptions or spark.executor.extraJavaOptions here replaces the "
+        "job's -XX:+UseParallelGC: repeat it there to keep it",
     )
     jars_dir: Path | None = Field(
         default=None,

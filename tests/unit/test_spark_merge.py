@@ -768,6 +768,16 @@ def test_a_steady_batch_reuses_the_code_spark_generated_for_the_last(
     assert max(loaded[2:]) < 250, loaded
 
 
+def test_the_session_jvm_collects_with_the_parallel_collector(spark: SparkSession) -> None:
+    """``job.session_conf``'s collector reaches the JVM that runs the batches (local mode:
+    the driver's), whose default on two cores or more is G1."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    beans = jvm.java.lang.management.ManagementFactory.getGarbageCollectorMXBeans()
+    names = {beans.get(i).getName() for i in range(beans.size())}
+    assert names == {"PS Scavenge", "PS MarkSweep"}
+
+
 def _stats_columns(path: str) -> set[str]:
     """The columns any data file of the Delta table at ``path`` has min/max statistics of,
     from the add actions of its log (Delta's protocol: ``stats`` is a JSON text)."""
