@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,10 @@ class Status:
     # Every gap the bridge recorded (GapRecord fields), as in the ``_gaps`` table.
     gaps: list[dict[str, Any]] = field(default_factory=list)
     updated_at: float = field(default_factory=time.time)
+    # The batch function (on Spark's callback thread) and the driver's poll loop both write
+    # the file, through one temporary name: unserialised, one writer's rename took the
+    # other's temporary file, whose own rename then failed and failed the job.
+    _writing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_batch(
         self,
@@ -127,8 +132,9 @@ class Status:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(path.name + ".tmp")
-        temp.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
-        os.replace(temp, path)
+        with self._writing:
+            temp.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+            os.replace(temp, path)
 
 
 def _counts(counts: TableCounts) -> dict[str, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+from pathlib import Path
 
 import pytest
 from pyspark.sql.types import (
@@ -27,7 +29,7 @@ from slotbridge_dev.synthetic import SynthColumn, SynthTable
 from spark_consumers.merge import grid_bounds
 from spark_consumers.schema import SchemaRegistry, numeric_precision_scale, spark_type
 from spark_consumers.settings import ConsumerSettings
-from spark_consumers.status import lag_from_progress
+from spark_consumers.status import Status, lag_from_progress
 
 
 def _typmod(precision: int, scale: int) -> int:
@@ -161,6 +163,28 @@ def test_lag_from_progress_without_offsets(unknown: str | None) -> None:
     assert lag_from_progress(progress) == {}
     progress["sources"][0]["latestOffset"] = json.dumps({"p.public.a": {"0": 4}})
     assert lag_from_progress(progress) == {"p.public.a": 4}
+
+
+def test_status_written_from_two_threads_at_once(tmp_path: Path) -> None:
+    """The batch function and the driver's poll loop write the status file at the same
+    time; neither may fail (a failed write fails the job), and the file stays whole."""
+    status, path = Status(), tmp_path / "status.json"
+    failures: list[OSError] = []
+
+    def write_many() -> None:
+        try:
+            for _ in range(300):
+                status.write(path)
+        except OSError as exc:
+            failures.append(exc)
+
+    writers = [threading.Thread(target=write_many) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert failures == []
+    assert json.loads(path.read_text())["state"] == "starting"
 
 
 def test_case_collisions() -> None:
