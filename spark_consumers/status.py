@@ -43,7 +43,10 @@ class Upkeep:
 
 @dataclass
 class Status:
-    """Everything reported; mutated by the batch function and the driver's poll loop."""
+    """Everything reported; mutated by the batch function and the driver's poll loop.
+
+    Readers on other threads (the poll loop's file writes, the metrics server) never take a
+    lock: every collection is replaced whole, never changed in place."""
 
     state: str = "starting"
     error: str | None = None  # one line: why the job failed
@@ -73,11 +76,18 @@ class Status:
         self.last_batch_id = batch_id
         self.last_batch_seconds = round(seconds, 3)
         self.last_batch_timings = timings or BatchTimings()
+        # The poll loop and the metrics server iterate ``tables`` on their own threads: a new
+        # dict replaces the old instead of a key being added to the one they may be reading
+        # (which raised "dictionary changed size during iteration" in them).
+        tables = dict(self.tables)
         for table, batch in counts.items():
-            total = self.tables.setdefault(table, TableCounts())
-            total.applied += batch.applied
-            total.quarantined += batch.quarantined
-            total.stopped = batch.stopped or total.stopped
+            total = tables.get(table, TableCounts())
+            tables[table] = TableCounts(
+                applied=total.applied + batch.applied,
+                quarantined=total.quarantined + batch.quarantined,
+                stopped=batch.stopped or total.stopped,
+            )
+        self.tables = tables
         self.updated_at = time.time()
         log_event(
             log,

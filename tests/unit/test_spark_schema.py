@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from slotbridge_dev.synthetic import SynthColumn, SynthTable
 from spark_consumers.merge import grid_bounds
 from spark_consumers.schema import SchemaRegistry, numeric_precision_scale, spark_type
 from spark_consumers.settings import ConsumerSettings
-from spark_consumers.status import Status, lag_from_progress
+from spark_consumers.status import Status, TableCounts, lag_from_progress
 
 
 def _typmod(precision: int, scale: int) -> int:
@@ -185,6 +186,36 @@ def test_status_written_from_two_threads_at_once(tmp_path: Path) -> None:
         writer.join()
     assert failures == []
     assert json.loads(path.read_text())["state"] == "starting"
+
+
+def test_status_read_while_a_batch_adds_a_table() -> None:
+    """The poll loop and the metrics server read the counters while the batch function adds
+    tables it has not seen; a read must not fail ("dictionary changed size")."""
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython can, to meet the overlap
+    try:
+        status, failures, done = Status(), list[RuntimeError](), threading.Event()
+
+        def add_tables() -> None:
+            for batch in range(3000):
+                status.record_batch(batch, {f"t{batch}": TableCounts(applied=1)}, 0.1)
+            done.set()
+
+        adder = threading.Thread(target=add_tables)
+        adder.start()
+        reads = 0
+        while not done.is_set():
+            try:
+                status.as_dict()
+            except RuntimeError as exc:
+                failures.append(exc)
+            reads += 1
+        adder.join()
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert failures == []
+    assert reads > 1  # the reads overlapped the additions
+    assert status.as_dict()["tables"]["t2999"] == {"applied": 1, "quarantined": 0}
 
 
 def test_case_collisions() -> None:
