@@ -34,7 +34,7 @@ from spark_consumers.errors import error_line
 from spark_consumers.gaps import record_gaps
 from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.kafka import refresh_registry
-from spark_consumers.merge import BatchFacts, Position, TableWriter, with_neighbours
+from spark_consumers.merge import BatchFacts, Position, TableWriter, is_repeated, with_neighbours
 from spark_consumers.parse import (
     COORDINATES,
     REASON,
@@ -284,6 +284,7 @@ class BatchProcessor:
                     .agg(
                         F.count("*").alias("n"),
                         F.max(typing.any_toast).alias("toast"),
+                        F.max(is_repeated()).alias("repeats"),
                         *_key_bounds(schema),
                     )
                     .collect()
@@ -307,6 +308,7 @@ class BatchProcessor:
                     schema,
                     survey,
                     bool(split[True]["toast"]),
+                    bool(split[True]["repeats"]),
                     _key_range(split[True]),
                     good_n,
                     timings,
@@ -321,6 +323,7 @@ class BatchProcessor:
         schema: s.TableSchema,
         survey: _Survey,
         has_toast: bool,
+        repeats: bool,
         key_range: tuple[int, int] | None,
         changes: int,
         timings: BatchTimings,
@@ -347,6 +350,7 @@ class BatchProcessor:
                 newest_lsn=survey.newest_lsn,
                 key_range=key_range,
                 changes=changes,
+                repeats=repeats,
             ),
             timings,
         )

@@ -76,6 +76,9 @@ class BatchFacts:
     newest_lsn: int
     # How many of the batch's changes are this table's (``_of_batch_keys``).
     changes: int
+    # Whether a change comes twice in the batch (``is_repeated``): only then do the ends
+    # within the batch need a window of their own (``_ends_in_batch``).
+    repeats: bool
     # The smallest and largest key of the batch's changes when the key is one integer
     # column: Delta skips the files whose key range lies outside it (serial keys).
     key_range: tuple[int, int] | None = None
@@ -234,6 +237,47 @@ def with_neighbours(rows: DataFrame, table: s.TableSchema) -> DataFrame:
         *[F.col(quote(k)) for k in table.key_columns], F.col(s.OP) == "t", F.col(REASON).isNull()
     ).orderBy(*_position_order())
     return rows.withColumn(_NEXT, F.lead(F.struct(*_position_order())).over(by_key))
+
+
+def is_repeated() -> Column:
+    """True for a row of ``with_neighbours`` whose key's next change in the batch is at its
+    own position: the same change twice (offsets replayed into one batch, a duplicate)."""
+    following = F.col(_NEXT)
+    same = (following[s.COMMIT_LSN] == F.col(s.COMMIT_LSN)) & (
+        following[s.TOTAL_ORDER] == F.col(s.TOTAL_ORDER)
+    )
+    return F.coalesce(same, F.lit(False))
+
+
+def _ends_in_batch(
+    rows: DataFrame,
+    table: s.TableSchema,
+    facts: BatchFacts,
+    target: StructType,
+    truncates: tuple[Position, ...],
+) -> DataFrame:
+    """The batch's rows with ``valid_from``/``valid_to`` among themselves (no stored row
+    within reach): a version ends at its key's next change or the next of ``truncates``,
+    whichever comes first, a delete or truncate at itself.
+
+    ``with_neighbours`` already found each row's next change (``_NEXT``) in the window it
+    runs with the batch's cached copy, so the ends need no second window (a shuffle and a
+    sort of the batch) unless a change comes twice, whose copy ``_recompute_ends`` drops.
+    A table without a key has no neighbours: its copies are found by position there.
+    """
+    if facts.repeats or not table.key_columns:
+        fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
+        return _recompute_ends(fresh, table, truncates)
+    commit_lsn, op = F.col(s.COMMIT_LSN), F.col(s.OP)
+    following = F.col(_NEXT)[s.COMMIT_LSN]
+    if truncates:
+        following = F.least(following, _next_truncate(truncates)[s.COMMIT_LSN])
+    return rows.withColumns(
+        {
+            s.VALID_FROM: commit_lsn,
+            s.VALID_TO: F.when(op.isin("d", "t"), commit_lsn).otherwise(following),
+        }
+    )
 
 
 def _reachable(oldest_lsn: int, alias: str = "") -> str:
@@ -666,8 +710,7 @@ class TableWriter:
         replay), an insert-only MERGE adds only the missing ones, limited to the batch's LSN
         and key range, so Delta reads only the files that can hold a replayed change.
         """
-        fresh = _align(rows, target).withColumn(_STORED, F.lit(False))
-        new_rows = _align(_recompute_ends(fresh, table, ()), target)
+        new_rows = _align(_ends_in_batch(rows, table, facts, target, ()), target)
         in_batch = (
             f"{_same_change()} AND t.{quote(s.COMMIT_LSN)} >= {facts.oldest_lsn} "
             f"AND {_in_key_range(table, facts.key_range, 't.')}"
@@ -794,12 +837,13 @@ class TableWriter:
                         _STORED, F.lit(True)
                     )
                 )
-        ends = _recompute_ends(union, table, later)
         result = None
         if only_new:
+            ends = _ends_in_batch(rows, table, facts, target, later)
             _align(ends, target).write.format("delta").mode("append").save(self.paths.history)
             self._empty.discard(self.paths.history)
         else:
+            ends = _recompute_ends(union, table, later)
             # Stored rows whose end did not move and batch rows already stored (a replay)
             # are left out: a MERGE rewrites every file holding a matched row.
             moved = ~F.col(_STORED) | ~F.col(s.VALID_TO).eqNullSafe(F.col(_OLD_END))

@@ -249,6 +249,55 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     assert [tuple(r) for r in ends.collect()] == [(1, 200, 1, 300)]
 
 
+def test_a_change_twice_in_one_batch_is_stored_once_with_its_end(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A batch's ends come from the neighbours its typed rows already hold, unless a
+    change comes twice in it (offsets replayed into one batch): then its copy must not
+    become its own next change, which would end it at itself and store it twice."""
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    once = [
+        *t.change("c", row(1), 100, 1, 1),
+        *t.change("c", row(2), 100, 2, 1),
+        *t.change("c", row(3), 100, 3, 1),
+        *t.change("u", row(1, "one"), 200, 1, 2),
+        *t.change("d", {"id": 2}, 300, 1, 3),
+    ]
+    twice = [*once[:4], *once[2:4], *once[3:]]  # key 3's insert, key 1's update again
+    single, repeated = Harness(spark, tmp_path / "single", t), Harness(spark, tmp_path / "rep", t)
+    single.run(once)
+    repeated.run(twice)
+
+    def validity(h: Harness) -> list[tuple[int, str, int, int | None]]:
+        return [
+            (r["id"], r["_cdc_op"], r["valid_from_lsn"], r["valid_to_lsn"]) for r in h.history()
+        ]
+
+    assert validity(single) == [
+        (1, "c", 100, 200),
+        (2, "c", 100, 300),
+        (3, "c", 100, None),
+        (1, "u", 200, None),
+        (2, "d", 300, 300),
+    ]
+    assert validity(repeated) == validity(single)
+    assert repeated.current() == single.current()
+    # A later batch, whose keys the tables hold (its ends of stored versions go to the ends
+    # table, its rows are appended), with key 3's update twice in it.
+    later = [*t.change("u", row(3, "three"), 400, 1, 4), *t.change("u", row(1, "uno"), 400, 2, 4)]
+    single.run(later)
+    repeated.run([later[0], *later])
+    assert validity(repeated) == validity(single)
+    assert validity(single)[2:] == [
+        (3, "c", 100, 400),
+        (1, "u", 200, 400),
+        (2, "d", 300, 300),
+        (3, "u", 400, None),
+        (1, "u", 400, None),
+    ]
+    assert repeated.current() == single.current()
+
+
 def test_older_records_never_overwrite_newer(spark: SparkSession, tmp_path: Path) -> None:
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
