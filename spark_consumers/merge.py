@@ -241,7 +241,7 @@ def with_neighbours(rows: DataFrame, table: s.TableSchema) -> DataFrame:
 
 def is_repeated() -> Column:
     """True for a row of ``with_neighbours`` whose key's next change in the batch is at its
-    own position: the same change twice (offsets replayed into one batch, a duplicate)."""
+    own position: the same change twice in the batch (a change published twice)."""
     following = F.col(_NEXT)
     same = (following[s.COMMIT_LSN] == F.col(s.COMMIT_LSN)) & (
         following[s.TOTAL_ORDER] == F.col(s.TOTAL_ORDER)

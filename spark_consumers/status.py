@@ -45,8 +45,9 @@ class Upkeep:
 class Status:
     """Everything reported; mutated by the batch function and the driver's poll loop.
 
-    Readers on other threads (the poll loop's file writes, the metrics server) never take a
-    lock: every collection is replaced whole, never changed in place."""
+    Readers on other threads (the poll loop's file writes, the metrics server) iterate its
+    collections without a lock: each is replaced whole, never changed in place. Only the
+    file's write and rename are serialised (``_writing``)."""
 
     state: str = "starting"
     error: str | None = None  # one line: why the job failed

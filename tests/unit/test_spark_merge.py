@@ -253,7 +253,7 @@ def test_a_change_twice_in_one_batch_is_stored_once_with_its_end(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """A batch's ends come from the neighbours its typed rows already hold, unless a
-    change comes twice in it (offsets replayed into one batch): then its copy must not
+    change comes twice in it (published twice): then its copy must not
     become its own next change, which would end it at itself and store it twice."""
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     once = [
