@@ -28,10 +28,10 @@ the raw records to Parquet. Shapes:
   log) whose history already holds the same seeded rows; it has no current-state table.
   A batch should not read the stored rows, which no change of a keyless table can end.
 
-``--seed-tombstones N`` (seeded shapes with a key): the tombstone table first holds N
-deletes spread over the seeded keys, older than their seeded rows (keys deleted and created
-again), as a table in service holds a week of deletes until housekeeping trims them. A
-batch in the stream's order should not read them.
+``--seed-tombstones N`` (seeded shapes with a key; refused with any other shape): the
+tombstone table first holds N deletes spread over the seeded keys, older than their seeded
+rows (keys deleted and created again), as a table in service holds a week of deletes until
+housekeeping trims them. A batch in the stream's order should not read them.
 
 Fairness:
 
@@ -115,6 +115,8 @@ NUM = ((12 << 16) | 2) + 4
 TABLE = "public.bench"
 SHAPES = ("mix", "insert", "update", "delete", "wide", "insert-seeded", "keyless")
 SEEDED = ("update", "delete", "insert-seeded", "keyless")
+# The seeded shapes whose table has a key, so a tombstone table (--seed-tombstones).
+TOMBSTONED = tuple(s for s in SEEDED if s != "keyless")
 # Seeded rows are one transaction before every published change (those start at 1000).
 SEED_LSN = 500
 SEED_FILE_ROWS = 1_000_000
@@ -596,6 +598,14 @@ def main() -> None:
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
+    # A shape without seeded rows, or without a key, has no tombstone table to seed: the
+    # option would be ignored there, and its figures read as if it were not.
+    unstoned = sorted(set(shapes) - set(TOMBSTONED))
+    if args.seed_tombstones and unstoned:
+        parser.error(
+            f"--seed-tombstones applies to seeded shapes with a key ({', '.join(TOMBSTONED)}), "
+            f"not to {', '.join(unstoned)}: run those shapes without it"
+        )
     setup_logging("text", "WARNING")
     root = Path(tempfile.mkdtemp(prefix="spark-bench-"))
     try:
