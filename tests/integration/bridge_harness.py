@@ -425,6 +425,50 @@ def _lsn(text: str) -> int:
     return (int(hi, 16) << 32) | int(lo, 16)
 
 
+def _lsn_text(lsn: int) -> str:
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def wal_between(dsn: str, tables: list[str], after: int, upto: int, limit: int = 80) -> str:
+    """The ground truth for a failed "nothing confirmed beyond Kafka" check: the WAL records
+    in (``after``, ``upto``] that commit a transaction or change one of ``tables``
+    (pg_walinspect), a line each, for the failure's message.
+
+    A confirmed position past Kafka's progress record is right when no transaction of the
+    published tables commits in between (ARCHITECTURE.md, "Idle databases": with nothing in
+    flight a keepalive's WAL end is confirmed) and a loss otherwise: these lines tell which.
+    """
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            nodes = [
+                f"%/{row[0]}/{row[1]} %"
+                for row in (
+                    conn.execute(
+                        "SELECT d.oid, pg_relation_filenode(%s::regclass) "
+                        "FROM pg_database d WHERE d.datname = current_database()",
+                        (table,),
+                    ).fetchone()
+                    for table in tables
+                )
+                if row is not None
+            ]
+            rows = conn.execute(
+                "SELECT start_lsn, xid, resource_manager, record_type, description, block_ref "
+                "FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) "
+                "WHERE start_lsn > %s::pg_lsn AND (record_type LIKE 'COMMIT%%' "
+                "OR block_ref LIKE ANY (%s)) ORDER BY start_lsn LIMIT %s",
+                (_lsn_text(after), _lsn_text(upto), _lsn_text(after), nodes, limit),
+            ).fetchall()
+    except psycopg.Error as exc:
+        return f"WAL in ({_lsn_text(after)}, {_lsn_text(upto)}] not readable: {exc}"
+    lines = [" ".join(str(v) for v in row) for row in rows]
+    return (
+        f"WAL in ({_lsn_text(after)}, {_lsn_text(upto)}], commits and changes of {tables} "
+        f"(first {limit}):\n" + "\n".join(lines or ["none"])
+    )
+
+
 class CounterWorkload(threading.Thread):
     """Small transactions against the primary until stopped, checkable exactly.
 
