@@ -26,6 +26,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from services.bridge.progress.kafka_reader import read_kafka_progress
+from services.common.lsn import format_lsn
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
 from slotbridge_dev.stack.stack import Stack
@@ -425,47 +426,37 @@ def _lsn(text: str) -> int:
     return (int(hi, 16) << 32) | int(lo, 16)
 
 
-def _lsn_text(lsn: int) -> str:
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
-
-
 def wal_between(dsn: str, tables: list[str], after: int, upto: int, limit: int = 80) -> str:
     """The ground truth for a failed "nothing confirmed beyond Kafka" check: the WAL records
-    in (``after``, ``upto``] that commit a transaction or change one of ``tables``
-    (pg_walinspect), a line each, for the failure's message.
+    from ``after`` (a record's end, so the next one starts there) to ``upto`` that commit a
+    transaction or change one of ``tables`` (pg_walinspect), a line each with their start
+    and end, for the failure's message.
 
     A confirmed position past Kafka's progress record is right when no transaction of the
     published tables commits in between (ARCHITECTURE.md, "Idle databases": with nothing in
     flight a keepalive's WAL end is confirmed) and a loss otherwise: these lines tell which.
     """
+    span = format_lsn(after), format_lsn(upto)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
-            nodes = [
-                f"%/{row[0]}/{row[1]} %"
-                for row in (
-                    conn.execute(
-                        "SELECT d.oid, pg_relation_filenode(%s::regclass) "
-                        "FROM pg_database d WHERE d.datname = current_database()",
-                        (table,),
-                    ).fetchone()
-                    for table in tables
-                )
-                if row is not None
-            ]
+            # A block reference names a relation as tablespace/database/filenode.
             rows = conn.execute(
-                "SELECT start_lsn, xid, resource_manager, record_type, description, block_ref "
-                "FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) "
-                "WHERE start_lsn > %s::pg_lsn AND (record_type LIKE 'COMMIT%%' "
-                "OR block_ref LIKE ANY (%s)) ORDER BY start_lsn LIMIT %s",
-                (_lsn_text(after), _lsn_text(upto), _lsn_text(after), nodes, limit),
+                "WITH nodes AS (SELECT '%%/' || d.oid || '/' || pg_relation_filenode(t::regclass)"
+                " || ' %%' AS node FROM pg_database d, unnest(%s::text[]) t"
+                " WHERE d.datname = current_database()) "
+                "SELECT start_lsn, end_lsn, xid, resource_manager, record_type, description, "
+                "block_ref FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) "
+                "WHERE record_type LIKE 'COMMIT%%' OR block_ref LIKE ANY (SELECT node FROM nodes) "
+                "ORDER BY start_lsn LIMIT %s",
+                (tables, span[0], span[1], limit),
             ).fetchall()
     except psycopg.Error as exc:
-        return f"WAL in ({_lsn_text(after)}, {_lsn_text(upto)}] not readable: {exc}"
+        return f"WAL from {span[0]} to {span[1]} not readable: {exc}"
     lines = [" ".join(str(v) for v in row) for row in rows]
     return (
-        f"WAL in ({_lsn_text(after)}, {_lsn_text(upto)}], commits and changes of {tables} "
-        f"(first {limit}):\n" + "\n".join(lines or ["none"])
+        f"WAL from {span[0]} to {span[1]}, commits and changes of {tables} (first {limit}):\n"
+        + "\n".join(lines or ["none"])
     )
 
 
