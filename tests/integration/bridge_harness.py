@@ -26,7 +26,6 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from services.bridge.progress.kafka_reader import read_kafka_progress
-from services.common.lsn import format_lsn
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
 from slotbridge_dev.stack.stack import Stack
@@ -426,38 +425,51 @@ def _lsn(text: str) -> int:
     return (int(hi, 16) << 32) | int(lo, 16)
 
 
-def wal_between(dsn: str, tables: list[str], after: int, upto: int, limit: int = 80) -> str:
-    """The ground truth for a failed "nothing confirmed beyond Kafka" check: the WAL records
-    from ``after`` (a record's end, so the next one starts there) to ``upto`` that commit a
-    transaction or change one of ``tables`` (pg_walinspect), a line each with their start
-    and end, for the failure's message.
+def unpublished_commits(dsn: str, slot: str, tables: list[str], published: int) -> list[str]:
+    """Transactions that changed ``tables`` and that a restart of ``slot`` would skip though
+    Kafka does not hold them: their commit record starts at or after ``published`` (the
+    end of the last transaction Kafka's progress record covers) and before the slot's
+    confirmed position. A line each (xid, commit start and end), from the WAL itself
+    (pg_walinspect); empty when nothing is lost.
 
-    A confirmed position past Kafka's progress record is right when no transaction of the
-    published tables commits in between (ARCHITECTURE.md, "Idle databases": with nothing in
-    flight a keepalive's WAL end is confirmed) and a loss otherwise: these lines tell which.
+    PostgreSQL decodes a transaction again after a restart only if its commit record starts
+    at or after the slot's confirmed position, so this, not ``confirmed <= published``, is
+    the rule a bridge must keep: with nothing in flight it confirms a keepalive's WAL end
+    (ARCHITECTURE.md, "Idle databases", as PostgreSQL's own subscriber does), and the
+    walsender sends the end of the last record it decoded, which can lie inside a
+    transaction still open then (its commit comes later and is decoded again) or after WAL
+    holding no change of the tables. The scan starts at the slot's restart_lsn, before the
+    first change of any transaction a restart decodes.
     """
-    span = format_lsn(after), format_lsn(upto)
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
-            # A block reference names a relation as tablespace/database/filenode.
-            rows = conn.execute(
-                "WITH nodes AS (SELECT '%%/' || d.oid || '/' || pg_relation_filenode(t::regclass)"
-                " || ' %%' AS node FROM pg_database d, unnest(%s::text[]) t"
-                " WHERE d.datname = current_database()) "
-                "SELECT start_lsn, end_lsn, xid, resource_manager, record_type, description, "
-                "block_ref FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) "
-                "WHERE record_type LIKE 'COMMIT%%' OR block_ref LIKE ANY (SELECT node FROM nodes) "
-                "ORDER BY start_lsn LIMIT %s",
-                (tables, span[0], span[1], limit),
-            ).fetchall()
-    except psycopg.Error as exc:
-        return f"WAL from {span[0]} to {span[1]} not readable: {exc}"
-    lines = [" ".join(str(v) for v in row) for row in rows]
-    return (
-        f"WAL from {span[0]} to {span[1]}, commits and changes of {tables} (first {limit}):\n"
-        + "\n".join(lines or ["none"])
-    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        slot_row = conn.execute(
+            "SELECT restart_lsn::text, confirmed_flush_lsn::text FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
+        assert slot_row is not None, f"no slot {slot}"
+        restart, confirmed = slot_row
+        # A block reference names a relation as tablespace/database/filenode.
+        records = conn.execute(
+            "WITH nodes AS (SELECT '%%/' || d.oid || '/' || pg_relation_filenode(t::regclass)"
+            " || ' %%' AS node FROM pg_database d, unnest(%s::text[]) t"
+            " WHERE d.datname = current_database()) "
+            "SELECT start_lsn::text, end_lsn::text, xid::text::bigint, record_type, description,"
+            " block_ref LIKE ANY (SELECT node FROM nodes) "
+            "FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) "
+            "WHERE record_type LIKE 'COMMIT%%' OR block_ref LIKE ANY (SELECT node FROM nodes) "
+            "ORDER BY start_lsn",
+            (tables, restart, confirmed),
+        ).fetchall()
+    writers = {xid for _, _, xid, _, _, writes in records if writes}
+    lost = []
+    for start, end, xid, kind, description, _ in records:
+        subxacts = re.search(r"subxacts: ([\d ]+)", description or "")
+        xids = {xid, *(int(x) for x in subxacts[1].split())} if subxacts else {xid}
+        if kind.startswith("COMMIT") and xids & writers and _lsn(start) >= published:
+            lost.append(f"xid {xid} {kind} at {start} (ends {end})")
+    return lost
 
 
 class CounterWorkload(threading.Thread):
