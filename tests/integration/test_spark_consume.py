@@ -368,15 +368,17 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
         writer.send(table.change("c", state[key], 50_000 + key, 1, key))
         changes += 1
 
-    # The restart (--once) replays the killed batch, goes on to the end and says so; the
-    # bad record (offset ~190, after the killed batch) is quarantined in this run. The
-    # status loop is slowed so that the query ends while it waits: the lag the stopped
-    # state shows must be read after the end, not left from an earlier batch.
+    # The restart (--once) replays the killed batch (its offsets are logged), takes the
+    # rest in one batch and says so; the bad record (offset ~190, after the killed batch)
+    # is quarantined in this run. The status loop is slowed so that the query ends while it
+    # waits: the lag the stopped state shows must be read after the end, not left from an
+    # earlier batch.
+    uncapped = {k: v for k, v in env.items() if k != "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER"}
     code, output = run_cli(
         "consume",
         "--once",
         "--fail-on-quarantine",
-        env={**env, "SLOTBRIDGE_FAILPOINTS": "consume_after_status=sleep10"},
+        env={**uncapped, "SLOTBRIDGE_FAILPOINTS": "consume_after_status=sleep10"},
         timeout=600,
     )
     assert code == 3, output[-3000:]
@@ -524,7 +526,10 @@ def test_kill_inside_the_history_fold_then_restart(
     # The fold's MERGE committed: every end still waiting is in the history too.
     folded = waiting.withColumnRenamed("valid_to_lsn", "waiting_end").join(stored, position)
     assert folded.where("waiting_end = valid_to_lsn").count() == waiting.count()
-    history = _restart_to_the_end(spark, env, paths, state, changes)
+    # The restart replays the killed batch (its offsets are logged), then takes the rest in
+    # one batch, after which housekeeping folds every end, the killed fold's among them.
+    uncapped = {k: v for k, v in env.items() if k != "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER"}
+    history = _restart_to_the_end(spark, uncapped, paths, state, changes)
     ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"] for r in history}
     assert ends == _expected_item_ends(txs)
     # The restart's last housekeeping folded every end: the history alone is exact.
