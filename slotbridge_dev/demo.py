@@ -23,6 +23,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from deltalake import DeltaTable
 
+from services.common.kafka import END_READER_CONFIG
 from slotbridge_dev.bootstrap import ROOT
 from slotbridge_dev.drill import follow_primary, run_promote
 from slotbridge_dev.stack.cluster import wait_until
@@ -72,6 +73,7 @@ def _live_keys(bootstrap: str, topic: str) -> int:
     neither a delete nor a tombstone."""
     consumer = Consumer(
         {
+            **END_READER_CONFIG,
             "bootstrap.servers": bootstrap,
             "group.id": f"demo-{uuid.uuid4()}",
             "isolation.level": "read_committed",

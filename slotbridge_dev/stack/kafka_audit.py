@@ -30,6 +30,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from services.common.kafka import END_READER_CONFIG
 from services.contract.topics import message_topic, schema_topic, transaction_topic
 from slotbridge_dev.stack.kafka import Kafka, dump_log_segments
 
@@ -178,6 +179,7 @@ def read_records(
     is read, aborted ones included, but a long run's records would not all fit in memory."""
     consumer = Consumer(
         {
+            **END_READER_CONFIG,
             "bootstrap.servers": bootstrap,
             "group.id": f"audit-{uuid.uuid4()}",
             "isolation.level": "read_uncommitted",

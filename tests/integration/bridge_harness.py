@@ -26,6 +26,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from services.bridge.progress.kafka_reader import read_kafka_progress
+from services.common.kafka import END_READER_CONFIG
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
 from slotbridge_dev.stack.stack import Stack
@@ -146,6 +147,7 @@ def _read_once(
 ) -> tuple[list[Record], list[tuple[str, int, int]]]:
     consumer = Consumer(
         {
+            **END_READER_CONFIG,
             "bootstrap.servers": bootstrap,
             "group.id": f"test-{uuid.uuid4()}",
             "isolation.level": "read_committed",

@@ -19,6 +19,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from services.bridge.records.masking import HashRule, column_mask
 from services.bridge.settings import MASKING_KEY_ENV
+from services.common.kafka import END_READER_CONFIG
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.kafka import Kafka
 from slotbridge_dev.stack.stack import Stack
@@ -46,6 +47,7 @@ def every_byte(kafka: Kafka, prefix: str, extra: list[str]) -> bytes:
     written, aborted transactions included."""
     consumer = Consumer(
         {
+            **END_READER_CONFIG,
             "bootstrap.servers": kafka.bootstrap,
             "group.id": f"leak-{uuid.uuid4()}",
             "isolation.level": "read_uncommitted",

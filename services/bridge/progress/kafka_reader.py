@@ -15,7 +15,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from services.bridge.progress.record import parse_progress, progress_key
 from services.common.errors import SlotbridgeError
-from services.common.kafka import explain
+from services.common.kafka import END_READER_CONFIG, explain
 from services.contract.records import ProgressRecord
 
 
@@ -30,6 +30,7 @@ def _consumer(client_config: dict[str, object]) -> Consumer:
     return Consumer(
         {
             **client_config,
+            **END_READER_CONFIG,
             "group.id": f"slotbridge-reader-{uuid.uuid4()}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,
