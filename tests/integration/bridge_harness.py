@@ -441,7 +441,9 @@ def unpublished_commits(dsn: str, slot: str, tables: list[str], published: int) 
     walsender sends the end of the last record it decoded, which can lie inside a
     transaction still open then (its commit comes later and is decoded again) or after WAL
     holding no change of the tables. The scan starts at the slot's restart_lsn, before the
-    first change of any transaction a restart decodes.
+    first change of any transaction a restart decodes, and goes on to the end of the WAL
+    (pg_walinspect lists only records that end within its range). The tables are found by
+    their relfilenodes of now: a table truncated meanwhile is not followed.
     """
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
@@ -459,17 +461,18 @@ def unpublished_commits(dsn: str, slot: str, tables: list[str], published: int) 
             " WHERE d.datname = current_database()) "
             "SELECT start_lsn::text, end_lsn::text, xid::text::bigint, record_type, description,"
             " block_ref LIKE ANY (SELECT node FROM nodes) "
-            "FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) "
+            "FROM pg_get_wal_records_info(%s::pg_lsn, pg_current_wal_insert_lsn()) "
             "WHERE record_type LIKE 'COMMIT%%' OR block_ref LIKE ANY (SELECT node FROM nodes) "
             "ORDER BY start_lsn",
-            (tables, restart, confirmed),
+            (tables, restart),
         ).fetchall()
     writers = {xid for _, _, xid, _, _, writes in records if writes}
     lost = []
     for start, end, xid, kind, description, _ in records:
         subxacts = re.search(r"subxacts: ([\d ]+)", description or "")
         xids = {xid, *(int(x) for x in subxacts[1].split())} if subxacts else {xid}
-        if kind.startswith("COMMIT") and xids & writers and _lsn(start) >= published:
+        skipped = published <= _lsn(start) < _lsn(confirmed)
+        if kind.startswith("COMMIT") and xids & writers and skipped:
             lost.append(f"xid {xid} {kind} at {start} (ends {end})")
     return lost
 
