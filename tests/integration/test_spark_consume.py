@@ -373,12 +373,11 @@ def test_kill_restart_aborted_transactions_and_dead_letters(
     # is quarantined in this run. The status loop is slowed so that the query ends while it
     # waits: the lag the stopped state shows must be read after the end, not left from an
     # earlier batch.
-    uncapped = {k: v for k, v in env.items() if k != "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER"}
     code, output = run_cli(
         "consume",
         "--once",
         "--fail-on-quarantine",
-        env={**uncapped, "SLOTBRIDGE_FAILPOINTS": "consume_after_status=sleep10"},
+        env={**_uncapped(env), "SLOTBRIDGE_FAILPOINTS": "consume_after_status=sleep10"},
         timeout=600,
     )
     assert code == 3, output[-3000:]
@@ -430,6 +429,12 @@ def _published(
     for records in txs:
         writer.send(records)
     return prefix, txs, state, changes
+
+
+def _uncapped(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without a cap on records per trigger: a restart replays its killed batch with
+    the batch's logged offsets whatever the cap, then takes the rest in one batch."""
+    return {k: v for k, v in env.items() if k != "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER"}
 
 
 def _restart_to_the_end(
@@ -528,8 +533,7 @@ def test_kill_inside_the_history_fold_then_restart(
     assert folded.where("waiting_end = valid_to_lsn").count() == waiting.count()
     # The restart replays the killed batch (its offsets are logged), then takes the rest in
     # one batch, after which housekeeping folds every end, the killed fold's among them.
-    uncapped = {k: v for k, v in env.items() if k != "SLOTBRIDGE_MAX_OFFSETS_PER_TRIGGER"}
-    history = _restart_to_the_end(spark, uncapped, paths, state, changes)
+    history = _restart_to_the_end(spark, _uncapped(env), paths, state, changes)
     ends = {(r["_cdc_commit_lsn"], r["_cdc_total_order"]): r["valid_to_lsn"] for r in history}
     assert ends == _expected_item_ends(txs)
     # The restart's last housekeeping folded every end: the history alone is exact.
