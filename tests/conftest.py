@@ -41,10 +41,31 @@ os.environ.setdefault(
 )
 
 
+# README's command runs the suite on two xdist workers (``-n 2``, ``--dist loadgroup``).
+# Each worker has a stack of its own (``stack``): tests stop, promote and reconfigure their
+# stack's servers. Every test that runs Spark goes to one worker as one group, collected
+# first so that it starts first: two Spark JVMs at once would take both cores of a small
+# machine, while the other worker's tests mostly wait on servers and processes.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+SPARK_GROUP = "spark"
+
+
+def _runs_spark(item: pytest.Item) -> bool:
+    return item.get_closest_marker("spark") is not None or "spark" in getattr(
+        item, "fixturenames", ()
+    )
+
+
+# Before xdist's own hook, which names each test's group from its marks.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.integration)
+        if _runs_spark(item):
+            item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
+    # A stable sort: the Spark tests first, each part in its collected order.
+    items.sort(key=lambda item: not _runs_spark(item))
 
 
 def _up(stack: Stack, on_failure: Callable[[], None]) -> Stack:
@@ -69,11 +90,13 @@ def _last_one_out(lock: IO[str]) -> bool:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
     """The shared stack, started or reused; down at the end unless SLOTBRIDGE_KEEP_STACK=1.
+    An xdist worker's is in a subfolder named after the worker.
 
     Several pytest sessions may use the same folder at once: each holds a shared lock on
     it, and only the last one out stops the stack.
     """
     state_dir = Path(os.environ.get("SLOTBRIDGE_TEST_STACK_DIR", REPO / ".stack" / "test"))
+    state_dir = state_dir / WORKER if WORKER else state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
     shared = Stack(state_dir, TEST_PG)
     with (state_dir / "pytest-sessions.lock").open("w") as lock:

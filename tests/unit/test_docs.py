@@ -84,7 +84,7 @@ def test_yaml_block_in_the_pages_loads(
 def test_readme_keeps_the_command_ci_runs() -> None:
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Run the tests", 1)[1].split("\n## ", 1)[0]
-    assert "python3 -m slotbridge_dev.bootstrap && .venv/bin/python -m pytest\n" in section
+    assert "python3 -m slotbridge_dev.bootstrap && .venv/bin/python -m pytest -n 2\n" in section
 
 
 def test_type_names_read_as_written() -> None:
