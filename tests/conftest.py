@@ -43,9 +43,10 @@ os.environ.setdefault(
 
 # README's command runs the suite on two xdist workers (``-n 2``, ``--dist loadgroup``).
 # Each worker has a stack of its own (``stack``): tests stop, promote and reconfigure their
-# stack's servers. Every test that runs Spark goes to one worker as one group, collected
-# first so that it starts first: two Spark JVMs at once would take both cores of a small
-# machine, while the other worker's tests mostly wait on servers and processes.
+# stack's servers. Every test that runs Spark goes to one worker as one group, which xdist
+# hands out first (it orders groups by size, and this is the largest): two Spark JVMs at
+# once would take both cores of a small machine, while the other worker's tests mostly
+# wait on servers and processes.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 SPARK_GROUP = "spark"
 
@@ -64,8 +65,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
         if _runs_spark(item):
             item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
-    # A stable sort: the Spark tests first, each part in its collected order.
-    items.sort(key=lambda item: not _runs_spark(item))
 
 
 def _up(stack: Stack, on_failure: Callable[[], None]) -> Stack:
