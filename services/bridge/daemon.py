@@ -241,7 +241,6 @@ class Bridge:
         cleanly."""
         s = self.settings
         server, publisher = session.server, session.publisher
-        publisher.start()
         options = {
             "proto_version": "4",
             "publication_names": f'"{s.publication_name}"',
@@ -250,8 +249,10 @@ class Bridge:
         }
         if s.two_phase:
             options["two_phase"] = "on"
-        with self._slot.racing(server.sql):
+        with self._slot.racing(server.sql, session.sink):
             server.repl.start(s.slot_name, 0, options)
+        # After START_REPLICATION: until then ``racing`` may ask Kafka with the sink.
+        publisher.start()
         self._sessions_streamed += 1
         self._health.streaming, self._health.error = True, ""
         self.metrics.streaming.set(1)

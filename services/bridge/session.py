@@ -121,7 +121,7 @@ class SessionSetup:
         mark = high_water(origin.progress(), kafka_progress)
         builder = self._builder(sql, server.system.dbname, mark)
         sink.topics.ensure({builder.schema_topic: True, builder.transaction_topic: False})
-        with self._slot.racing(sql):
+        with self._slot.racing(sql, sink):
             self._slot.ensure(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
         shaped = check_published(
             sql, s.publication_name, builder.catalog.masking, builder.catalog.routing

@@ -19,6 +19,7 @@ from services.bridge.progress.origin import OriginStore
 from services.bridge.publish.publisher import HEARTBEAT_S
 from services.bridge.receive.stream import ReplicationConnection, StreamError
 from services.bridge.settings import BridgeSettings
+from services.bridge.sink.errors import FencedError, SinkError
 from services.bridge.sink.kafka import KafkaSink
 from services.bridge.source import check_slot, ensure_publication, slot_state
 from services.bridge.takeover import end_walsender, slot_holder
@@ -85,6 +86,9 @@ class SlotClaim:
             check_slot(state, s, ours=kafka_progress is not None or origin.exists())
         if state is not None and state.active_pid is not None:
             self._take_over(sql, repl, sink, state.active_pid)
+            # The walsender ended may have been creating the slot: one not yet persisted
+            # (still waiting for the transactions open when it began) went with it.
+            state = slot_state(sql, s.slot_name)
         ensure_publication(sql, s, slot_is_new=state is None)
         if state is None:
             # The origin first: a crash between the two leaves an origin without a slot
@@ -152,12 +156,22 @@ class SlotClaim:
         )
 
     @contextmanager
-    def racing(self, sql: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:
-        """Replication commands that may lose a race for the slot to another bridge: that
-        is SlotBusy, not a failure."""
+    def racing(
+        self, sql: psycopg.Connection[tuple[object, ...]], sink: KafkaSink
+    ) -> Iterator[None]:
+        """Replication commands that may lose a race for the slot to another bridge.
+
+        A bridge that registered the transactional id after this one wins the race: it
+        may have ended this session's walsender (``takeover``), which breaks the command
+        with any error, or hold or have made the slot itself. Kafka is asked first, with
+        this session's producer (a new one would fence the winner in turn), so such a
+        loser stops with FencedError. Otherwise a slot held or just made by someone else is
+        SlotBusy, not a failure. Only while no other thread uses ``sink``.
+        """
         try:
             yield
         except StreamError as exc:
+            self._stop_if_fenced(sink)
             if exc.sqlstate == ObjectInUse.sqlstate:
                 state = slot_state(sql, self._settings.slot_name)
                 holder = state.active_pid if state is not None else None
@@ -167,6 +181,17 @@ class SlotClaim:
             if exc.sqlstate == DuplicateObject.sqlstate:  # both found no slot; the other made it
                 raise self._busy(sql, "another bridge that just created it") from None
             raise
+
+    @staticmethod
+    def _stop_if_fenced(sink: KafkaSink) -> None:
+        """FencedError if a newer bridge registered the transactional id; where Kafka cannot
+        say now, the replication command's own error stands."""
+        try:
+            sink.prove_not_fenced()
+        except FencedError:
+            raise
+        except SinkError:
+            pass
 
     def _busy(self, sql: psycopg.Connection[tuple[object, ...]], holder: str) -> SlotBusy:
         with sql.cursor() as cur:

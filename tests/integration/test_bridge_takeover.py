@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from psycopg import conninfo
 
 from slotbridge_dev.stack.stack import Stack
 from slotbridge_dev.stack.tcp_relay import FreezableRelay
-from tests.integration.bridge_harness import Pipeline, one_line_error, sql
+from tests.integration.bridge_harness import Pipeline, one_line_error, sql, wait_for
 
 SCHEMA = "takeover"
 # Far below the stack's wal_sender_timeout (60 s), even on a slow, busy machine; the
@@ -112,3 +113,56 @@ def test_cut_off_predecessor_is_taken_over_in_seconds(
     finally:
         relay.close()
         old.cleanup()
+
+
+def _creating_walsender(stack: Stack, slot: str) -> int | None:
+    """The walsender holding ``slot`` while it is being created, once it shows."""
+    with psycopg.connect(stack.primary_dsn) as conn:
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    return None if row is None else row[0]
+
+
+def test_predecessor_still_creating_the_slot_is_taken_over(
+    stack: Stack, table: str, tmp_path: Path
+) -> None:
+    """A slot's creation waits for the transactions open when it began, holding the slot
+    all along. A successor starting meanwhile ends that walsender, and the slot, never
+    persisted, goes with it: the successor creates it again and streams. The predecessor,
+    its CREATE_REPLICATION_SLOT broken, asks Kafka and stops fenced (a broken replication
+    command is not a reason of its own: the CI run of abfcd93 saw a loser stop with
+    START_REPLICATION's 'server closed the connection' instead)."""
+    old = Pipeline(stack, [table], tmp_path / "old")
+    old.workdir.mkdir()
+    new = Pipeline(stack, [table], tmp_path / "new", name=old.name)
+    new.workdir.mkdir()
+    with psycopg.connect(stack.primary_dsn) as open_txn:
+        open_txn.execute(f"INSERT INTO {table} VALUES (1, 'open while creating')")
+        try:
+            old.start()
+            old.wait_for_log(f"creating slot {old.name}", 120)
+            wait_for(
+                lambda: _creating_walsender(stack, old.name) is not None,
+                120,
+                "the slot to show while its creation waits",
+            )
+            new.start()
+            new.wait_for_log("ended the walsender of the predecessor", 120)
+            assert old.proc is not None
+            assert old.proc.wait(120) == 1, old.output()[-3000:]
+            line = one_line_error(
+                "\n".join(t for t in old.output().splitlines() if "[rdkafka#" not in t)
+            )
+            assert f"another bridge took over slot {old.name}" in line, line
+            open_txn.commit()  # the successor's creation waits for it too
+            new.wait_for_log(" streaming slot=", 120)
+            sql(stack.primary_dsn, f"INSERT INTO {table} VALUES (2, 'streamed')")
+            new.wait_caught_up()
+            assert "created failover slot" in new.output(), new.output()[-3000:]
+            assert sorted(_ids(new, table)) == [1, 2]  # 1 from the initial snapshot
+            assert new.stop() == 0
+            new.audit()
+        finally:
+            new.kill()
+            old.cleanup()

@@ -3,7 +3,7 @@
 The stack's PostgreSQL builds carry no translations (no share/locale), so a run under a
 translated ``lc_messages`` cannot be made here; instead each replication-protocol error the
 daemon decides on is provoked on the real server and held to its code, which is all the
-daemon reads (``daemon._racing_for_slot``, the dropped-publication check). SQL-side errors
+daemon reads (``slot.SlotClaim.racing``, the dropped-publication check). SQL-side errors
 are caught by psycopg's SQLSTATE classes (``psycopg.errors``) throughout.
 """
 

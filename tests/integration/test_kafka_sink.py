@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from confluent_kafka import KafkaError
 
 # Their public home, confluent_kafka.admin (its stubs do not declare the re-export).
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -265,7 +266,8 @@ def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: 
     end on such a flush under CPU load and report "Kafka: <method 'flush' ...>" instead of
     the takeover. Whatever call failed that way, the error must be the fencing. The
     producer is fenced for real here; the bare SystemError cannot be provoked on demand, so
-    it is handed to the classification as the flush raised it."""
+    it is handed to the classification as the flush raised it, and so is the purge of the
+    fenced producer's record, the delivery report a probe of such a producer gets."""
     settings = _settings(stack, f"sink{uuid.uuid4().hex[:8]}")
     with _fenceable(settings) as (sink, fence):
         sink.begin()
@@ -279,6 +281,10 @@ def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: 
             "exception"
         )
         assert isinstance(sink._classify(bare), FencedError)
+        # Its record's delivery report, the purge: a bridge once stopped with that as a
+        # plain SinkError, taken for an outage, instead of the takeover.
+        purged = KafkaError(KafkaError._PURGE_QUEUE)
+        assert isinstance(sink._classify(purged, "Kafka delivery failed: "), FencedError)
 
 
 def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None:

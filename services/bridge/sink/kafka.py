@@ -595,10 +595,11 @@ class KafkaSink:
                 " are healthy, raise kafka_transaction_timeout_ms (at most the brokers' "
                 "transaction.max.timeout.ms) for batches this large"
             )
-        # A fenced producer's error often comes wrapped in a SystemError: unwrap it, or the
-        # bridge would reconnect and fence the bridge that fenced it, in turn.
+        # A fenced producer's error often comes as a bare SystemError, or only as its
+        # record's purge (_PURGE_QUEUE, the consequence): the producer's fatal error is the
+        # cause, or the bridge would reconnect and fence the bridge that fenced it, in turn.
         err = cause(exc)
-        if isinstance(err, SystemError):
+        if isinstance(err, SystemError) or (isinstance(err, KafkaError) and err.code() in PURGED):
             err = self._fatal_error() or err
         if isinstance(err, KafkaError) and err.code() not in NOT_ABOUT_TOPICS:
             # A topic deleted under a transaction fails it in more ways than one (a
