@@ -15,11 +15,19 @@ understands just enough of the Kafka protocol to:
   first one, retried, is acknowledged as a duplicate: lost without an error;
 - answer an abort with an error the broker did not give (``refuse_aborts``): the broker
   aborts the transaction, the producer hears the given code (INVALID_TXN_STATE, which
-  librdkafka takes as fatal, as a coordinator that lost track of the transaction answers).
+  librdkafka takes as fatal, as a coordinator that lost track of the transaction answers);
+- play a transaction coordinator whose metadata does not have a topic yet
+  (``coordinator_lag``: a topic, and for how long after the first request naming it): in
+  AddPartitionsToTxn requests the topic's name is masked (the same length, a topic that
+  does not exist), so the broker answers as such a coordinator does,
+  UNKNOWN_TOPIC_OR_PARTITION for it and OPERATION_NOT_ATTEMPTED for every other partition
+  of the request, adding none; in the answer the name comes back, and the topics answered
+  OPERATION_NOT_ATTEMPTED come first (the broker's order is that of a hash map).
 
 To keep the parsing small and fixed-offset, the proxy lowers the versions the broker
 advertises in its ApiVersions answer for Produce, Metadata and FindCoordinator to the
-newest non-flexible ones (8, 8, 2), and EndTxn to 2 when aborts are refused. librdkafka
+newest non-flexible ones (8, 8, 2), EndTxn to 2 when aborts are refused and
+AddPartitionsToTxn to 2 when the coordinator lags. librdkafka
 then speaks those, as it does with older brokers. The sabotaged partition's index is moved
 out of range in the request (the broker refuses it as unknown and writes nothing) and moved
 back in the answer.
@@ -35,10 +43,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PRODUCE, METADATA, FIND_COORDINATOR, API_VERSIONS, END_TXN = 0, 3, 10, 18, 26
-_CAPS = {PRODUCE: 8, METADATA: 8, FIND_COORDINATOR: 2, END_TXN: 2}
+PRODUCE, METADATA, FIND_COORDINATOR, API_VERSIONS = 0, 3, 10, 18
+ADD_PARTITIONS_TO_TXN, END_TXN = 24, 26
+_CAPS = {PRODUCE: 8, METADATA: 8, FIND_COORDINATOR: 2, ADD_PARTITIONS_TO_TXN: 2, END_TXN: 2}
 NOT_LEADER_OR_FOLLOWER = 6
 INVALID_TXN_STATE = 48
+OPERATION_NOT_ATTEMPTED = 55
 _OUT_OF_RANGE = 0x40000000  # or-ed into a sabotaged partition index
 
 
@@ -95,6 +105,7 @@ class _Pending:
     version: int
     sabotaged: list[tuple[str, int]] = field(default_factory=list)
     refused_abort: bool = False
+    masked: str | None = None  # the topic whose name this AddPartitionsToTxn request hid
 
 
 @dataclass
@@ -103,6 +114,8 @@ class ProxyStats:
     cuts: int = 0
     sabotaged: list[tuple[str, int]] = field(default_factory=list)
     refused_aborts: int = 0
+    masked_requests: int = 0  # AddPartitionsToTxn requests answered as the lagging coordinator
+    masked_with_others: int = 0  # of those, requests naming other topics too
 
 
 class KafkaFaultProxy:
@@ -118,6 +131,7 @@ class KafkaFaultProxy:
         sabotage: Callable[[str], bool] = lambda _t: True,
         latency_s: float = 0.0,
         refuse_aborts: int = 0,
+        coordinator_lag: tuple[str, float] | None = None,
     ) -> None:
         host, _, up_port = upstream.rpartition(":")
         self._upstream = (host, int(up_port))
@@ -125,7 +139,13 @@ class KafkaFaultProxy:
         self.hold_s = hold_s
         self.latency_s = latency_s
         self.refuse_aborts = refuse_aborts  # an error code; 0: aborts answered as they are
-        self._caps = {k: v for k, v in _CAPS.items() if k != END_TXN or refuse_aborts}
+        self.coordinator_lag = coordinator_lag
+        self._lag_ends: float | None = None  # monotonic; set by the first request naming it
+        self._caps = {
+            k: v
+            for k, v in _CAPS.items()
+            if (k != END_TXN or refuse_aborts) and (k != ADD_PARTITIONS_TO_TXN or coordinator_lag)
+        }
         self._sabotage = sabotage
         self._listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
@@ -231,7 +251,39 @@ class KafkaFaultProxy:
             reader.fixed(">q")  # producer id
             reader.int16()  # producer epoch
             entry.refused_abort = reader.fixed(">b")[0] == 0  # committed: false
+        elif api_key == ADD_PARTITIONS_TO_TXN and self.coordinator_lag:
+            if version > _CAPS[ADD_PARTITIONS_TO_TXN]:
+                raise AssertionError(f"AddPartitionsToTxn v{version} was not capped")
+            self._mask_lagging_topic(frame, entry)
         return 0.0
+
+    def _mask_lagging_topic(self, frame: bytearray, entry: _Pending) -> None:
+        assert self.coordinator_lag is not None
+        lagging, lag_s = self.coordinator_lag
+        r = _Reader(frame, 8)
+        r.string()  # client id
+        r.string()  # transactional id
+        r.fixed(">q")  # producer id
+        r.int16()  # producer epoch
+        names: list[tuple[str, int]] = []  # each topic's name and where its size starts
+        for _ in range(r.int32()):
+            at = r.pos
+            names.append((r.string() or "", at))
+            for _ in range(r.int32()):
+                r.int32()
+        where = next((at for name, at in names if name == lagging), None)
+        if where is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if self._lag_ends is None:
+                self._lag_ends = now + lag_s
+            if now >= self._lag_ends:
+                return
+            self.stats.masked_requests += 1
+            self.stats.masked_with_others += len(names) > 1
+        frame[where + 2 : where + 2 + len(lagging.encode())] = _masked(lagging)
+        entry.masked = lagging
 
     def _sabotage_produce(self, r: _Reader, entry: _Pending) -> None:
         r.string()  # transactional id
@@ -271,6 +323,8 @@ class KafkaFaultProxy:
             struct.pack_into(">h", frame, 8, self.refuse_aborts)  # after corr id, throttle
             with self._lock:
                 self.stats.refused_aborts += 1
+        elif entry.api_key == ADD_PARTITIONS_TO_TXN and entry.masked is not None:
+            _unmask_not_attempted_first(frame, entry.masked)
         return 0.0
 
     def _rewrite_brokers(self, frame: bytearray, version: int) -> None:
@@ -321,6 +375,32 @@ def _cap_versions(frame: bytearray, version: int, caps: dict[int, int]) -> None:
             struct.pack_into(">h", frame, at, min(high, cap))
         if version >= 3:
             r.tags()
+
+
+def _masked(topic: str) -> bytes:
+    """A name of the same length as ``topic``'s that no topic has (the proxy's own)."""
+    return b"_" * len(topic.encode())
+
+
+def _unmask_not_attempted_first(frame: bytearray, topic: str) -> None:
+    """An AddPartitionsToTxn v0-v2 answer: ``topic``'s name back in place of its mask,
+    and the topics whose partitions were all OPERATION_NOT_ATTEMPTED moved first."""
+    r = _Reader(frame, 8)  # after correlation id and throttle
+    count = r.int32()
+    body = r.pos
+    blocks: list[tuple[bool, bytes]] = []  # (all not attempted, the topic's bytes)
+    for _ in range(count):
+        start = r.pos
+        if r.string() == _masked(topic).decode():
+            frame[start + 2 : r.pos] = topic.encode()
+        errors = []
+        for _ in range(r.int32()):
+            r.int32()  # partition
+            errors.append(r.int16())
+        skipped = all(e == OPERATION_NOT_ATTEMPTED for e in errors)
+        blocks.append((skipped, bytes(frame[start : r.pos])))
+    ordered = [b for skipped, b in blocks if skipped] + [b for skipped, b in blocks if not skipped]
+    frame[body : r.pos] = b"".join(ordered)
 
 
 def _fail_partitions(frame: bytearray, entry: _Pending) -> None:

@@ -26,7 +26,7 @@ from services.bridge.sink.errors import FencedError, KafkaRefused, ProducerFaile
 from services.bridge.sink.kafka import KafkaSink
 from slotbridge_dev.stack.kafka_proxy import INVALID_TXN_STATE, KafkaFaultProxy
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import read_topics
+from tests.integration.bridge_harness import read_topics, wait_for
 
 
 def _settings(
@@ -170,6 +170,50 @@ def test_records_behind_a_refused_one_fail_the_transaction_with_its_cause(stack:
     finally:
         sink.close()  # aborts
     assert read_topics(stack.kafka, [name]) == []
+
+
+def test_a_first_write_waits_for_a_coordinator_that_does_not_know_its_topic(
+    stack: Stack,
+) -> None:
+    """A transaction coordinator whose metadata lacks a topic (just created, on a cluster
+    where the coordinator's metadata lags) answers UNKNOWN_TOPIC_OR_PARTITION for its
+    partitions and OPERATION_NOT_ATTEMPTED for the others asked with them, adding none.
+    librdkafka waits while the first comes first, but takes a not-attempted one read first
+    for an abortable error, and the abort's refusal (INVALID_TXN_STATE: the transaction
+    holds no partition) for a fatal one: a CI run lost its bridge so. A first write joins
+    the transaction alone, behind a run of records to eight proven partitions: the
+    transaction waits until the coordinator knows the topic, and commits."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    known, late = f"{name}.known", f"{name}.late"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin.create_topics([NewTopic(known, 8, 1), NewTopic(late, 1, 1)])[late].result()
+    wait_for(lambda: _leaders(admin, known) == 8 and _leaders(admin, late) == 1, 60, "leaders")
+    keyed = [(known, b'{"id":%d}' % n, b'"%d"' % n, None) for n in range(200)]
+    proxy = KafkaFaultProxy(stack.kafka_bootstrap, coordinator_lag=(late, 2.0)).start()
+    sink = KafkaSink(_settings(stack, name, bootstrap=proxy.bootstrap))
+    try:
+        sink.start()
+        sink.begin()
+        for record in keyed:  # every partition of ``known`` written: proven
+            sink.produce(*record)
+        sink.commit()
+        sink.begin()
+        sink.produce_all(iter(keyed), ())  # a run, handed over by the next call
+        sink.produce(late, b'{"id":0}', b'"late"')
+        sink.commit()
+    finally:
+        sink.close()
+        proxy.stop()
+    assert proxy.stats.masked_requests > 0  # the coordinator did not know it, for a while
+    assert proxy.stats.masked_with_others == 0
+    assert len(_values(stack, known)) == 2 * len(keyed)
+    assert _values(stack, late) == ["late"]
+
+
+def _leaders(admin: AdminClient, topic: str) -> int:
+    """How many of the topic's partitions have a leader."""
+    found = admin.list_topics(topic, timeout=10).topics.get(topic)
+    return sum(p.leader >= 0 for p in found.partitions.values()) if found else 0
 
 
 def _values(stack: Stack, topic: str) -> list[object]:

@@ -102,7 +102,15 @@ class FirstWrites:
     flight, the later one is stored and the first, retried, is taken for a duplicate: its
     records are gone and nobody hears of it. So until a partition has been written once,
     its first record goes alone and nothing follows it there before the broker acknowledged
-    it. "Written" means by this producer session: a topic that exists but that this producer
+    it. And nothing goes before it into the transaction unacknowledged, so that its partition
+    joins the transaction alone: a transaction coordinator that does not know the topic yet
+    (just created, on a cluster where the coordinator's metadata lags) answers
+    UNKNOWN_TOPIC_OR_PARTITION for it and OPERATION_NOT_ATTEMPTED for the partitions asked
+    with it, adding none. librdkafka asks again while the first is read first (always, when
+    alone), but takes a not-attempted one read first for an abortable error, and the
+    abort's refusal (INVALID_TXN_STATE: the transaction holds no partition) fails the
+    producer for good (confluentinc/librdkafka#4849).
+    "Written" means by this producer session: a topic that exists but that this producer
     id never wrote is as new as a created one. The broker forgets an idle producer after
     ``producer.id.expiration.ms`` (one day by default); proofs older than ``renew_s`` are
     dropped at a transaction's start, so a partition idle that long is treated as new again.
@@ -288,6 +296,8 @@ class KafkaSink:
             else:
                 partition = partition_for(key, self.topics.partition_count(topic))
                 first = self._first.is_new(topic, partition)
+                if first:
+                    self._deliver_all()  # so that its partition joins the transaction alone
             while True:
                 try:
                     self._producer.produce(
