@@ -22,6 +22,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from services.bridge.settings import BridgeSettings
+from services.bridge.sink.ack_wait import REPORT_AFTER_S, AckWait
 from services.bridge.sink.errors import (
     NOT_ABOUT_TOPICS,
     PURGED,
@@ -42,9 +43,6 @@ _ABORT_S = 10.0
 # How long a flush waits before the sink checks that its topics still exist (one
 # DescribeTopics request): a deleted topic is noticed within about this.
 _FLUSH_CHECK_S = 1.0
-# After this long without acknowledgement a flush says why it waits, then once a minute.
-_WAIT_REPORT_S = 5.0
-_WAIT_REPEAT_S = 60.0
 # Records that wait in BatchSender before they are handed over: calls with hundreds of
 # records each, and a bounded copy of the records in memory.
 _CHUNK = 1024
@@ -225,14 +223,12 @@ class KafkaSink:
         self, settings: BridgeSettings, on_wait: Callable[[float], None] = lambda _s: None
     ) -> None:
         self._settings = settings
-        self._on_wait = on_wait  # seconds records have waited for acknowledgement (metric)
-        self._wait_logged = 0.0  # monotonic time of the last "Kafka does not acknowledge"
-        # Whether that line could say why (the brokers answered the sink's questions).
-        self._wait_explained = False
         base = kafka_client_config(settings)
         # Before any client exists: each would log its own failure to connect.
         check_reachable(base, _REACH_S, _SECURITY_HINT)  # KafkaUnreachable: retryable
         self.topics = Topics(settings, base)
+        # on_wait: seconds records have waited for acknowledgement (a metric).
+        self._ack_wait = AckWait(self.topics, settings.kafka_transaction_timeout_ms / 1000, on_wait)
         self._producer = Producer(
             {
                 **producer_config(settings, self.topics.record_limit),
@@ -356,8 +352,8 @@ class KafkaSink:
         """Wait until every record produced so far is acknowledged, or raise. librdkafka
         waits silently, up to the transaction's timeout, for brokers that do not
         acknowledge (a deleted topic, NOT_ENOUGH_REPLICAS, a full log dir): meanwhile the
-        topics' ids are checked every ``_FLUSH_CHECK_S``, the wait is exported, and from
-        ``_WAIT_REPORT_S`` on one line a minute says why it waits."""
+        topics' ids are checked every ``_FLUSH_CHECK_S``, and the wait is reported
+        (``AckWait``)."""
         began = time.monotonic()
         deadline = began + self._settings.kafka_transaction_timeout_ms / 1000
         try:
@@ -380,35 +376,9 @@ class KafkaSink:
                         f"it again ({self.topics.why_unacknowledged()[0]})"
                     )
                 self.topics.check_ids_briefly()
-                self._report_wait(time.monotonic() - began, f"{undelivered} records")
+                self._ack_wait.waited(time.monotonic() - began, f"{undelivered} records")
         finally:
-            self._on_wait(0.0)
-
-    def _report_wait(self, waited: float, what: str) -> None:
-        """Export the wait; from ``_WAIT_REPORT_S`` on, say why once a minute, and sooner
-        while the last line could not say it: brokers that just lost one of theirs may
-        answer the sink's questions only once their metadata has caught up."""
-        self._on_wait(waited)
-        now = time.monotonic()
-        if waited < _WAIT_REPORT_S:
-            return
-        due = now - self._wait_logged >= _WAIT_REPEAT_S
-        if not due and self._wait_explained:
-            return
-        cause, explained = self.topics.why_unacknowledged()
-        if not due and not explained:
-            return  # nothing more to say than the last line
-        self._wait_logged, self._wait_explained = now, explained
-        log_event(
-            log,
-            logging.WARNING,
-            "Kafka does not acknowledge this transaction; waiting, nothing is confirmed to "
-            "PostgreSQL meanwhile",
-            waited_s=round(waited),
-            waiting_for=what,
-            gives_up_in_s=round(self._settings.kafka_transaction_timeout_ms / 1000 - waited),
-            cause=cause,
-        )
+            self._ack_wait.ended()
 
     def commit(self) -> float:
         """Commit the open transaction; returns the seconds it took."""
@@ -458,7 +428,7 @@ class KafkaSink:
 
     def _end_transaction(self, call: str, timeout_s: float | None = None) -> None:
         """``commit_transaction`` or ``abort_transaction``, called again every
-        ``_WAIT_REPORT_S`` (librdkafka resumes it) to say why it waits: the coordinator
+        ``REPORT_AFTER_S`` (librdkafka resumes it) to say why it waits: the coordinator
         writes the markers only where the partition has its in-sync replicas. One that
         times out (Kafka away) is remembered, to be called again before anything else."""
         began = time.monotonic()
@@ -467,19 +437,19 @@ class KafkaSink:
             while True:
                 left = deadline - time.monotonic()
                 try:
-                    getattr(self._producer, call)(max(0.0, min(_WAIT_REPORT_S, left)))
+                    getattr(self._producer, call)(max(0.0, min(REPORT_AFTER_S, left)))
                 except (KafkaException, SystemError) as exc:
                     err = cause(exc)
                     resumable = isinstance(err, KafkaError) and err.retriable() and not err.fatal()
                     self._unfinished = call if resumable else None
-                    if not resumable or left <= _WAIT_REPORT_S:
+                    if not resumable or left <= REPORT_AFTER_S:
                         raise
-                    self._report_wait(time.monotonic() - began, call.split("_")[0])
+                    self._ack_wait.waited(time.monotonic() - began, call.split("_")[0])
                     continue
                 self._unfinished = None
                 return
         finally:
-            self._on_wait(0.0)
+            self._ack_wait.ended()
 
     def _finish_unfinished(self, timeout_s: float | None = None) -> None:
         """Call again the commit or abort that timed out. A commit that lands now was not
