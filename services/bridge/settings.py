@@ -49,6 +49,10 @@ _OWNED_KAFKA_KEYS: dict[str, tuple[frozenset[str], str]] = {
         "the bridge uses murmur2_random, as Java clients do",
     ),
     "message.max.bytes": (frozenset(), "use max_row_bytes"),
+    "allow.auto.create.topics": (
+        frozenset({"false"}),
+        "the bridge creates its topics itself, with the settings they need",
+    ),
 }
 
 
@@ -304,7 +308,7 @@ class BridgeSettings(ServiceSettings):
     @classmethod
     def _not_exactly_once(cls, value: dict[str, str]) -> dict[str, str]:
         # The producer's exactly-once settings are the bridge's: changed, a replay could
-        # duplicate or lose records without any error.
+        # duplicate or lose records without any error. So is the creation of its topics.
         owned = sorted(
             k
             for k, v in value.items()

@@ -65,8 +65,21 @@ def test_kafka_config_cannot_undo_exactly_once() -> None:
     assert "use kafka_transactional_id" in message
     assert "compression.type" not in message
     # What agrees with the bridge's own settings is accepted (configs copied from elsewhere).
-    agreeing = {"acks": "all", "enable.idempotence": "true", "partitioner": "murmur2_random"}
+    agreeing = {
+        "acks": "all",
+        "enable.idempotence": "true",
+        "partitioner": "murmur2_random",
+        "allow.auto.create.topics": "false",
+    }
     BridgeSettings(source_dsn="host=a", kafka_bootstrap="k:9092", kafka_config=agreeing)
+    # A topic deleted under the bridge must not come back from its producer's metadata
+    # requests with the broker's defaults.
+    with pytest.raises(ValidationError, match="the bridge creates its topics itself"):
+        BridgeSettings(
+            source_dsn="host=a",
+            kafka_bootstrap="k:9092",
+            kafka_config={"allow.auto.create.topics": "true"},
+        )
 
 
 def test_kafka_config_overrides_the_producer_tuning() -> None:

@@ -88,6 +88,10 @@ def producer_config(settings: BridgeSettings, record_limit: int) -> dict[str, An
         # Java clients' default: a key lands where Kafka Streams and Connect expect it.
         "partitioner": "murmur2_random",
         "message.max.bytes": max(record_limit, 1_000_000),
+        # A topic deleted under the bridge must not come back from its own metadata
+        # requests, with the broker's defaults instead of the settings Topics gives it
+        # (a progress topic not compacted): the bridge creates every topic it writes.
+        "allow.auto.create.topics": False,
     }
 
 

@@ -2,9 +2,10 @@
 
 Topics are known by their Kafka topic id, not their name (``TopicIds``): a topic deleted
 under the bridge loses what was published there, and a broker that auto-creates topics
-brings it back empty on the producer's next metadata request, where writing on would hide
-the loss. Everything here goes through the admin client or the topic id probe, never the
-producer: the sink asks, the producer writes.
+brings it back empty on another client's metadata request (never the bridge's producer:
+``producer_config``), where writing on would hide the loss. Everything here goes through
+the admin client or the topic id probe, never the producer: the sink asks, the producer
+writes.
 """
 
 from __future__ import annotations
