@@ -144,9 +144,11 @@ def _lone_broker(root: Path, kafka_set: str) -> Kafka:
 
 
 @contextmanager
-def _running(root: Path, what: str, *brokers: Kafka) -> Iterator[None]:
+def _running(root: Path, what: str, logs_to: Path, *brokers: Kafka) -> Iterator[None]:
     """Start the brokers in order and wait until each answers; after, stop them (the last
-    first) and purge ``root``."""
+    first), copy each broker's log and metadata log into ``logs_to`` (the test's tmp_path,
+    which pytest keeps for the last runs: a failure's ground truth is in the brokers' logs)
+    and purge ``root``."""
     try:
         try:
             for broker in brokers:
@@ -159,11 +161,18 @@ def _running(root: Path, what: str, *brokers: Kafka) -> Iterator[None]:
     finally:
         for broker in reversed(brokers):
             broker.stop()
+        for broker in brokers:
+            if broker.log_path.exists():
+                shutil.copy(broker.log_path, logs_to / f"{broker.dir.name}.log")
+            # The cluster's metadata log (KRaft): every ISR change, leader election, fencing
+            # and config change, as the controller decided it (dump_log_segments reads it).
+            for segment in (broker.data_dir / "__cluster_metadata-0").glob("*.log"):
+                shutil.copy(segment, logs_to / f"{broker.dir.name}-metadata-{segment.name}")
         shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
-def kafka_pair() -> Iterator[tuple[Kafka, Kafka]]:
+def kafka_pair(tmp_path: Path) -> Iterator[tuple[Kafka, Kafka]]:
     """Two brokers of the stack's Kafka version (node 1 is also the controller), every new
     topic on both: a follower to lose. Stopped and purged after."""
     root = _broker_root("slotbridge-kafka2-")
@@ -172,12 +181,12 @@ def kafka_pair() -> Iterator[tuple[Kafka, Kafka]]:
     cluster = new_cluster_id()
     first = Kafka(root, port, controller_port, jars, cluster, replicas=2)
     second = Kafka(root, port2, 0, jars, cluster, controller=first, replicas=2)
-    with _running(root, "two-broker Kafka", first, second):
+    with _running(root, "two-broker Kafka", tmp_path, first, second):
         yield first, second
 
 
 @pytest.fixture
-def sasl_kafka() -> Iterator[Kafka]:
+def sasl_kafka(tmp_path: Path) -> Iterator[Kafka]:
     """A broker of the stack's Kafka version with a SASL/PLAIN listener where ACLs apply,
     for the user ``bridge`` (its password in ``sasl_users``); its plain listener is open."""
     root = _broker_root("slotbridge-kafka-sasl-")
@@ -191,12 +200,12 @@ def sasl_kafka() -> Iterator[Kafka]:
         sasl_port=sasl_port,
         sasl_users={"bridge": f"bridge-{uuid.uuid4().hex[:12]}"},
     )
-    with _running(root, "SASL Kafka", broker):
+    with _running(root, "SASL Kafka", tmp_path, broker):
         yield broker
 
 
 @pytest.fixture
-def small_disk_kafka() -> Iterator[Kafka]:
+def small_disk_kafka(tmp_path: Path) -> Iterator[Kafka]:
     """A broker of the stack's Kafka version whose log dir is a filesystem of its own, a
     64 MiB tmpfs, so that it can fill up. Mounting one needs root and a machine that lets
     root mount (not every container does): skipped otherwise, with the reason."""
@@ -211,7 +220,7 @@ def small_disk_kafka() -> Iterator[Kafka]:
         shutil.rmtree(root, ignore_errors=True)
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        with _running(root, "small-disk Kafka", broker):
+        with _running(root, "small-disk Kafka", tmp_path, broker):
             yield broker
     finally:
         subprocess.run(["umount", str(broker.data_dir)], check=True)
@@ -219,11 +228,11 @@ def small_disk_kafka() -> Iterator[Kafka]:
 
 
 @pytest.fixture
-def oldest_kafka() -> Iterator[Kafka]:
+def oldest_kafka(tmp_path: Path) -> Iterator[Kafka]:
     """A dedicated broker of the oldest Kafka version we support, stopped and purged after."""
     root = _broker_root("slotbridge-kafka-")
     broker = _lone_broker(root, bootstrap.KAFKA_OLDEST_SET)
-    with _running(root, f"Kafka {bootstrap.KAFKA_OLDEST_VERSION} broker", broker):
+    with _running(root, f"Kafka {bootstrap.KAFKA_OLDEST_VERSION} broker", tmp_path, broker):
         yield broker
 
 

@@ -51,6 +51,12 @@ _TOPIC_REFUSALS = {
 _TOPIC_WAITS = frozenset({KafkaError.INVALID_REPLICATION_FACTOR})
 # How long a diagnostic request waits for the brokers.
 _DIAGNOSE_S = 10.0
+# How long every answer must say a topic does not exist before the sink believes it. Each
+# broker answers from its own copy of the cluster's metadata, which follows the controller's
+# by a moment: on a loaded two-broker cluster, one topic in three that CreateTopics had just
+# created was unknown to some of the answers that followed, sometimes after another broker
+# had named it (test_kafka_sink: ...lags_are_known_by_their_ids).
+_ABSENT_FOR_S = 5.0
 
 
 def record_limit(settings: BridgeSettings) -> int:
@@ -194,7 +200,14 @@ class Topics:
         if missing:
             existing += self._create(missing)
             self._wait_for_leaders(list(missing))
-        self.ids.check(self._describe(list(todo)), created=missing)
+        found = self._describe(list(todo))
+        gone = sorted(t for t, now in found.items() if now is None)
+        if gone:
+            raise SinkError(
+                f"topics {', '.join(gone)} were deleted as the bridge made them ready; the "
+                "session restarts and creates them again"
+            )
+        self.ids.check(found, created=missing)
         if existing:
             self._align_limits(existing)
         self.ready.update(todo)
@@ -239,7 +252,21 @@ class Topics:
                 raise
 
     def _describe(self, topics: list[str], timeout_s: float = 30.0) -> dict[str, str | None]:
-        """Each topic's id now; None for one that does not exist."""
+        """Each topic's id now; None for one that does not exist: that is every answer for
+        ``_ABSENT_FOR_S``, for one broker's "unknown topic" may only mean that its metadata
+        has not caught up yet. Believed at once, it left a topic just created without its
+        id (unchecked, and out of ``why_unacknowledged``), or called one the bridge had just
+        written deleted, which stops the bridge for good."""
+        found = self._ask_ids(topics, timeout_s)
+        since = time.monotonic()
+        while True:
+            absent = [t for t, now in found.items() if now is None]
+            if not absent or time.monotonic() - since >= _ABSENT_FOR_S:
+                return found
+            time.sleep(0.2)
+            found.update(self._ask_ids(absent, timeout_s))
+
+    def _ask_ids(self, topics: list[str], timeout_s: float) -> dict[str, str | None]:
         try:
             return self._ids_probe.describe(topics, timeout_s)
         except ProbeError as exc:
@@ -340,7 +367,7 @@ class Topics:
         """A partition with fewer in-sync replicas than its topic's min.insync.replicas (the
         leader answers NOT_ENOUGH_REPLICAS, which librdkafka retries silently), or where
         else to look; and whether the brokers answered the questions that tell."""
-        topics = list(self.ids.learned)
+        topics = sorted(self.ready | set(self.ids.learned))
         if not topics:
             return "no topic written yet: check the brokers", True
         # A client of its own, whose metadata is fresh from the bootstrap servers: the
