@@ -367,7 +367,7 @@ class Topics:
         """A partition with fewer in-sync replicas than its topic's min.insync.replicas (the
         leader answers NOT_ENOUGH_REPLICAS, which librdkafka retries silently), or where
         else to look; and whether the brokers answered the questions that tell."""
-        topics = sorted(self.ready | set(self.ids.learned))
+        topics = list(self.ids.learned)
         if not topics:
             return "no topic written yet: check the brokers", True
         # A client of its own, whose metadata is fresh from the bootstrap servers: the
