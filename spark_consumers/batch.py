@@ -29,12 +29,13 @@ from pyspark.sql.types import IntegralType
 from services.common.errors import SlotbridgeError
 from services.common.logs import log_event
 from spark_consumers import schema as s
+from spark_consumers.changes import BatchFacts, Position, is_repeated, with_neighbours
 from spark_consumers.deadletter import STOPPED, quarantine, stopped_tables
 from spark_consumers.errors import error_line
 from spark_consumers.gaps import record_gaps
 from spark_consumers.housekeeping import Housekeeper
 from spark_consumers.kafka import refresh_registry
-from spark_consumers.merge import BatchFacts, Position, TableWriter, is_repeated, with_neighbours
+from spark_consumers.merge import TableWriter
 from spark_consumers.parse import (
     COORDINATES,
     REASON,

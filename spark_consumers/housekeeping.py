@@ -5,7 +5,7 @@ Every micro-batch adds a few small files to each table it touches (a MERGE rewri
 files it matched and adds new ones), so without upkeep reads slow down with the number of
 batches and old files pile up on storage. Once per ``housekeeping_interval_s`` the job
 therefore writes the ends waiting in each ``_history_ends`` table into the history (see
-``merge.TableWriter._append_history``), compacts every table (``OPTIMIZE``), removes files
+``history.HistoryWriter._append_history``), compacts every table (``OPTIMIZE``), removes files
 no version within ``vacuum_retention_hours`` still needs (``VACUUM``) and trims tombstones
 no record can be older than any more.
 

@@ -36,7 +36,6 @@ from pyspark.sql.types import (
 
 from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
-from spark_consumers import merge
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.housekeeping import Housekeeper, fold_history_ends
 from spark_consumers.schema import SchemaRegistry
@@ -99,6 +98,24 @@ def row(id_: int, name: str = "n", **over: Any) -> dict[str, Any]:
     }
     base.update(over)
     return base
+
+
+def test_a_truncate_ends_the_rows_of_a_keyless_table_the_same_job_created(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The job that created a keyless table's history ends its rows at a later truncate as
+    a job that found the table stored does (the test above): a table created by this job
+    holds nothing to look at only until the job first writes it."""
+    t = SynthTable("p", "public", "log", (SynthColumn("a", "integer", 23), COLUMNS[3]))
+    h = Harness(spark, tmp_path, t)
+    h.run(t.change("c", {"a": 1, "name": "x"}, 100, 1, 1))
+    h.run(t.change("c", {"a": 2, "name": "y"}, 200, 1, 2))
+    h.run(t.change("t", None, 300, 1, 3))
+    rows = [
+        (r["a"], r["_cdc_op"], r["valid_from_lsn"], r["valid_to_lsn"])
+        for r in h.history("public.log")
+    ]
+    assert rows == [(1, "c", 100, 300), (2, "c", 200, 300), (None, "t", 300, 300)]
 
 
 def _comparable(values: dict[str, Any]) -> dict[str, Any]:
@@ -354,7 +371,7 @@ def test_unchanged_toast_keeps_stored_value(
     # versions, tombstones) are found either way: with the batch's keys sent to the join,
     # or, for a batch above the bound, by joining the whole tables.
     if not keys_sent:
-        monkeypatch.setattr(merge, "_BROADCAST_KEYS", 0)
+        monkeypatch.setattr("spark_consumers.changes._BROADCAST_KEYS", 0)
     t = SynthTable("p", "public", "t", COLUMNS[:4])
     h = Harness(spark, tmp_path, t)
     h.run(t.change("c", row(1, "long text"), 100, 1, 1))
@@ -788,7 +805,7 @@ def test_a_steady_batch_reuses_the_code_spark_generated_for_the_last(
     Spark's default cache holds (100), so every batch compiled and loaded them all
     again (``spark.sql.codegen.cache.maxEntries`` in the job's session). The filters by
     the batch's key range were new code every batch too while their bounds were the
-    batch's own keys; on a grid (``merge.grid_bounds``) these batches share them.
+    batch's own keys; on a grid (``changes.grid_bounds``) these batches share them.
     """
     tables = [SynthTable("p", "public", f"w{n}", COLUMNS[:n]) for n in (4, 7, 10, 13)]
     h = Harness(spark, tmp_path, *tables)

@@ -27,7 +27,7 @@ from pyspark.sql.types import (
 
 from services.contract.records import GapRecord
 from slotbridge_dev.synthetic import SynthColumn, SynthTable
-from spark_consumers.merge import grid_bounds
+from spark_consumers.changes import grid_bounds
 from spark_consumers.schema import SchemaRegistry, numeric_precision_scale, spark_type
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status, TableCounts, lag_from_progress
@@ -234,7 +234,7 @@ def test_case_collisions() -> None:
 
 
 def test_key_ranges_widen_to_a_grid_that_batches_of_the_same_keys_share() -> None:
-    """A batch's key range filters the stored tables on a grid (``merge._in_key_range``),
+    """A batch's key range filters the stored tables on a grid (``changes.in_key_range``),
     so that the code Spark generates for the filter is the same from batch to batch: ranges
     in one cell of the grid give the same bounds, each range lies within its bounds, at
     most three times as wide, and the bounds are values of the key's type."""
