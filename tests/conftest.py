@@ -174,7 +174,8 @@ def _running(root: Path, what: str, logs_to: Path, *brokers: Kafka) -> Iterator[
 @pytest.fixture
 def kafka_pair(tmp_path: Path) -> Iterator[tuple[Kafka, Kafka]]:
     """Two brokers of the stack's Kafka version (node 1 is also the controller), every new
-    topic on both: a follower to lose. Stopped and purged after."""
+    topic on both: a follower to lose. Stopped and purged after, their logs kept in the
+    test's tmp_path."""
     root = _broker_root("slotbridge-kafka2-")
     port, controller_port, port2 = free_ports(3)
     jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_SET)
