@@ -48,7 +48,7 @@ class BatchFacts:
     # How many of the batch's changes are this table's (``of_batch_keys``).
     changes: int
     # Whether a change comes twice in the batch (``is_repeated``): only then do the ends
-    # within the batch need a window of their own (``_ends_in_batch``).
+    # within the batch need a window of their own (``history._ends_in_batch``).
     repeats: bool
     # The smallest and largest key of the batch's changes when the key is one integer
     # column: Delta skips the files whose key range lies outside it (serial keys).
