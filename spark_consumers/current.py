@@ -24,12 +24,16 @@ from spark_consumers.changes import (
     key_match,
     newer,
     newer_than,
+    of_batch_keys,
     older_than,
     position_order,
 )
 from spark_consumers.table_memory import TableMemory
 from spark_consumers.tables import IS_TRUNCATE, TablePaths, current_struct, quote, tombstone_struct
 from spark_consumers.timings import BatchTimings
+
+# A key's newest stored delete, beside the batch's changes of the key.
+_DELETED_AT = "_deleted_at"
 
 
 class CurrentStateWriter:
@@ -68,76 +72,94 @@ class CurrentStateWriter:
     ) -> None:
         """Bring the current-state table to the newest change of every key in the batch.
 
-        ``held``: how many of the batch's keys the table holds. None (new serial keys, see
-        ``HistoryWriter._only_new_keys``, or ``HistoryWriter._stored_versions`` found none:
-        keys of concurrent transactions commit out of their serial order, and keys that are
-        not serial): the MERGE would only insert, and an append does that in one commit
-        without its jobs. All (updates and deletes of stored rows): the MERGE has no insert
-        clause. With one, Delta joins the batch to the table as an outer join whose outer
-        side is the batch, so Spark cannot send the small batch to every task and sorts the
-        whole table through a shuffle instead; without one the join is inner and the batch
-        is sent (50,000 updates of a 10M-row table: 11 s -> 7.7 s here).
-
+        ``held``: how many of the batch's keys the table holds (see ``_upsert``).
         ``unfilled``: ``rows`` before their TOAST placeholders were filled in, which is
         where the tombstones come from. Filling them in reads the current state, and once
         this writes it Spark computes every cached plan reading it again (it re-caches by
         path): the tombstones of a TOASTed table would pay the windows and the join once
         more. A delete's key and position are the same in both. ``after_tombstones``: every
         change of the batch is known to come after its key's newest tombstone."""
-        target = self._memory.target(self.paths.current, table, current_struct(table))
-        keys = list(table.key_columns)
-        current = DeltaTable.forPath(self.spark, self.paths.current)
-        tombstones = (
+        self._memory.target(self.paths.current, table, current_struct(table))
+        stones = (
             self._memory.target(self.paths.tombstones, table, tombstone_struct(table))
             if facts.has_deletes or facts.truncates or self._tombstones
             else None
         )
-        stones = DeltaTable.forPath(self.spark, self.paths.tombstones) if tombstones else None
         if facts.truncates:
-            latest_truncate = max(facts.truncates)
-            current.delete(older_than(latest_truncate))
+            current = DeltaTable.forPath(self.spark, self.paths.current)
+            current.delete(older_than(max(facts.truncates)))
         floor = max([*facts.truncates, *([self._floor] if self._floor else [])], default=None)
         deleted = None
-        if (
-            self._tombstones
-            and stones is not None
-            and held is not Held.NONE
-            and not after_tombstones
-        ):
-            # Tombstones are appended, so a key deleted several times has several: its
-            # newest delete is the one a change must come after. The history's write
-            # already compared every change with it when the history was appended.
-            # Read twice when the batch deletes (the MERGE's rows and the tombstones'), as
-            # the rare path it is: only batches that took the history's MERGE come here.
-            deleted = (
-                stones.toDF()
-                .where(~F.col(IS_TRUNCATE))
-                .groupBy(*[F.col(quote(k)) for k in keys])
-                .agg(F.max(F.struct(*position_order())).alias("_d"))
+        if held is not Held.NONE and not after_tombstones:
+            deleted = self._newest_deletes(unfilled, table, facts)
+        keys = list(table.key_columns)
+        self._upsert(_newest(rows, keys, floor, deleted), table, facts, timings, held)
+        if stones is not None:
+            self._remember_deletes(
+                _newest(unfilled, keys, floor, deleted), stones, table, facts, timings
             )
 
-        def newest(changes: DataFrame) -> DataFrame:
-            """Each key's newest change, if after the truncates and the key's deletes."""
-            latest = changes.where((F.col(s.OP) != "t") & F.col(NEXT_CHANGE).isNull())
-            if floor is not None:
-                latest = latest.where(newer_than(floor))
-            if deleted is not None:
-                latest = (
-                    latest.join(deleted, keys, "left")
-                    .where(F.col("_d").isNull() | (F.struct(*position_order()) > F.col("_d")))
-                    .drop("_d")
-                )
-            return latest
+    def _newest_deletes(
+        self, unfilled: DataFrame, table: s.TableSchema, facts: BatchFacts
+    ) -> DataFrame | None:
+        """Per key of the batch, the position of its newest stored delete, where one may
+        be newer than a change of the batch; None where none can be.
 
-        latest = newest(rows)
-        in_range = in_key_range(table, facts.key_range, "t.")
+        Only batches that took the history's MERGE come here (a late change, a truncate);
+        the history's write already compared every change of an appended batch with its
+        key's newest delete. Tombstones are appended, so a key deleted several times has
+        several. A tombstone before the batch's oldest change is before every change of
+        it, so when all are (``may_hold_batch``) none is read, and otherwise only those of
+        the batch's keys (``of_batch_keys``): they are a week of deletes until housekeeping
+        trims them. Read twice when the batch deletes (the MERGE's rows and the
+        tombstones'), as the rare path it is.
+        """
+        if not self._tombstones or not self._memory.may_hold_batch(
+            self.paths.tombstones, s.COMMIT_LSN, facts
+        ):
+            return None
+        keys = [F.col(quote(k)) for k in table.key_columns]
+        stored = (
+            DeltaTable.forPath(self.spark, self.paths.tombstones)
+            .toDF()
+            .where(~F.col(IS_TRUNCATE) & F.expr(in_key_range(table, facts.key_range)))
+        )
+        batch_keys = unfilled.where(F.col(s.OP) != "t").select(*keys).distinct()
+        return (
+            of_batch_keys(stored, batch_keys, facts.changes)
+            .groupBy(*keys)
+            .agg(F.max(F.struct(*position_order())).alias(_DELETED_AT))
+        )
+
+    def _upsert(
+        self,
+        latest: DataFrame,
+        table: s.TableSchema,
+        facts: BatchFacts,
+        timings: BatchTimings,
+        held: Held,
+    ) -> None:
+        """Each key's newest change into the current state.
+
+        ``held``: None (new serial keys, see ``HistoryWriter._only_new_keys``, or
+        ``HistoryWriter._stored_versions`` found none: keys of concurrent transactions
+        commit out of their serial order, and keys that are not serial): the MERGE would
+        only insert, and an append does that in one commit without its jobs. All (updates
+        and deletes of stored rows): the MERGE has no insert clause. With one, Delta joins
+        the batch to the table as an outer join whose outer side is the batch, so Spark
+        cannot send the small batch to every task and sorts the whole table through a
+        shuffle instead; without one the join is inner and the batch is sent (50,000
+        updates of a 10M-row table: 11 s -> 7.7 s here)."""
+        target = self._memory.target(self.paths.current, table, current_struct(table))
         if self.paths.current in self._memory.unwritten or held is Held.NONE:
             # What the MERGE would insert into a table without these keys, without its join.
             live = latest.where(F.col(s.OP) != "d")
             align(live, target).write.format("delta").mode("append").save(self.paths.current)
         else:
+            in_range = in_key_range(table, facts.key_range, "t.")
             merge = (
-                current.alias("t")
+                DeltaTable.forPath(self.spark, self.paths.current)
+                .alias("t")
                 .merge(
                     align(latest, target, (s.OP,)).alias("s"),
                     f"{key_match(table.key_columns)} AND {in_range}",
@@ -149,22 +171,43 @@ class CurrentStateWriter:
                 merge = merge.whenNotMatchedInsert(
                     condition=f"s.{quote(s.OP)} <> 'd'", values=assign(target)
                 )
-            result = merge.execute()
-            timings.merged(f"{table.name} current", result)
+            timings.merged(f"{table.name} current", merge.execute())
         self._memory.wrote(self.paths.current, facts)
-        if facts.has_deletes and tombstones is not None:
+
+    def _remember_deletes(
+        self,
+        latest: DataFrame,
+        stones: StructType,
+        table: s.TableSchema,
+        facts: BatchFacts,
+        timings: BatchTimings,
+    ) -> None:
+        """The batch's deleted keys and its last truncate into the tombstones."""
+        if facts.has_deletes:
             with timings.phase(f"{table.name} tombstones"):
-                _append_tombstones(newest(unfilled), tombstones, self.paths.tombstones)
+                _append_tombstones(latest, stones, self.paths.tombstones)
             self._tombstones = True
             self._memory.wrote(self.paths.tombstones, facts)
-        if (
-            stones is not None
-            and facts.truncates
-            and (self._floor is None or max(facts.truncates) > self._floor)
-        ):
+        if facts.truncates and (self._floor is None or max(facts.truncates) > self._floor):
             self._floor = max(facts.truncates)
-            _store_truncate(self.spark, stones, self._floor)
+            _store_truncate(
+                self.spark, DeltaTable.forPath(self.spark, self.paths.tombstones), self._floor
+            )
             self._memory.wrote(self.paths.tombstones, facts)
+
+
+def _newest(
+    changes: DataFrame, keys: list[str], floor: Position | None, deleted: DataFrame | None
+) -> DataFrame:
+    """Each key's newest change in the batch, if after the truncates (``floor``) and the
+    key's newest stored delete (``deleted``, from ``_newest_deletes``)."""
+    latest = changes.where((F.col(s.OP) != "t") & F.col(NEXT_CHANGE).isNull())
+    if floor is not None:
+        latest = latest.where(newer_than(floor))
+    if deleted is not None:
+        after = F.col(_DELETED_AT).isNull() | (F.struct(*position_order()) > F.col(_DELETED_AT))
+        latest = latest.join(deleted, keys, "left").where(after).drop(_DELETED_AT)
+    return latest
 
 
 def _append_tombstones(latest: DataFrame, target: StructType, path: str) -> None:

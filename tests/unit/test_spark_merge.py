@@ -363,6 +363,42 @@ def test_tombstones_are_read_only_when_one_may_be_newer_than_the_batch(
     assert stored_versions_jobs(deleted) > stored_versions_jobs(plain)
 
 
+def test_a_late_batch_reads_the_tombstones_only_when_one_may_be_newer_than_it(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late change takes the history's MERGE, and the current state's write then
+    compares each change with its key's newest stored delete: only where a tombstone may
+    be at or after the batch's oldest change (they are a week of deletes)."""
+    opened: list[str] = []
+
+    class Opening:
+        """``DeltaTable`` as the current-state write sees it, noting the tables it opens."""
+
+        isDeltaTable = staticmethod(DeltaTable.isDeltaTable)
+
+        @staticmethod
+        def forPath(session: SparkSession, path: str) -> DeltaTable:
+            opened.append(path)
+            return DeltaTable.forPath(session, path)
+
+    monkeypatch.setattr("spark_consumers.current.DeltaTable", Opening)
+    t = SynthTable("p", "public", "t", COLUMNS[:4])
+    h = Harness(spark, tmp_path, t)
+    tombstones = table_paths(h.settings.warehouse, "public.t").tombstones
+    h.run([r for k in (1, 2, 3) for r in t.change("c", row(k), 100, k, 1)])
+    h.run(t.change("d", {"id": 2}, 150, 1, 2))
+    h.run(t.change("u", row(1, "b"), 300, 1, 3))
+    opened.clear()
+    # Older than key 1's stored change, newer than every tombstone: none is read.
+    h.run(t.change("u", row(1, "a"), 200, 1, 4))
+    assert tombstones not in opened
+    assert h.current()[1]["name"] == "b"
+    # Older than key 2's delete: read, and the insert turned away.
+    h.run(t.change("c", row(2, "zombie"), 120, 1, 5))
+    assert tombstones in opened
+    assert sorted(h.current()) == [1, 3]
+
+
 @pytest.mark.parametrize("keys_sent", [True, False], ids=["batch-keys-sent", "batch-too-large"])
 def test_unchanged_toast_keeps_stored_value(
     spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keys_sent: bool
