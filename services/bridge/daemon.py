@@ -45,6 +45,7 @@ from services.bridge.receive.stream import ReplicationConnection, StreamError, d
 from services.bridge.session import STOP_GRACE_S, Session, SessionSetup
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink.errors import FencedError, SinkError
+from services.bridge.sink.kafka import KafkaSink
 from services.bridge.slot import SlotBusy, SlotClaim
 from services.bridge.snapshot.reader import ChunkReader, SnapshotBook
 from services.bridge.source import publication_dropped, slot_state
@@ -111,7 +112,7 @@ class Bridge:
         self._stop = threading.Event()
         self._health = _Health(last_loop=time.monotonic())
         self._sessions_streamed = 0
-        self._slot = SlotClaim(settings, self._known_wait)
+        self._slot = SlotClaim(settings, self._known_wait, self._fenced)
         self._setup: SessionSetup | None = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -335,9 +336,7 @@ class Bridge:
 
     def _superseded(self, session: Session) -> FencedError | None:
         """After the stream broke: whether a successor fenced this bridge (it may have
-        ended our walsender to take the slot over). Asked with this session's producer,
-        the one a successor fenced: a new producer would fence the successor instead. While
-        Kafka cannot answer, it keeps asking rather than start a session that could."""
+        ended our walsender to take the slot over), once the publisher has stopped."""
         publisher = session.publisher
         publisher.stop()
         publisher.join(STOP_GRACE_S)
@@ -345,26 +344,43 @@ class Bridge:
             return publisher.error
         if publisher.is_alive():
             return None  # its batch is stuck in Kafka; the session ends as before
+        return self._fenced(session.sink)
+
+    def _fenced(self, sink: KafkaSink) -> FencedError | None:
+        """Whether a successor fenced this bridge, asked with this session's producer: the
+        one a successor fenced, where a new producer would fence the successor in turn.
+        While Kafka cannot answer, it keeps asking rather than end the session, whose
+        successor would start with a new producer; a known wait, so the bridge stays
+        live meanwhile (a restart would register a new producer just the same). None once
+        the bridge is told to stop."""
         backoff = Backoff()
-        while not self._stop.is_set():
-            try:
-                session.sink.prove_not_fenced()
-                return None
-            except FencedError as exc:
-                return exc
-            except SinkError as exc:
-                if not exc.retryable:
-                    raise
-                wait_s = backoff.session_ended(False)
-                log_event(
-                    log,
-                    logging.WARNING,
-                    "session ended and Kafka cannot say yet whether another bridge took over; "
-                    "asking again before any new session",
-                    error=one_line(exc),
-                    retry_in_s=round(wait_s, 1),
-                )
-                self._stop.wait(wait_s)
+        with ExitStack() as waiting:
+            while not self._stop.is_set():
+                try:
+                    sink.prove_not_fenced()
+                    return None
+                except FencedError as exc:
+                    return exc
+                except SinkError as exc:
+                    if not exc.retryable:
+                        raise
+                    if not backoff.failures:
+                        waiting.enter_context(
+                            self._known_wait(
+                                "asking Kafka whether another bridge took the slot over, "
+                                "before any new session"
+                            )
+                        )
+                    wait_s = backoff.session_ended(False)
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "Kafka cannot say yet whether another bridge took the slot over; "
+                        "asking again before any new session",
+                        error=one_line(exc),
+                        retry_in_s=round(wait_s, 1),
+                    )
+                    self._stop.wait(wait_s)
         return None
 
     @contextmanager

@@ -19,7 +19,7 @@ from services.bridge.progress.origin import OriginStore
 from services.bridge.publish.publisher import HEARTBEAT_S
 from services.bridge.receive.stream import ReplicationConnection, StreamError
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink.errors import FencedError, SinkError
+from services.bridge.sink.errors import FencedError
 from services.bridge.sink.kafka import KafkaSink
 from services.bridge.source import check_slot, ensure_publication, slot_state
 from services.bridge.takeover import end_walsender, slot_holder
@@ -59,13 +59,19 @@ class SlotBusy(SourceError):
 
 class SlotClaim:
     """How a session gets its slot; ``known_wait`` marks a wait the source imposes (slot
-    creation waits for the transactions open at that moment) so health checks hold."""
+    creation waits for the transactions open at that moment) so health checks hold;
+    ``fenced`` asks Kafka with a session's producer whether a successor fenced it (the
+    daemon's ``Bridge._fenced``, which keeps asking while Kafka cannot answer)."""
 
     def __init__(
-        self, settings: BridgeSettings, known_wait: Callable[[str], AbstractContextManager[None]]
+        self,
+        settings: BridgeSettings,
+        known_wait: Callable[[str], AbstractContextManager[None]],
+        fenced: Callable[[KafkaSink], FencedError | None],
     ) -> None:
         self._settings = settings
         self._known_wait = known_wait
+        self._fenced = fenced
 
     def ensure(
         self,
@@ -164,14 +170,17 @@ class SlotClaim:
         A bridge that registered the transactional id after this one wins the race: it
         may have ended this session's walsender (``takeover``), which breaks the command
         with any error, or hold or have made the slot itself. Kafka is asked first, with
-        this session's producer (a new one would fence the winner in turn), so such a
-        loser stops with FencedError. Otherwise a slot held or just made by someone else is
-        SlotBusy, not a failure. Only while no other thread uses ``sink``.
+        this session's producer (a new one would fence the winner in turn), and asked
+        again while it cannot answer (``fenced``), so such a loser stops with FencedError.
+        Otherwise a slot held or just made by someone else is SlotBusy, not a failure. Only
+        while no other thread uses ``sink``.
         """
         try:
             yield
         except StreamError as exc:
-            self._stop_if_fenced(sink)
+            fenced = self._fenced(sink)
+            if fenced is not None:
+                raise fenced from None
             if exc.sqlstate == ObjectInUse.sqlstate:
                 state = slot_state(sql, self._settings.slot_name)
                 holder = state.active_pid if state is not None else None
@@ -181,17 +190,6 @@ class SlotClaim:
             if exc.sqlstate == DuplicateObject.sqlstate:  # both found no slot; the other made it
                 raise self._busy(sql, "another bridge that just created it") from None
             raise
-
-    @staticmethod
-    def _stop_if_fenced(sink: KafkaSink) -> None:
-        """FencedError if a newer bridge registered the transactional id; where Kafka cannot
-        say now, the replication command's own error stands."""
-        try:
-            sink.prove_not_fenced()
-        except FencedError:
-            raise
-        except SinkError:
-            pass
 
     def _busy(self, sql: psycopg.Connection[tuple[object, ...]], holder: str) -> SlotBusy:
         with sql.cursor() as cur:

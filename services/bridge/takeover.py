@@ -16,7 +16,7 @@ successor ends that walsender itself, but only
   ``insufficient_privilege``): otherwise the successor waits as before and says why.
 
 A predecessor that runs again finds its stream ended, asks Kafka with its old producer
-whether it was fenced, and stops (``Bridge._superseded``).
+whether it was fenced (``Bridge._fenced``), and stops.
 """
 
 from __future__ import annotations

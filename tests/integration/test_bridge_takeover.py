@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -124,6 +125,22 @@ def _creating_walsender(stack: Stack, slot: str) -> int | None:
     return None if row is None else row[0]
 
 
+@contextmanager
+def _creating_slot(stack: Stack, table: str, pipe: Pipeline) -> Iterator[psycopg.Connection]:
+    """``pipe`` started with a transaction open, once the creation of its slot, waiting for
+    that transaction, holds the slot; yields the transaction's connection."""
+    with psycopg.connect(stack.primary_dsn) as open_txn:
+        open_txn.execute(f"INSERT INTO {table} VALUES (1, 'open while creating')")
+        pipe.start()
+        pipe.wait_for_log(f"creating slot {pipe.name}", 120)
+        wait_for(
+            lambda: _creating_walsender(stack, pipe.name) is not None,
+            120,
+            "the slot to show while its creation waits",
+        )
+        yield open_txn
+
+
 def test_predecessor_still_creating_the_slot_is_taken_over(
     stack: Stack, table: str, tmp_path: Path
 ) -> None:
@@ -137,16 +154,8 @@ def test_predecessor_still_creating_the_slot_is_taken_over(
     old.workdir.mkdir()
     new = Pipeline(stack, [table], tmp_path / "new", name=old.name)
     new.workdir.mkdir()
-    with psycopg.connect(stack.primary_dsn) as open_txn:
-        open_txn.execute(f"INSERT INTO {table} VALUES (1, 'open while creating')")
-        try:
-            old.start()
-            old.wait_for_log(f"creating slot {old.name}", 120)
-            wait_for(
-                lambda: _creating_walsender(stack, old.name) is not None,
-                120,
-                "the slot to show while its creation waits",
-            )
+    try:
+        with _creating_slot(stack, table, old) as open_txn:
             new.start()
             new.wait_for_log("ended the walsender of the predecessor", 120)
             assert old.proc is not None
@@ -156,13 +165,59 @@ def test_predecessor_still_creating_the_slot_is_taken_over(
             )
             assert f"another bridge took over slot {old.name}" in line, line
             open_txn.commit()  # the successor's creation waits for it too
-            new.wait_for_log(" streaming slot=", 120)
-            sql(stack.primary_dsn, f"INSERT INTO {table} VALUES (2, 'streamed')")
-            new.wait_caught_up()
-            assert "created failover slot" in new.output(), new.output()[-3000:]
-            assert sorted(_ids(new, table)) == [1, 2]  # 1 from the initial snapshot
-            assert new.stop() == 0
-            new.audit()
-        finally:
-            new.kill()
-            old.cleanup()
+        new.wait_for_log(" streaming slot=", 120)
+        sql(stack.primary_dsn, f"INSERT INTO {table} VALUES (2, 'streamed')")
+        new.wait_caught_up()
+        assert "created failover slot" in new.output(), new.output()[-3000:]
+        assert sorted(_ids(new, table)) == [1, 2]  # 1 from the initial snapshot
+        assert new.stop() == 0
+        new.audit()
+    finally:
+        new.kill()
+        old.cleanup()
+
+
+def test_a_broken_slot_command_waits_for_kafka_to_say_whether_the_bridge_lost(
+    stack: Stack, table: str, tmp_path: Path
+) -> None:
+    """A replication command that breaks may have lost the slot to a successor, which only
+    Kafka can tell. While Kafka cannot answer, the bridge keeps asking (a known wait), where
+    it used to let the command's error stand and could start a session whose new producer
+    fences the successor. Here the slot's creation breaks while the broker is down and no
+    successor exists: once the broker is back, the bridge learns it was not fenced and
+    stops with the command's own error, as a bridge that never streamed does."""
+    old = Pipeline(stack, [table], tmp_path / "old")
+    old.workdir.mkdir()
+    # Each question then gives up after 10 s of the broker's absence, not 300.
+    old.extra["SLOTBRIDGE_KAFKA_TRANSACTION_TIMEOUT_MS"] = "10000"
+    kafka_down = False
+    try:
+        with _creating_slot(stack, table, old) as open_txn:
+            stack.kafka.stop()
+            kafka_down = True
+            sql(
+                stack.primary_dsn,
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                f"WHERE slot_name = '{old.name}'",
+            )
+            asking = "Kafka cannot say yet whether another bridge took the slot over"
+            proc = old.proc
+            assert proc is not None
+            wait_for(
+                lambda: old.output().count(asking) >= 2 or proc.poll() is not None,
+                300,
+                "two unanswered questions",
+            )
+            assert proc.poll() is None, old.output()[-3000:]
+            stack.kafka.start()
+            kafka_down = False
+            assert proc.wait(180) != 0, old.output()[-3000:]
+            line = one_line_error(
+                "\n".join(t for t in old.output().splitlines() if "[rdkafka#" not in t)
+            )
+            assert "another bridge took over" not in line, line
+            open_txn.rollback()
+    finally:
+        if kafka_down:
+            stack.kafka.start()
+        old.cleanup()
