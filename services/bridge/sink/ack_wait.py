@@ -56,7 +56,7 @@ class AckWait:
             "PostgreSQL meanwhile",
             waited_s=round(waited_s),
             waiting_for=what,
-            gives_up_in_s=round(self._timeout_s - waited_s),
+            gives_up_in_s=max(0, round(self._timeout_s - waited_s)),
             cause=cause,
         )
 
