@@ -572,12 +572,14 @@ class KafkaSink:
         if self._in_txn and age * 1000 > timeout_ms:
             # The coordinator aborts a transaction open past its timeout and fences the
             # producer: the error then reads "fenced", but nobody else took over.
+            # The brokers may also not have answered at all (down, cut off): then nobody
+            # has aborted it yet, and the coordinator will once it can.
             return SinkError(
                 f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
-                f"({timeout_ms} ms), and the broker aborted it; a new session publishes it "
-                "again. If the brokers acknowledged slowly, the earlier warnings say why; if they"
-                " are healthy, raise kafka_transaction_timeout_ms (at most the brokers' "
-                "transaction.max.timeout.ms) for batches this large"
+                f"({timeout_ms} ms), so the broker aborts it; a new session publishes what it "
+                "held again. If the brokers acknowledged slowly or not at all, the earlier "
+                "warnings say why; if they are healthy, raise kafka_transaction_timeout_ms (at "
+                "most the brokers' transaction.max.timeout.ms) for batches this large"
             )
         # A fenced producer's error often comes as a bare SystemError, or only as its
         # record's purge (_PURGE_QUEUE, the consequence): the producer's fatal error is the
