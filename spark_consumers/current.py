@@ -32,8 +32,8 @@ from spark_consumers.table_memory import TableMemory
 from spark_consumers.tables import IS_TRUNCATE, TablePaths, current_struct, quote, tombstone_struct
 from spark_consumers.timings import BatchTimings
 
-# A key's newest stored delete, beside the batch's changes of the key.
-_DELETED_AT = "_deleted_at"
+# A key's newest stored delete, beside the batch's changes of the key (``newest_deletes``).
+DELETED_AT = "_deleted_at"
 
 
 class CurrentStateWriter:
@@ -102,34 +102,19 @@ class CurrentStateWriter:
     def _newest_deletes(
         self, unfilled: DataFrame, table: s.TableSchema, facts: BatchFacts
     ) -> DataFrame | None:
-        """Per key of the batch, the position of its newest stored delete, where one may
-        be newer than a change of the batch; None where none can be.
+        """Per key of the batch, the position of its newest stored delete (``newest_deletes``);
+        None where none can be newer than a change of the batch.
 
         Only batches that took the history's MERGE come here (a late change, a truncate);
         the history's write already compared every change of an appended batch with its
-        key's newest delete. Tombstones are appended, so a key deleted several times has
-        several. A tombstone before the batch's oldest change is before every change of
-        it, so when all are (``may_hold_batch``) none is read, and otherwise only those of
-        the batch's keys (``of_batch_keys``): they are a week of deletes until housekeeping
-        trims them. Read twice when the batch deletes (the MERGE's rows and the
+        key's newest delete. Read twice when the batch deletes (the MERGE's rows and the
         tombstones'), as the rare path it is.
         """
-        if not self._tombstones or not self._memory.may_hold_batch(
-            self.paths.tombstones, s.COMMIT_LSN, facts
-        ):
+        if not self._tombstones:
             return None
         keys = [F.col(quote(k)) for k in table.key_columns]
-        stored = (
-            DeltaTable.forPath(self.spark, self.paths.tombstones)
-            .toDF()
-            .where(~F.col(IS_TRUNCATE) & F.expr(in_key_range(table, facts.key_range)))
-        )
         batch_keys = unfilled.where(F.col(s.OP) != "t").select(*keys).distinct()
-        return (
-            of_batch_keys(stored, batch_keys, facts.changes)
-            .groupBy(*keys)
-            .agg(F.max(F.struct(*position_order())).alias(_DELETED_AT))
-        )
+        return newest_deletes(self.spark, self.paths, self._memory, table, facts, batch_keys)
 
     def _upsert(
         self,
@@ -196,6 +181,39 @@ class CurrentStateWriter:
             self._memory.wrote(self.paths.tombstones, facts)
 
 
+def newest_deletes(
+    spark: SparkSession,
+    paths: TablePaths,
+    memory: TableMemory,
+    table: s.TableSchema,
+    facts: BatchFacts,
+    batch_keys: DataFrame,
+) -> DataFrame | None:
+    """Per key of ``batch_keys`` (the batch's distinct keys) the position of its newest
+    stored delete (``DELETED_AT``), for a table whose tombstones hold a deleted key; None
+    when no tombstone can be newer than a change of the batch.
+
+    Tombstones are appended, so a key deleted several times has several. A tombstone before
+    the batch's oldest change is before every change of it, so when all are
+    (``TableMemory.may_hold_batch``) none is read: in a stream's order there is none, and
+    the tombstones are a week of deletes until housekeeping trims them. Otherwise only
+    those of the batch's keys (``of_batch_keys``) within its key range are read.
+    """
+    if not memory.may_hold_batch(paths.tombstones, s.COMMIT_LSN, facts):
+        return None
+    keys = [F.col(quote(k)) for k in table.key_columns]
+    stored = (
+        DeltaTable.forPath(spark, paths.tombstones)
+        .toDF()
+        .where(~F.col(IS_TRUNCATE) & F.expr(in_key_range(table, facts.key_range)))
+    )
+    return (
+        of_batch_keys(stored, batch_keys, facts.changes)
+        .groupBy(*keys)
+        .agg(F.max(F.struct(*position_order())).alias(DELETED_AT))
+    )
+
+
 def _newest(
     changes: DataFrame, keys: list[str], floor: Position | None, deleted: DataFrame | None
 ) -> DataFrame:
@@ -205,8 +223,8 @@ def _newest(
     if floor is not None:
         latest = latest.where(newer_than(floor))
     if deleted is not None:
-        after = F.col(_DELETED_AT).isNull() | (F.struct(*position_order()) > F.col(_DELETED_AT))
-        latest = latest.join(deleted, keys, "left").where(after).drop(_DELETED_AT)
+        after = F.col(DELETED_AT).isNull() | (F.struct(*position_order()) > F.col(DELETED_AT))
+        latest = latest.join(deleted, keys, "left").where(after).drop(DELETED_AT)
     return latest
 
 

@@ -33,9 +33,9 @@ from spark_consumers.changes import (
     older_than,
     position_order,
 )
+from spark_consumers.current import DELETED_AT, newest_deletes
 from spark_consumers.table_memory import TableMemory
 from spark_consumers.tables import (
-    IS_TRUNCATE,
     TablePaths,
     current_struct,
     history_ends_struct,
@@ -48,7 +48,6 @@ _STORED = "_stored"
 _OLD_END = "_stored_valid_to"
 _FIRST = "_first_change"
 _LIVE_AT = "_current_position"
-_DELETED_AT = "_deleted_position"
 
 
 @dataclass(frozen=True)
@@ -199,24 +198,16 @@ class HistoryWriter:
             late = late | F.coalesce(F.col(_LIVE_AT) >= F.col(_FIRST), F.lit(False))
         else:
             checked = checked.withColumn(_LIVE_AT, F.lit(None).cast(POINT))
-        # A tombstone before the batch's oldest change is before every key's first change in
-        # it, so only a stored tombstone at or after that can make a change late: in a
-        # stream's order there is none, and the tombstones, a week of deletes until
-        # housekeeping trims them, are not read at all.
-        if tombstones and self._memory.may_hold_batch(self.paths.tombstones, s.COMMIT_LSN, facts):
-            deleted = (
-                of_batch_keys(
-                    DeltaTable.forPath(self.spark, self.paths.tombstones)
-                    .toDF()
-                    .where(~F.col(IS_TRUNCATE) & F.expr(in_key_range(table, facts.key_range))),
-                    batch_keys,
-                    facts.changes,
-                )
-                .groupBy(*by_key)
-                .agg(F.max(position).alias(_DELETED_AT))
-            )
+        # Only a stored tombstone at or after the batch's oldest change can make one of its
+        # changes late (``newest_deletes``).
+        deleted = (
+            newest_deletes(self.spark, self.paths, self._memory, table, facts, batch_keys)
+            if tombstones
+            else None
+        )
+        if deleted is not None:
             checked = checked.join(deleted.hint("merge"), keys, "left")
-            late = late | F.coalesce(F.col(_DELETED_AT) >= F.col(_FIRST), F.lit(False))
+            late = late | F.coalesce(F.col(DELETED_AT) >= F.col(_FIRST), F.lit(False))
         checked = checked.withColumn("_late", late).persist()
         summary = checked.agg(
             F.max(F.col("_late").cast("int")).alias("late"),
