@@ -249,6 +249,8 @@ class KafkaSink:
         self._failed_record: tuple[str, int] | None = None  # topic, bytes
         self._in_txn = False
         self._began = 0.0  # monotonic time the open transaction began
+        # Whether the open transaction is prove_not_fenced's: it holds no change to publish.
+        self._probing = False
         # A commit_transaction or abort_transaction that timed out: librdkafka refuses every
         # other transactional call (_CONFLICT) until this one is called again and finishes.
         self._unfinished: str | None = None
@@ -480,6 +482,7 @@ class KafkaSink:
         long as it was watched after a broker restart and a planned failover.
         """
         self.begin()
+        self._probing = True
         try:
             self.produce(self._settings.progress_topic, self._fence_probe_key, None)
             self._deliver_all()
@@ -488,6 +491,8 @@ class KafkaSink:
             failed = exc if isinstance(exc, SinkError) else self._classify(exc)
             self.abort()
             raise failed from None
+        finally:
+            self._probing = False
         self._in_txn = False
         try:
             # Not ``abort``, which forgets the partitions proven written (``FirstWrites``):
@@ -574,6 +579,13 @@ class KafkaSink:
             # producer: the error then reads "fenced", but nobody else took over.
             # The brokers may also not have answered at all (down, cut off): then nobody
             # has aborted it yet, and the coordinator will once it can.
+            if self._probing:
+                return SinkError(
+                    f"the check for a newer bridge held its Kafka transaction open {age:.0f}s, "
+                    f"past kafka_transaction_timeout_ms ({timeout_ms} ms), so the broker "
+                    "aborts it; it held one record, which the brokers acknowledged slowly or "
+                    "not at all: the earlier warnings say why"
+                )
             return SinkError(
                 f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
                 f"({timeout_ms} ms), so the broker aborts it; a new session publishes what it "
