@@ -34,12 +34,17 @@ from slotbridge_dev.stack.cluster import (
     wait_until,
 )
 from slotbridge_dev.stack.kafka import Kafka, has_broker, new_cluster_id
+from slotbridge_dev.stack.standby import (
+    clone_standby,
+    standby_status,
+    wait_for_standby_slot,
+    wait_streaming,
+)
 from slotbridge_dev.stack.upgrade import old_bin_dir, pg_upgrade, replace_data_dir
 
 __all__ = ["NODE_NAMES", "Stack", "StackError"]
 
 NODE_NAMES = ("primary", "standby", "subscriber")
-STANDBY_SLOT = "standby1"
 STATE_FILE = "stack.json"
 SUPPORTED = ("17", "18")
 
@@ -58,59 +63,6 @@ COMMON_SETTINGS: dict[str, object] = {
     "hot_standby": True,
     "log_line_prefix": "%m [%p] %q[%a] ",
 }
-
-# Not copied by a base backup: runtime state, and what the standby must rebuild itself
-# (its WAL comes by streaming, its synced slots from the slotsync worker).
-_SKIP_FILES = {
-    "postmaster.pid",
-    "postmaster.opts",
-    "backup_label",
-    "tablespace_map",
-    "standby.signal",
-    "recovery.signal",
-    "pg_internal.init",
-}
-_EMPTY_DIRS = {
-    "pg_wal",
-    "pg_replslot",
-    "pg_dynshmem",
-    "pg_notify",
-    "pg_serial",
-    "pg_snapshots",
-    "pg_stat_tmp",
-    "pg_subtrans",
-}
-
-
-def _copy_data_dir(src: Path, dst: Path) -> None:
-    """Copy a running cluster's folder; files vanishing mid-copy are fine under backup mode."""
-    for folder, dirs, files in os.walk(src):
-        rel = Path(folder).relative_to(src)
-        (dst / rel).mkdir(mode=0o700, exist_ok=True)
-        if rel.parts and rel.parts[0] in _EMPTY_DIRS:
-            # pg_wal keeps its subfolders (archive_status, summaries); an empty slot
-            # folder under pg_replslot would stop the clone from starting, so no subfolders.
-            if rel.parts[0] != "pg_wal":
-                dirs.clear()
-            continue
-        for name in files:
-            if name in _SKIP_FILES or name.startswith("pgsql_tmp"):
-                continue
-            source = Path(folder) / name
-            try:
-                if source.is_symlink():
-                    os.symlink(os.readlink(source), dst / rel / name)
-                else:
-                    shutil.copy2(source, dst / rel / name)
-            except FileNotFoundError:
-                continue
-
-
-def _wait_for_standby_slot(conn: psycopg.Connection[Any]) -> None:
-    """The primary sends logical changes only once the standby has them
-    (``synchronized_standby_slots``), so a promotion never leaves a failover slot behind."""
-    conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
-    conn.execute("SELECT pg_reload_conf()")
 
 
 class Stack:
@@ -367,7 +319,7 @@ class Stack:
             if fresh:
                 # ALTER SYSTEM, as an operator would; the standby inherits it through the
                 # file copy, which is the trap the failover runbook has to clean up.
-                _wait_for_standby_slot(conn)
+                wait_for_standby_slot(conn)
 
     def _standby_up(self) -> None:
         standby = self.node("standby")
@@ -376,23 +328,9 @@ class Stack:
             standby.shutdown()
             standby.wipe()
         if not standby.exists():
-            self._clone_standby()
+            clone_standby(self.node("primary"), standby, COMMON_SETTINGS)
         standby.start()
-        self._wait_streaming()
-
-    def _ensure_standby_slot(self, conn: psycopg.Connection[Any]) -> None:
-        """A fresh physical slot reserving WAL now, so the clone can stream from its start."""
-        row = conn.execute(
-            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (STANDBY_SLOT,)
-        ).fetchone()
-        if row is not None:
-            if row[0]:
-                raise StackError(
-                    f"primary: slot {STANDBY_SLOT} is still in use by another "
-                    "standby; stop it first"
-                )
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (STANDBY_SLOT,))
-        conn.execute("SELECT pg_create_physical_replication_slot(%s, true)", (STANDBY_SLOT,))
+        wait_streaming(standby)
 
     def rejoin_as_standby(self, name: str, primary_name: str) -> None:
         """Node ``name`` (an old primary after a failover drill) rebuilt as a standby of node
@@ -401,58 +339,11 @@ class Stack:
         node = self.node(name)
         node.shutdown()
         node.wipe()
-        self._clone_standby(primary_name, name)
+        clone_standby(self.node(primary_name), node, COMMON_SETTINGS)
         node.start()
-        self._wait_streaming(name)
+        wait_streaming(node)
         with self.node(primary_name).connect() as conn:
-            _wait_for_standby_slot(conn)
-
-    def _clone_standby(self, primary_name: str = "primary", standby_name: str = "standby") -> None:
-        primary, standby = self.node(primary_name), self.node(standby_name)
-        standby.make_dir()
-        say(f"{standby_name}: cloning {primary_name} (pg_backup_start / copy / pg_backup_stop)")
-        with primary.connect() as conn:
-            self._ensure_standby_slot(conn)
-            # Non-exclusive backup: it belongs to this session, which must also end it.
-            conn.execute("SELECT pg_backup_start('slotbridge standby', true)")
-            _copy_data_dir(primary.data_dir, standby.data_dir)
-            row = conn.execute("SELECT labelfile, spcmapfile FROM pg_backup_stop(false)").fetchone()
-        assert row is not None
-        label, spcmap = row
-        (standby.data_dir / "backup_label").write_text(label)
-        if spcmap:
-            (standby.data_dir / "tablespace_map").write_text(spcmap)
-        (standby.data_dir / "standby.signal").write_text("")
-        standby.write_config(
-            {
-                **COMMON_SETTINGS,
-                "primary_conninfo": f"{primary.dsn} application_name={standby_name}",
-                "primary_slot_name": STANDBY_SLOT,
-                "hot_standby_feedback": True,
-                "sync_replication_slots": True,
-            }
-        )
-        os.chmod(standby.data_dir, 0o700)
-        if standby.run_as is not None:
-            standby.run_as.chown_tree(standby.dir)
-
-    def _wait_streaming(self, name: str = "standby", timeout: float = 90) -> None:
-        standby = self.node(name)
-        say(f"{name}: waiting until it streams from the primary (up to {timeout:.0f}s)")
-
-        def streaming() -> bool:
-            if not standby.is_running():
-                raise StackError(f"{name}: postgres exited; log: {standby.log_path}")
-            try:
-                rows = standby.query("SELECT status FROM pg_stat_wal_receiver")
-            except (StackError, psycopg.Error):
-                return False
-            return rows == [("streaming",)]
-
-        if not wait_until(streaming, timeout, interval=0.5):
-            raise StackError(
-                f"{name}: never reached streaming within {timeout:.0f}s; log: {standby.log_path}"
-            )
+            wait_for_standby_slot(conn)
 
     # -- down -----------------------------------------------------------------------------
 
@@ -506,7 +397,7 @@ class Stack:
                 primary_lsn = self.node(name).query("SELECT pg_current_wal_lsn()::text")[0][0]
         for name in NODE_NAMES:
             if parts[name]["role"] == "standby":
-                parts[name].update(self._standby_status(self.node(name), primary_lsn))
+                parts[name].update(standby_status(self.node(name), primary_lsn))
         kafka = self.kafka
         parts["kafka"] = {
             "port": kafka.port,
@@ -539,32 +430,6 @@ class Stack:
             except (StackError, psycopg.Error):
                 pass
         return info
-
-    @staticmethod
-    def _standby_status(node: Node, primary_lsn: str | None) -> dict[str, Any]:
-        with node.connect() as conn:
-            receiver = conn.execute("SELECT status FROM pg_stat_wal_receiver").fetchone()
-            lag = None
-            if primary_lsn is not None:
-                lag_row = conn.execute(
-                    "SELECT pg_wal_lsn_diff(%s::pg_lsn, pg_last_wal_replay_lsn())::bigint",
-                    (primary_lsn,),
-                ).fetchone()
-                lag = lag_row[0] if lag_row else None
-            slots = conn.execute(
-                "SELECT slot_name, synced, temporary, invalidation_reason "
-                "FROM pg_replication_slots WHERE slot_type = 'logical' ORDER BY 1"
-            ).fetchall()
-        streaming = receiver is not None and receiver[0] == "streaming"
-        return {
-            "streaming": streaming,
-            "healthy": streaming,
-            "replay_lag_bytes": lag,
-            "synced_slots": [
-                {"name": n, "synced": s, "temporary": t, "invalidation_reason": r}
-                for n, s, t, r in slots
-            ],
-        }
 
     # -- failover slots -------------------------------------------------------------------
 
