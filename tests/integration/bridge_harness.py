@@ -586,9 +586,7 @@ class CounterWorkload(threading.Thread):
         for r in counters:
             seen.setdefault(r.value["after"]["k"], []).append(r.value["after"]["v"])
         for k, v in final.items():
-            assert seen.get(k) == list(range(v + 1)), (
-                f"key {k}: {seen.get(k, [])[:20]}... (source v={v})"
-            )
+            assert seen.get(k) == list(range(v + 1)), _counter_mismatch(k, seen.get(k, []), v)
         checked = len(counters)
         for table in [f"{self.schema}.log", *self.fresh]:
             source = [r[0] for r in sql(dsn, f"SELECT id FROM {table} ORDER BY id")]
@@ -604,3 +602,20 @@ class CounterWorkload(threading.Thread):
             )
             checked += len(records)
         return checked
+
+
+def _counter_mismatch(key: int, seen: list[int], final: int) -> str:
+    """What a counter's records got wrong against 0..final: values missing, values
+    published more than once, and the first place the order breaks."""
+    expected = list(range(final + 1))
+    counts: dict[int, int] = {}
+    for value in seen:
+        counts[value] = counts.get(value, 0) + 1
+    missing = [v for v in expected if v not in counts]
+    twice = sorted(v for v, n in counts.items() if n > 1)
+    first = next((i for i, (a, b) in enumerate(zip(seen, expected, strict=False)) if a != b), None)
+    around = seen[max(0, (first or 0) - 3) : (first or 0) + 5]
+    return (
+        f"key {key} (source v={final}, {len(seen)} records): missing {missing[:20]}, "
+        f"published more than once {twice[:20]}, order breaks at index {first}: {around}"
+    )
