@@ -36,8 +36,8 @@ def test_slot_reserve_is_exported_and_an_invalidated_slot_is_named(
     # than 1 MB behind at the checkpoint (a busy machine) loses it, and the primary then
     # holds every failover slot's changes back for that standby, for good ("physical
     # replication slot ... specified in synchronized_standby_slots has been invalidated"):
-    # a resync's snapshot then never sees its watermarks (a CI run stalled so). This test
-    # is about the bridge's slot alone.
+    # a resync's snapshot then never sees its watermarks (the likely cause of a CI run's
+    # stall; its logs were gone). This test is about the bridge's slot alone.
     sql(dsn, "ALTER SYSTEM RESET synchronized_standby_slots")
     sql(dsn, "SELECT pg_reload_conf()")
     sql(dsn, "CREATE TABLE filler (id bigserial PRIMARY KEY, pad text)")
