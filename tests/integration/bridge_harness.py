@@ -613,8 +613,13 @@ def _counter_mismatch(key: int, seen: list[int], final: int) -> str:
         counts[value] = counts.get(value, 0) + 1
     missing = [v for v in expected if v not in counts]
     twice = sorted(v for v, n in counts.items() if n > 1)
-    first = next((i for i, (a, b) in enumerate(zip(seen, expected, strict=False)) if a != b), None)
-    around = seen[max(0, (first or 0) - 3) : (first or 0) + 5]
+    # Where the records first differ; a list that only ends early or late differs where
+    # the shorter one ends.
+    first = next(
+        (i for i, (a, b) in enumerate(zip(seen, expected, strict=False)) if a != b),
+        min(len(seen), len(expected)),
+    )
+    around = seen[max(0, first - 3) : first + 5]
     return (
         f"key {key} (source v={final}, {len(seen)} records): missing {missing[:20]}, "
         f"published more than once {twice[:20]}, order breaks at index {first}: {around}"
