@@ -34,7 +34,7 @@ from types import FrameType
 
 from psycopg.errors import UndefinedObject
 
-from services.bridge.assemble.assembler import Assembler
+from services.bridge.assemble.reader import TransactionReader
 from services.bridge.assemble.spool import SpoolStats
 from services.bridge.metrics import BridgeMetrics, SnapshotCollector
 from services.bridge.poller import POLL_OPTIONS, CatalogPoller
@@ -57,6 +57,10 @@ from services.common.lsn import PG_EPOCH_UNIX_US, format_lsn
 from services.common.pg import SourceError, SourceRefused, connect, with_password
 
 log = logging.getLogger(__name__)
+
+# Spooled bytes of the transactions one read hands to the publisher at most: the queue's
+# bound (session._QUEUE_BYTES) is checked between reads, so it is overrun by less than this.
+_READ_BYTES = 4 * 1024 * 1024
 
 
 def retry_session(exc: BaseException, streamed: bool) -> bool:
@@ -401,8 +405,8 @@ class Bridge:
             self._health.last_loop = now
             if self._housekeeping(session, poller):
                 return  # the clean stop publishes the last chunk's batch, then drops the slot
-            reply = self._receive(repl, session.assembler, session.queue, position)
-            self._confirm(repl, session.assembler, tracker, position, reply, now)
+            reply = self._receive(session.reader, session.queue, position)
+            self._confirm(repl, session.reader, tracker, position, reply, now)
             in_flight = position.in_flight(tracker.published_lsn)
             self.metrics.lag_bytes.set(
                 max(0, position.received - tracker.published_lsn) if in_flight else 0
@@ -427,50 +431,35 @@ class Bridge:
         return self.settings.snapshot_mode == "initial_only" and not book.tables()
 
     def _receive(
-        self,
-        repl: ReplicationConnection,
-        assembler: Assembler,
-        queue: TxnQueue,
-        position: StreamPosition,
+        self, reader: TransactionReader, queue: TxnQueue, position: StreamPosition
     ) -> bool:
-        """Feed what the server sent to the assembler, sealed transactions to the
-        publisher, until a keepalive, a pause or a full queue; True if the server asked
-        for a reply."""
+        """Hand what the server sent, sealed into transactions, to the publisher, until a
+        keepalive, a pause or a full queue; True if the server asked for a reply."""
         if queue.full:
             self._stop.wait(0.05)  # back-pressure: the server waits, status goes on
             return False
-        received = position.received  # kept here per message, on the object once
-        try:
-            for kind, a, b, payload in repl.messages(0.1):
-                if kind == "w":
-                    if b > received:
-                        received = b
-                    txn = assembler.feed(a, payload)  # type: ignore[arg-type]
-                    if txn is not None:
-                        queue.put(txn)
-                        position.queued_end = txn.end_lsn
-                        # Only a put fills the queue: asked per transaction, not per message.
-                        if queue.full:
-                            break
-                else:
-                    received = max(received, a)
-                    position.idle_end = a
-                    return bool(payload)
-        finally:
-            position.received = received
-        return False
+        got = reader.read(0.1, _READ_BYTES)
+        if got.transactions:
+            queue.put_all(got.transactions)
+            position.queued_end = got.transactions[-1].end_lsn
+        if got.wal_end > position.received:
+            position.received = got.wal_end
+        if got.keepalive is None:
+            return False
+        position.idle_end, reply = got.keepalive
+        return reply
 
     def _confirm(
         self,
         repl: ReplicationConnection,
-        assembler: Assembler,
+        reader: TransactionReader,
         tracker: ConfirmTracker,
         position: StreamPosition,
         reply: bool,
         now: float,
     ) -> None:
         """Send a status update when one is due, confirming what ``feedback`` allows."""
-        confirm = position.to_confirm(tracker.confirmable(), tracker.published_lsn, assembler.idle)
+        confirm = position.to_confirm(tracker.confirmable(), tracker.published_lsn, reader.idle)
         if not position.status_due(confirm, reply, now, self.settings.status_interval_s):
             return
         confirm = max(confirm, position.sent)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import psycopg
 
+from services.bridge.assemble import reader
 from services.bridge.assemble.assembler import Assembler
+from services.bridge.assemble.reader import TransactionReader
 from services.bridge.assemble.spool import Spool, SpoolStats, prepare_spool_dir
 from services.bridge.decode import decoder
 from services.bridge.decode import messages as m
@@ -68,7 +70,7 @@ class Session:
     tracker: ConfirmTracker
     queue: TxnQueue
     publisher: Publisher
-    assembler: Assembler
+    reader: TransactionReader
 
 
 def stop_if_running(publisher: Publisher) -> None:
@@ -146,6 +148,7 @@ class SessionSetup:
         )
         ending.callback(assembler.discard_all)
         replay = PgOutputDecoder(4, parallel_abort=parallel)
+        stream_reader = TransactionReader(server.repl, assembler, s.spool_memory_bytes)
         publisher = Publisher(
             settings=s,
             sink=sink,
@@ -162,7 +165,7 @@ class SessionSetup:
             snapshot_added=s.snapshot_mode != "never"
             and not publishes_all_tables(sql, s.publication_name),
             published=lambda: {p.name for p in published_tables(sql, s.publication_name)},
-            receiving=lambda: assembler.mid_transaction,
+            receiving=lambda: stream_reader.mid_transaction,
         )
         ending.callback(stop_if_running, publisher)
         log_event(
@@ -174,12 +177,12 @@ class SessionSetup:
             system=identity.system_identifier,
             timeline=identity.timeline,
             high_water=format_lsn(mark),
-            compiled_hot_path=decoder.COMPILED and catalog.COMPILED,
+            compiled_hot_path=decoder.COMPILED and catalog.COMPILED and reader.COMPILED,
             snapshots=[
                 f"{e.schema_}.{e.table} ({e.id}, {e.chunks} chunks done)" for e in book.states()
             ],
         )
-        return Session(server, sink, book, tracker, queue, publisher, assembler)
+        return Session(server, sink, book, tracker, queue, publisher, stream_reader)
 
     def _builder(
         self, sql: psycopg.Connection[tuple[object, ...]], dbname: str, mark: int

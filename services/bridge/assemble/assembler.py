@@ -120,6 +120,13 @@ class Assembler:
         return self._current is not None
 
     @property
+    def between_transactions(self) -> bool:
+        """No regular transaction is open, no stream block under way and no relation waits
+        for the next transaction: a whole regular transaction may be read around the
+        assembler (``regular``)."""
+        return self._current is None and self._in_stream is None and not self._orphans
+
+    @property
     def idle(self) -> bool:
         """No transaction is open, streaming or prepared: confirming WAL end loses nothing."""
         return self._current is None and not self._streams and not self._prepared
@@ -185,6 +192,36 @@ class Assembler:
             case _:
                 raise AssemblyError(f"unexpected message {type(msg).__name__}")
         return None
+
+    def regular(
+        self,
+        xid: int,
+        commit_lsn: int,
+        end_lsn: int,
+        commit_ts: int,
+        entries: list[tuple[int, bytes]],
+        memory: int,
+    ) -> Transaction:
+        """A regular transaction read whole (``decode._runs``: Begin, row changes within
+        ``max_change_bytes`` and the spool's memory, Commit), as ``feed`` would have sealed
+        it; only ``between_transactions``."""
+        spool = self._new_spool(f"txn-{xid}")
+        spool.hold(entries, memory)
+        return Transaction(xid, commit_lsn, end_lsn, commit_ts, spool, False, _NONE_ABORTED)
+
+    def opened(self, xid: int, entries: list[tuple[int, bytes]], memory: int) -> None:
+        """A regular transaction whose Begin and first changes were read around the
+        assembler (``decode._runs``), left to ``feed`` from here; as ``regular``."""
+        if self._current is not None:
+            raise AssemblyError(f"Begin of {xid} while {self._current.xid} is still open")
+        spool = self._new_spool(f"txn-{xid}")
+        spool.hold(entries, memory)
+        self._current = _Open(xid, spool, False)
+
+    @property
+    def max_change(self) -> int | None:
+        """The largest row change spooled as it is (``oversized_stand_in``)."""
+        return self._max_change
 
     def discard_all(self) -> None:
         """Drop every buffered transaction (the session ends; the slot will resend them)."""

@@ -129,6 +129,14 @@ class Spool:
             raise _failed(self._directory, exc) from None
         self._disk += _HEADER.size + len(payload)
 
+    def hold(self, entries: list[tuple[int, bytes]], memory: int) -> None:
+        """Take the messages of a transaction read whole (``decode._runs``) into an empty
+        spool: ``memory``, their payloads' bytes, is within its memory limit."""
+        assert not self.count and memory <= self._memory_limit
+        self._entries = entries
+        self._memory = memory
+        self.count = len(entries)
+
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         # Iterators in C, not a generator: the event builder pulls every message through
         # here, and a Python frame resumed per message (two, for the file's) cost about a

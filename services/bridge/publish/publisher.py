@@ -116,9 +116,9 @@ class TxnQueue:
     """FIFO of sealed transactions (and snapshot requests, which keep their place in the
     stream), 'full' when the transactions hold too much memory.
 
-    One producer (the socket loop) and one consumer (the publisher), a put and a get per
-    source transaction: each item is kept with the bytes it counts for, worked out once,
-    and a put wakes the consumer only when it waits."""
+    One producer (the socket loop) and one consumer (the publisher), a get per source
+    transaction and a put per read of the stream: each item is kept with the bytes it
+    counts for, worked out once, and a put wakes the consumer only when it waits."""
 
     def __init__(self, max_bytes: int) -> None:
         self._items: collections.deque[tuple[object, int]] = collections.deque()
@@ -140,6 +140,15 @@ class TxnQueue:
         with self._cond:
             self._items.append((item, held))
             self._bytes += held
+            if self._waiting:
+                self._cond.notify()
+
+    def put_all(self, txns: list[Transaction]) -> None:
+        """``put`` each, under the lock once: the socket loop reads many at a time."""
+        items = [(txn, _held(txn)) for txn in txns]
+        with self._cond:
+            self._items.extend(items)
+            self._bytes += sum(held for _, held in items)
             if self._waiting:
                 self._cond.notify()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import select
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import psycopg
@@ -149,34 +149,53 @@ class ReplicationConnection:
 
         Yields ``('w', data_start, wal_end, payload)`` and ``('k', wal_end, 0, reply)``.
         """
-        conn = self.conn
         waited = False
         while True:
-            nbytes, data = conn.get_copy_data(1)
-            if nbytes == 0:
-                if waited:
-                    return
-                ready, _, _ = select.select([conn.socket], [], [], timeout_s)
+            message = self.next_message()
+            if message is not None:
+                yield message
+            elif waited or not self.wait(timeout_s):
+                return
+            else:
                 waited = True
-                if not ready:
-                    return
-                try:
-                    conn.consume_input()
-                except psycopg.OperationalError as exc:  # the connection broke
-                    raise StreamError(f"replication stream ended: {exc}") from None
-                continue
+
+    def next_message(self) -> tuple[str, int, int, bytes | bool] | None:
+        """The next message libpq holds, as ``messages`` yields it; None when it holds no
+        whole one (``wait`` for more)."""
+        while True:
+            nbytes, data = self.conn.get_copy_data(1)
+            if nbytes == 0:
+                return None
             if nbytes < 0:
-                raise self._stream_ended()
+                raise self.stream_ended()
             # One copy, of the payload only: a single message may be hundreds of MB (one
             # huge row), and each extra copy of it is that much more peak memory.
             raw = memoryview(data)
             kind = raw[0]
             if kind == 0x77:  # 'w'
                 start, end, _ = _XLOGDATA.unpack_from(raw, 1)
-                yield "w", start, end, raw[25:].tobytes()
-            elif kind == 0x6B:  # 'k'
+                return "w", start, end, raw[25:].tobytes()
+            if kind == 0x6B:  # 'k'
                 end, _, reply = _KEEPALIVE.unpack_from(raw, 1)
-                yield "k", end, 0, bool(reply)
+                return "k", end, 0, bool(reply)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the server to send more, and take it in; False
+        when nothing came."""
+        ready, _, _ = select.select([self.conn.socket], [], [], timeout_s)
+        if not ready:
+            return False
+        try:
+            self.conn.consume_input()
+        except psycopg.OperationalError as exc:  # the connection broke
+            raise StreamError(f"replication stream ended: {exc}") from None
+        return True
+
+    @property
+    def copy_data(self) -> Callable[[int], tuple[int, memoryview | bytes]]:
+        """psycopg's ``PGconn.get_copy_data`` of this stream, for a compiled reader of the
+        messages libpq holds (``decode._runs``), which frames them as ``next_message``."""
+        return self.conn.get_copy_data
 
     def send_status(self, written: int, flushed: int, reply: bool = False) -> None:
         msg = _STATUS.pack(b"r", written, flushed, flushed, now_pg_us(), 1 if reply else 0)
@@ -200,7 +219,8 @@ class ReplicationConnection:
     def _error(self) -> str:
         return self.conn.get_error_message().strip() or "connection lost"
 
-    def _stream_ended(self) -> StreamError:
+    def stream_ended(self) -> StreamError:
+        """The error that ends the stream once the server closed the COPY."""
         res = self.conn.get_result()
         if res is not None and res.error_message:
             return _failed("replication stream ended", res)
