@@ -18,7 +18,7 @@ from services.bridge.assemble.spool import Spool, SpoolStats
 from services.bridge.decode import _runs  # noqa: F401 - built wherever the tests run
 from services.bridge.decode import messages as m
 from services.bridge.decode.decoder import PgOutputDecoder
-from services.bridge.receive.stream import ReplicationConnection
+from services.bridge.receive.stream import ReplicationConnection, StreamError
 from tests.unit.pgoutput_builder import encode
 from tests.unit.replication import TS
 
@@ -33,9 +33,11 @@ class Buffered:
     in buffers ending after the frames ``cuts`` counts: 0 at each buffer's end, until
     ``wait``."""
 
-    def __init__(self, frames: list[bytes], cuts: set[int]) -> None:
+    def __init__(self, frames: list[bytes], cuts: set[int], ends: bool = False) -> None:
+        """``ends``: the server ends the COPY after the frames (-1, as libpq says it)."""
         self.frames = frames
         self.cuts = cuts
+        self.ends = ends
         self.at = 0
         self.blocked = False
 
@@ -43,7 +45,7 @@ class Buffered:
         if self.blocked:
             return 0, b""
         if self.at >= len(self.frames):
-            return (0, b"") if self.at == len(self.frames) else (-1, b"")
+            return (-1, b"") if self.ends else (0, b"")
         frame = self.frames[self.at]
         self.at += 1
         if self.at in self.cuts:
@@ -61,6 +63,8 @@ class FakeStream(ReplicationConnection):
         nbytes, data = self.buffered.get_copy_data(1)
         if nbytes == 0:
             return None
+        if nbytes < 0:
+            raise self.stream_ended()
         raw = bytes(data)
         if raw[0] == 0x77:
             start, end, _ = struct.unpack_from("!QQQ", raw, 1)
@@ -71,6 +75,9 @@ class FakeStream(ReplicationConnection):
     def wait(self, timeout_s: float) -> bool:
         self.buffered.blocked = False
         return self.buffered.at < len(self.buffered.frames)
+
+    def stream_ended(self) -> StreamError:
+        return StreamError("replication stream ended: the server closed the COPY")
 
     @property
     def copy_data(self):  # type: ignore[no-untyped-def]
@@ -285,3 +292,21 @@ def test_a_regular_transaction_is_read_whole(cuts: set[int], tmp_path: Path) -> 
     # A read takes what libpq holds, then what one wait brings: four buffers take three.
     assert arriving == ([True, True, False] if cuts else [False])
     assert reader.idle
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["reference", "compiled"])
+def test_the_end_of_the_stream_inside_a_transaction_ends_the_read(
+    compiled: bool, tmp_path: Path
+) -> None:
+    """The server closing the COPY mid-transaction is the stream's error on both paths, and
+    the transaction read so far is the assembler's (dropped with the session)."""
+    writer = StreamWriter(random.Random(2))
+    writer.send(m.Begin(writer.lsn + 0x40, TS, 901), m.Insert(None, OID, ["1", "a"]))
+    assembler = Assembler(
+        PgOutputDecoder(4).decode, lambda name: Spool(tmp_path, name, MEMORY, SpoolStats())
+    )
+    buffered = Buffered(writer.frames, set(), ends=True)
+    reader = TransactionReader(FakeStream(buffered), assembler, MEMORY, compiled=compiled)
+    with pytest.raises(StreamError, match="closed the COPY"):
+        reader.read(0, 1000)
+    assert assembler.mid_transaction and not reader.idle
