@@ -67,23 +67,15 @@ def _xlog(lsn: int, payload: bytes) -> bytes:
     return b"w" + struct.pack("!QQQ", lsn, lsn, 0) + payload
 
 
-class _Buffered(ReplicationConnection):
-    """The stream's reading part over in-memory frames, ``BUFFER`` bytes at a time."""
+class _Buffer:
+    """psycopg's ``get_copy_data(1)`` over in-memory frames, ``BUFFER`` bytes at a time."""
 
-    def __init__(self, frames: list[bytes]) -> None:  # no connection
+    def __init__(self, frames: list[bytes]) -> None:
         self.frames = frames
         self.at = 0
         self.held = 0  # bytes left of the current buffer
 
-    def next_message(self) -> tuple[str, int, int, bytes | bool] | None:
-        nbytes, data = self._get_copy_data(1)
-        if nbytes == 0:
-            return None
-        raw = memoryview(data)
-        start, end, _ = struct.unpack_from("!QQQ", raw, 1)
-        return "w", start, end, raw[25:].tobytes()
-
-    def _get_copy_data(self, _async: int) -> tuple[int, memoryview | bytes]:
+    def get_copy_data(self, _async: int) -> tuple[int, memoryview | bytes]:
         if self.held <= 0 or self.at >= len(self.frames):
             return 0, b""
         frame = self.frames[self.at]
@@ -91,13 +83,18 @@ class _Buffered(ReplicationConnection):
         self.held -= len(frame)
         return len(frame), memoryview(frame)
 
-    def wait(self, timeout_s: float) -> bool:
-        self.held = BUFFER
-        return self.at < len(self.frames)
 
-    @property
-    def copy_data(self):  # type: ignore[no-untyped-def]
-        return self._get_copy_data
+class _Buffered(ReplicationConnection):
+    """The stream over a ``_Buffer`` in place of libpq: its own framing reads it, and
+    ``wait`` fills the next buffer."""
+
+    def __init__(self, frames: list[bytes]) -> None:  # no connection
+        self.buffer = _Buffer(frames)
+        self.conn = self.buffer  # type: ignore[assignment]
+
+    def wait(self, timeout_s: float) -> bool:
+        self.buffer.held = BUFFER
+        return self.buffer.at < len(self.buffer.frames)
 
 
 def _run(frames: list[bytes], compiled: bool) -> float:
@@ -114,7 +111,7 @@ def _run(frames: list[bytes], compiled: bool) -> float:
         reader = TransactionReader(stream, assembler, SPOOL_MEMORY, compiled=compiled)
         queue = TxnQueue(1 << 40)
         started = time.process_time()
-        while stream.at < len(frames):
+        while stream.buffer.at < len(frames):
             got = reader.read(0, 4 * 1024 * 1024)
             queue.put_all(got.transactions)
         return time.process_time() - started
@@ -122,11 +119,11 @@ def _run(frames: list[bytes], compiled: bool) -> float:
 
 def _stand_in(frames: list[bytes]) -> float:
     """CPU seconds of the stand-in for ``get_copy_data`` alone."""
-    stream = _Buffered(frames)
+    buffer = _Buffer(frames)
     started = time.process_time()
-    while stream.at < len(frames):
-        stream.wait(0)
-        while stream.copy_data(1)[0]:
+    while buffer.at < len(frames):
+        buffer.held = BUFFER
+        while buffer.get_copy_data(1)[0]:
             pass
     return time.process_time() - started
 

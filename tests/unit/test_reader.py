@@ -54,23 +54,12 @@ class Buffered:
 
 
 class FakeStream(ReplicationConnection):
-    """The stream's reading part over ``Buffered``: ``wait`` opens the next buffer."""
+    """The stream over ``Buffered`` in place of libpq (its own framing, ``next_message``,
+    reads it): ``wait`` opens the next buffer."""
 
     def __init__(self, buffered: Buffered) -> None:  # no connection
         self.buffered = buffered
-
-    def next_message(self) -> tuple[str, int, int, bytes | bool] | None:
-        nbytes, data = self.buffered.get_copy_data(1)
-        if nbytes == 0:
-            return None
-        if nbytes < 0:
-            raise self.stream_ended()
-        raw = bytes(data)
-        if raw[0] == 0x77:
-            start, end, _ = struct.unpack_from("!QQQ", raw, 1)
-            return "w", start, end, raw[25:]
-        end, _, reply = struct.unpack_from("!QQB", raw, 1)
-        return "k", end, 0, bool(reply)
+        self.conn = buffered  # type: ignore[assignment]
 
     def wait(self, timeout_s: float) -> bool:
         self.buffered.blocked = False
@@ -78,10 +67,6 @@ class FakeStream(ReplicationConnection):
 
     def stream_ended(self) -> StreamError:
         return StreamError("replication stream ended: the server closed the COPY")
-
-    @property
-    def copy_data(self):  # type: ignore[no-untyped-def]
-        return self.buffered.get_copy_data
 
 
 def xlog(start: int, end: int, payload: bytes) -> bytes:

@@ -205,8 +205,7 @@ class Assembler:
         """A regular transaction read whole (``decode._runs``: Begin, row changes within
         ``max_change_bytes`` and the spool's memory, Commit), as ``feed`` would have sealed
         it; only ``between_transactions``."""
-        spool = self._new_spool(f"txn-{xid}")
-        spool.hold(entries, memory)
+        spool = self._holding(xid, entries, memory)
         return Transaction(xid, commit_lsn, end_lsn, commit_ts, spool, False, _NONE_ABORTED)
 
     def opened(self, xid: int, entries: list[tuple[int, bytes]], memory: int) -> None:
@@ -214,9 +213,13 @@ class Assembler:
         assembler (``decode._runs``), left to ``feed`` from here; as ``regular``."""
         if self._current is not None:
             raise AssemblyError(f"Begin of {xid} while {self._current.xid} is still open")
+        self._current = _Open(xid, self._holding(xid, entries, memory), False)
+
+    def _holding(self, xid: int, entries: list[tuple[int, bytes]], memory: int) -> Spool:
+        """A regular transaction's spool, holding what was read of it around the assembler."""
         spool = self._new_spool(f"txn-{xid}")
         spool.hold(entries, memory)
-        self._current = _Open(xid, spool, False)
+        return spool
 
     @property
     def max_change(self) -> int | None:
