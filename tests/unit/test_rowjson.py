@@ -132,21 +132,51 @@ def info_of(rel: m.Relation, facts: TableFacts | None = None) -> RelationInfo:
     return RelationCatalog("app", lambda oid: facts).apply(rel)
 
 
-# What RowPlan.records puts around a row (six pieces, four numbers): nothing, for the tests
+# What the compiled runs put around a row (six pieces, four numbers): nothing, for the tests
 # (the same for an insert, an update and a delete).
 SIX = (b"",) * 6
 # The numbers between them (indexes into lsn, total, order): the lsn twice, the orders.
 LSN_TWICE_AND_ORDERS = bytes((0, 0, 1, 2))
 
 
-def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
-    """``records`` of one Insert whose TupleData is ``data``: (value, key), or None when the
-    plan leaves it to the decoder."""
-    message = b"I" + struct.pack("!I", 16_401) + b"N" + data
-    kinds = (SIX, SIX, SIX, (b"",) * 7)
-    records, *_ = plan.records(
-        iter(()), 0, message, 1, kinds, 0, 0, "t", None, 1 << 30, 1, (), LSN_TWICE_AND_ORDERS
+def one_relation_runs(
+    plan: RowPlan,
+    items: Iterator[tuple[int, bytes]],
+    lsn: int,
+    payload: bytes,
+    kinds: tuple[tuple[bytes, ...], ...],
+    total: int = 0,
+    trailing: tuple[int, ...] = (),
+    slots: bytes = LSN_TWICE_AND_ORDERS,
+    limit: int = 10,
+) -> tuple[list[Any], int, int, tuple[int, Any] | None]:
+    """``_rowjson.runs`` over changes to relation 16401 alone, whose records go to topic
+    "t": (records, total, the topic's order, leftover)."""
+    version = object()  # what the catalogue holds: the runs check the plan is still its
+    per_table: dict[str, int] = {}
+    records, total, leftover = _rowjson.runs(
+        items,
+        lsn,
+        payload,
+        1,
+        {16_401: (version, plan, kinds, "t")},
+        {16_401: version},
+        per_table,
+        total,
+        None,
+        1 << 30,
+        limit,
+        trailing,
+        slots,
     )
+    return records, total, per_table.get("t", 0), leftover
+
+
+def in_place(plan: RowPlan, data: bytes) -> tuple[bytes, bytes | None] | None:
+    """The compiled runs' record of one Insert whose TupleData is ``data``: (value, key), or
+    None when the plan leaves it to the decoder."""
+    message = b"I" + struct.pack("!I", 16_401) + b"N" + data
+    records, *_ = one_relation_runs(plan, iter(()), 0, message, (SIX, SIX, SIX, (b"",) * 7))
     return (records[0][2], records[0][1]) if records else None
 
 
@@ -824,7 +854,7 @@ def test_transactions_after_the_first_read_in_place_equal_the_decoded(value_form
 
 
 def test_updates_and_deletes_are_read_in_place() -> None:
-    # RowPlan.records itself builds them (the test above would pass on the decoder alone).
+    # The compiled runs build them (the test above would pass on the decoder alone).
     info = info_of(relation((20, 25, 1184)))
     assert info.plan is not None
     kinds = ((b"",) * 6, (b"U",) + (b"",) * 5, (b"D",) + (b"",) * 5, (b"F",) + (b"",) * 6)
@@ -835,20 +865,8 @@ def test_updates_and_deletes_are_read_in_place() -> None:
     # the old row's.
     full = b"U" + relid + b"O" + tuple_data(["7", "o", None])
     full += b"N" + tuple_data(["7", m.UNCHANGED_TOAST, "2024-01-02 03:04:05+00"])
-    made, total, order, leftover = info.plan.records(
-        iter([(2, delete), (3, full)]),
-        1,
-        update,
-        1,
-        kinds,
-        0,
-        0,
-        "t",
-        None,
-        1 << 30,
-        10,
-        (),
-        LSN_TWICE_AND_ORDERS,
+    made, total, order, leftover = one_relation_runs(
+        info.plan, iter([(2, delete), (3, full)]), 1, update, kinds
     )
     key = b'{"c0_bigint":7}'
     # After the row: the lsn twice, total and per-table order (empty pieces between).
@@ -869,16 +887,86 @@ def test_updates_and_deletes_are_read_in_place() -> None:
     # The slots pick each number from the record's (lsn, total, order) and the run's own.
     slots = bytes((3, 0, 4, 3, 2))
     numbered = ((b"<",) + (b"|",) * 6,) * 3 + ((b"<",) + (b"|",) * 7,)
-    made, *_ = info.plan.records(
-        iter(()), 5, update, 1, numbered, 6, 0, "t", None, 1 << 30, 10, (70, 80), slots
-    )
+    made, *_ = one_relation_runs(info.plan, iter(()), 5, update, numbered, 6, (70, 80), slots)
     row = b'{"c0_bigint":7,"c1_text":"x","c2_timestamp with time zone":null}'
     assert made == [("t", key, b"<" + row + b"|70|5|80|70|1|", None)]
     for wrong in (bytes((5,)), bytes(17)):
         with pytest.raises((ValueError, TypeError)):
-            info.plan.records(
-                iter(()), 5, update, 1, numbered, 6, 0, "t", None, 1, 1, (70, 80), wrong
-            )
+            one_relation_runs(info.plan, iter(()), 5, update, numbered, 6, (70, 80), wrong)
+
+
+def test_runs_go_on_across_relations_and_stop_where_no_current_plan_reads() -> None:
+    # One call builds a transaction's runs one after the other, each relation's records
+    # numbered in its own topic, and stops at a relation without a plan, or whose plan is
+    # not the catalogue's version any more (a Relation message changed it): the caller's.
+    plan = info_of(relation((20, 25))).plan
+    assert plan is not None
+    kinds = (SIX, SIX, SIX, (b"",) * 7)
+    a, b, c = (struct.pack("!I", oid) for oid in (1, 2, 3))
+
+    def insert(relid: bytes, i: int) -> bytes:
+        return b"I" + relid + b"N" + tuple_data([str(i), "x"])
+
+    va, vb, vc = object(), object(), object()
+    plans = {1: (va, plan, kinds, "ta"), 2: (vb, plan, kinds, "tb"), 3: (vc, plan, kinds, "tc")}
+    changes = [(2, insert(b, 2)), (3, insert(a, 3)), (4, insert(c, 4)), (5, insert(a, 5))]
+    per_table = {"ta": 7}
+    relations: dict[int, object] = {1: va, 2: vb, 3: object()}  # relation 3 changed since
+    made, total, leftover = _rowjson.runs(
+        iter(changes),
+        1,
+        insert(a, 1),
+        1,
+        plans,
+        relations,
+        per_table,
+        10,
+        None,
+        1 << 30,
+        100,
+        (),
+        LSN_TWICE_AND_ORDERS,
+    )
+    # After each row (empty pieces): its lsn twice, its total order and its topic's order.
+    assert [(t, v.rsplit(b"}", 1)[1]) for t, _, v, _ in made] == [
+        ("ta", b"11118"),
+        ("tb", b"22121"),
+        ("ta", b"33139"),
+    ]
+    assert (total, per_table, leftover) == (13, {"ta": 9, "tb": 1}, changes[2])
+    # A relation the plans do not name: nothing built, the caller's own change.
+    made, total, leftover = _rowjson.runs(
+        iter(changes),
+        1,
+        insert(b"\0\0\0\x09", 1),
+        1,
+        plans,
+        relations,
+        {},
+        0,
+        None,
+        1 << 30,
+        100,
+        (),
+        LSN_TWICE_AND_ORDERS,
+    )
+    assert (made, total, leftover) == ([], 0, None)
+    with pytest.raises(TypeError, match="a plan is"):
+        _rowjson.runs(
+            iter(()),
+            1,
+            insert(a, 1),
+            1,
+            {1: (va, plan, (SIX,), "ta")},
+            relations,
+            {},
+            0,
+            None,
+            1 << 30,
+            100,
+            (),
+            LSN_TWICE_AND_ORDERS,
+        )
 
 
 @pytest.mark.parametrize("value_format", FORMATS)

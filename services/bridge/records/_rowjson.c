@@ -1150,149 +1150,11 @@ static int append_record(PyObject *records, PyObject *topic, PyObject *key, PyOb
     return rc;
 }
 
-/* records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit,
-   trailing, slots) -> (records, total, order, leftover): the change records of a run of row
-   changes to one relation, as the builder's loop would make them one by one (a delete's record
-   followed by its tombstone), without a Python frame per row. A record's numbers are picked by
-   slots, each byte an index into (lsn, total + 1, order + 1, *trailing): the record's own and
-   the run's (the transaction's, the processing times), so that the pieces between them may be
-   the same for every transaction. kinds holds the pieces of an insert's, an update's and a
-   delete's record (2 + len(slots) each), and of an update's with its old row (one more, between
-   the rows). The run starts with (lsn, payload), a change whose relation oid starts at
-   payload[at], and goes on with the items the iterator gives while they are changes to the
-   same relation this reads in place (see change_frame), up to limit records. leftover is the
-   item taken from the iterator that the run stopped at, which the caller handles itself
-   (another message, a row only the decoder reads, a record over max_bytes), or None; with no
-   records, the caller's own (lsn, payload) is what it handles. */
-static PyObject *plan_records(RowPlan *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char usage[] =
-        "records(items, lsn: int, payload: bytes, at: int, kinds: tuple of four tuples of 2 + "
-        "len(slots) pieces (3 + for the fourth), total: int, order: int, topic: str, headers, "
-        "max_bytes: int, limit: int, trailing: tuple of ints, slots: bytes)";
-    if (nargs != 13 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
-        !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 4 || !PyTuple_Check(args[11]) ||
-        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 3 || !PyBytes_Check(args[12]) ||
-        PyBytes_GET_SIZE(args[12]) > MAX_NUMBERS) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
-    }
-    /* What the slots pick from: the record's lsn, total and per-table order, then the run's
-       trailing numbers. */
-    Number from[MAX_NUMBERS];
-    const Number *numbers[MAX_NUMBERS];
-    Py_ssize_t nfrom = 3 + PyTuple_GET_SIZE(args[11]);
-    for (Py_ssize_t j = 3; j < nfrom; j++) {
-        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 3));
-        if (v == (unsigned long long)-1 && PyErr_Occurred())
-            return NULL;
-        set_number(&from[j], v);
-    }
-    const unsigned char *slots = (const unsigned char *)PyBytes_AS_STRING(args[12]);
-    Py_ssize_t nnumbers = PyBytes_GET_SIZE(args[12]);
-    for (Py_ssize_t j = 0; j < nnumbers; j++) {
-        if (slots[j] >= nfrom) {
-            PyErr_SetString(PyExc_ValueError, "records: a slot past the numbers");
-            return NULL;
-        }
-        numbers[j] = &from[slots[j]];
-    }
-    PyObject *items = args[0], *payload = args[2], *kinds = args[4];
-    PyObject *topic = args[7], *headers = args[8];
-    unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
-    Py_ssize_t at = PyLong_AsSsize_t(args[3]);
-    unsigned long long total = PyLong_AsUnsignedLongLong(args[5]);
-    unsigned long long order = PyLong_AsUnsignedLongLong(args[6]);
-    Py_ssize_t max_bytes = PyLong_AsSsize_t(args[9]);
-    Py_ssize_t limit = PyLong_AsSsize_t(args[10]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (at < 1) {
-        PyErr_SetString(PyExc_ValueError, "records: at must be 1 or more");
-        return NULL;
-    }
-    for (Py_ssize_t k = 0; k < 4; k++) {
-        /* An update with its old row has that row and a piece more. */
-        Py_ssize_t npieces = nnumbers + (k == 3 ? 3 : 2);
-        PyObject *pieces = PyTuple_GET_ITEM(kinds, k);
-        if (!PyTuple_Check(pieces) || PyTuple_GET_SIZE(pieces) != npieces) {
-            PyErr_SetString(PyExc_TypeError, usage);
-            return NULL;
-        }
-        for (Py_ssize_t j = 0; j < npieces; j++)
-            if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j))) {
-                PyErr_SetString(PyExc_TypeError, "pieces must be bytes");
-                return NULL;
-            }
-    }
-    /* A message too short to be a row change: no records (the caller decodes it). */
-    unsigned char relid[4] = {0};
-    if (PyBytes_GET_SIZE(payload) >= at + 5)
-        memcpy(relid, PyBytes_AS_STRING(payload) + at, 4);
-    PyObject *records = PyList_New(0);
-    if (records == NULL)
-        return NULL;
-    PyObject *item = NULL; /* the item payload came from, once it came from the iterator */
-    int key_only, tombstone, two_rows;
-    PyObject *pieces =
-        change_frame(self, payload, at, relid, kinds, &key_only, &tombstone, &two_rows);
-    while (pieces != NULL) {
-        set_number(&from[0], lsn);
-        set_number(&from[1], total + 1);
-        set_number(&from[2], order + 1);
-        PyObject *value, *key;
-        int built = build_tuple(self, (const unsigned char *)PyBytes_AS_STRING(payload),
-                                PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
-                                key_only, two_rows, &value, &key);
-        if (built < 0)
-            goto error;
-        if (built == 0 || PyBytes_GET_SIZE(value) > max_bytes) {
-            if (built) {
-                Py_DECREF(value);
-                Py_DECREF(key);
-            }
-            break;
-        }
-        int rc = append_record(records, topic, key, value, headers);
-        if (rc == 0 && tombstone)
-            rc = append_record(records, topic, key, Py_None, headers);
-        Py_DECREF(value);
-        Py_DECREF(key);
-        if (rc < 0)
-            goto error;
-        total++;
-        order++;
-        Py_CLEAR(item);
-        if (PyList_GET_SIZE(records) >= limit)
-            break;
-        item = PyIter_Next(items);
-        if (item == NULL) {
-            if (PyErr_Occurred())
-                goto error;
-            break;
-        }
-        payload = spooled(item, &lsn);
-        pieces = payload == NULL
-                     ? NULL
-                     : change_frame(self, payload, at, relid, kinds, &key_only, &tombstone,
-                                    &two_rows);
-    }
-    /* item, if any, is the leftover: taken from the iterator but not built. */
-    return Py_BuildValue("(NKKN)", records, total, order, item != NULL ? item : Py_NewRef(Py_None));
-error:
-    Py_XDECREF(item);
-    Py_DECREF(records);
-    return NULL;
-}
-
 static PyMethodDef plan_methods[] = {
     {"record", (PyCFunction)(void (*)(void))plan_record, METH_FASTCALL,
      "record(values, pieces, numbers) -> (value, key JSON or None), or None for a row with "
      "a JSON null in a json column: pieces[0], the row, pieces[1], then each number "
      "followed by the next piece"},
-    {"records", (PyCFunction)(void (*)(void))plan_records, METH_FASTCALL,
-     "records(items, lsn, payload, at, kinds, total, order, topic, headers, max_bytes, limit, "
-     "trailing, slots) "
-     "-> (records, total, order, leftover): the records of a run of changes to one relation"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1307,6 +1169,239 @@ static PyTypeObject RowPlanType = {
     .tp_methods = plan_methods,
 };
 
+/* Whether kinds holds the pieces of an insert's, an update's and a delete's record
+   (2 + nnumbers bytes pieces each) and of an update's with its old row (one more). */
+static int kinds_fit(PyObject *kinds, Py_ssize_t nnumbers) {
+    if (!PyTuple_CheckExact(kinds) || PyTuple_GET_SIZE(kinds) != 4)
+        return 0;
+    for (Py_ssize_t k = 0; k < 4; k++) {
+        Py_ssize_t npieces = nnumbers + (k == 3 ? 3 : 2);
+        PyObject *pieces = PyTuple_GET_ITEM(kinds, k);
+        if (!PyTuple_Check(pieces) || PyTuple_GET_SIZE(pieces) != npieces)
+            return 0;
+        for (Py_ssize_t j = 0; j < npieces; j++)
+            if (!PyBytes_Check(PyTuple_GET_ITEM(pieces, j)))
+                return 0;
+    }
+    return 1;
+}
+
+/* What a run shares: where the numbers come from (the record's lsn, total and per-table
+   order, then the transaction's trailing numbers) and which goes where (slots). */
+typedef struct {
+    Number from[MAX_NUMBERS];
+    const Number *numbers[MAX_NUMBERS];
+    Py_ssize_t nnumbers;
+    Py_ssize_t at, max_bytes, limit;
+    PyObject *items, *headers, *records;
+} Runs;
+
+/* The records of a run of row changes to one relation, appended to runs->records as the
+   builder's loop would make them one by one (a delete's record followed by its tombstone):
+   from (*lsn, *payload) on, and on with the items the iterator gives while they are
+   changes to the same relation this plan reads in place (see change_frame), up to limit
+   records. On return *item is the item taken from the iterator that the run stopped at
+   (NULL: none, the iterator ended or the limit was reached), and (*lsn, *payload) its
+   change; with nothing appended, the change it started with. -1 on an error. */
+static int run_of(RowPlan *plan, Runs *runs, PyObject *kinds, PyObject *topic,
+                  unsigned long long *lsn_io, PyObject **payload_io, PyObject **item_io,
+                  unsigned long long *total_io, unsigned long long *order_io) {
+    /* Local copies, written back on the way out: the loop keeps them in registers. */
+    unsigned long long lsn = *lsn_io, total = *total_io, order = *order_io;
+    PyObject *payload = *payload_io, *item = *item_io, *records = runs->records;
+    PyObject *items = runs->items, *headers = runs->headers;
+    Number *from = runs->from;
+    const Number **numbers = runs->numbers;
+    Py_ssize_t at = runs->at, nnumbers = runs->nnumbers, max_bytes = runs->max_bytes;
+    Py_ssize_t limit = runs->limit;
+    int rc = 0;
+    unsigned char relid[4];
+    memcpy(relid, PyBytes_AS_STRING(payload) + at, 4);
+    int key_only, tombstone, two_rows;
+    PyObject *pieces =
+        change_frame(plan, payload, at, relid, kinds, &key_only, &tombstone, &two_rows);
+    while (pieces != NULL) {
+        set_number(&from[0], lsn);
+        set_number(&from[1], total + 1);
+        set_number(&from[2], order + 1);
+        PyObject *value, *key;
+        int built = build_tuple(plan, (const unsigned char *)PyBytes_AS_STRING(payload),
+                                PyBytes_GET_SIZE(payload), at + 5, pieces, numbers, nnumbers,
+                                key_only, two_rows, &value, &key);
+        if (built < 0) {
+            rc = -1;
+            break;
+        }
+        if (built == 0 || PyBytes_GET_SIZE(value) > max_bytes) {
+            if (built) {
+                Py_DECREF(value);
+                Py_DECREF(key);
+            }
+            break;
+        }
+        rc = append_record(records, topic, key, value, headers);
+        if (rc == 0 && tombstone)
+            rc = append_record(records, topic, key, Py_None, headers);
+        Py_DECREF(value);
+        Py_DECREF(key);
+        if (rc < 0)
+            break;
+        total++;
+        order++;
+        Py_CLEAR(item);
+        if (PyList_GET_SIZE(records) >= limit)
+            break;
+        item = PyIter_Next(items);
+        if (item == NULL) {
+            rc = PyErr_Occurred() ? -1 : 0;
+            break;
+        }
+        payload = spooled(item, &lsn);
+        pieces = payload == NULL ? NULL
+                                 : change_frame(plan, payload, at, relid, kinds, &key_only,
+                                                &tombstone, &two_rows);
+    }
+    *lsn_io = lsn;
+    *total_io = total;
+    *order_io = order;
+    *payload_io = payload;
+    *item_io = item;
+    return rc;
+}
+
+/* The relation (info, plan, kinds, topic) of plans that reads payload's row change in
+   place: the one its relation oid (at payload[at]) names, if it is still the catalogue's
+   (relations[oid] is its info). NULL without an error where there is none; a TypeError
+   for an entry of another shape. */
+static PyObject *plan_of(PyObject *payload, Py_ssize_t at, PyObject *plans, PyObject *relations,
+                         Py_ssize_t nnumbers) {
+    if (payload == NULL || !PyBytes_CheckExact(payload) || PyBytes_GET_SIZE(payload) < at + 5)
+        return NULL;
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(payload) + at;
+    PyObject *oid = PyLong_FromUnsignedLong(((unsigned long)p[0] << 24) | (p[1] << 16) |
+                                            (p[2] << 8) | p[3]);
+    if (oid == NULL)
+        return NULL;
+    PyObject *entry = PyDict_GetItemWithError(plans, oid);
+    PyObject *info = entry == NULL ? NULL : PyDict_GetItemWithError(relations, oid);
+    Py_DECREF(oid);
+    if (info == NULL)
+        return NULL;
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 ||
+        !PyObject_TypeCheck(PyTuple_GET_ITEM(entry, 1), &RowPlanType) ||
+        !kinds_fit(PyTuple_GET_ITEM(entry, 2), nnumbers) ||
+        !PyUnicode_CheckExact(PyTuple_GET_ITEM(entry, 3))) {
+        PyErr_SetString(PyExc_TypeError, "runs: a plan is (info, RowPlan, four tuples of "
+                                         "2 + len(slots) pieces (3 + for the fourth), topic)");
+        return NULL;
+    }
+    return PyTuple_GET_ITEM(entry, 0) == info ? entry : NULL;
+}
+
+/* runs(items, lsn, payload, at, plans, relations, per_table, total, headers, max_bytes, limit,
+   trailing, slots) -> (records, total, leftover): the change records of a transaction's row
+   changes from (lsn, payload) on, run after run (a run: consecutive changes to one relation,
+   see run_of), without a Python frame per row or per run. plans maps a relation oid to
+   (info, plan, kinds, topic): the relation version (it must still be relations[oid], the
+   catalogue's), its RowPlan, the pieces of its records and their topic. per_table maps a
+   topic to its records' data_collection_order so far, and is kept up to date.
+   A record's numbers are picked by slots, each byte an index into (lsn, total + 1, order +
+   1, *trailing): the record's own and the transaction's, so that the pieces between them
+   may be the same for every transaction. kinds holds the pieces of an insert's, an
+   update's and a delete's record (2 + len(slots) each), and of an update's with its old
+   row (one more, between the rows). The runs stop at a change no plan reads in place (a
+   relation without a plan, another message, an update of the key, a record over
+   max_bytes) or after limit records. leftover is the item taken from the iterator where
+   they stopped, which the caller handles itself, or None; with no records, the caller's
+   own (lsn, payload) is what it handles. */
+static PyObject *transaction_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    static const char usage[] =
+        "runs(items, lsn: int, payload: bytes, at: int, plans: dict, relations: dict, "
+        "per_table: dict, total: int, headers, max_bytes: int, limit: int, trailing: tuple of "
+        "ints, slots: bytes)";
+    if (nargs != 13 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
+        !PyDict_CheckExact(args[4]) || !PyDict_CheckExact(args[5]) ||
+        !PyDict_CheckExact(args[6]) || !PyTuple_Check(args[11]) ||
+        PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 3 || !PyBytes_Check(args[12]) ||
+        PyBytes_GET_SIZE(args[12]) > MAX_NUMBERS) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    Runs runs;
+    Py_ssize_t nfrom = 3 + PyTuple_GET_SIZE(args[11]);
+    for (Py_ssize_t j = 3; j < nfrom; j++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[11], j - 3));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        set_number(&runs.from[j], v);
+    }
+    const unsigned char *slots = (const unsigned char *)PyBytes_AS_STRING(args[12]);
+    runs.nnumbers = PyBytes_GET_SIZE(args[12]);
+    for (Py_ssize_t j = 0; j < runs.nnumbers; j++) {
+        if (slots[j] >= nfrom) {
+            PyErr_SetString(PyExc_ValueError, "runs: a slot past the numbers");
+            return NULL;
+        }
+        runs.numbers[j] = &runs.from[slots[j]];
+    }
+    PyObject *payload = args[2], *plans = args[4], *relations = args[5], *per_table = args[6];
+    runs.items = args[0];
+    runs.headers = args[8];
+    unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
+    runs.at = PyLong_AsSsize_t(args[3]);
+    unsigned long long total = PyLong_AsUnsignedLongLong(args[7]);
+    runs.max_bytes = PyLong_AsSsize_t(args[9]);
+    runs.limit = PyLong_AsSsize_t(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (runs.at < 1) {
+        PyErr_SetString(PyExc_ValueError, "runs: at must be 1 or more");
+        return NULL;
+    }
+    runs.records = PyList_New(0);
+    if (runs.records == NULL)
+        return NULL;
+    PyObject *item = NULL; /* the item payload came from, once it came from the iterator */
+    for (;;) {
+        PyObject *entry = plan_of(payload, runs.at, plans, relations, runs.nnumbers);
+        if (entry == NULL) {
+            if (PyErr_Occurred())
+                goto error;
+            break;
+        }
+        PyObject *topic = PyTuple_GET_ITEM(entry, 3);
+        PyObject *so_far = PyDict_GetItemWithError(per_table, topic);
+        if (so_far == NULL && PyErr_Occurred())
+            goto error;
+        unsigned long long order = so_far == NULL ? 0 : PyLong_AsUnsignedLongLong(so_far);
+        if (order == (unsigned long long)-1 && PyErr_Occurred())
+            goto error;
+        /* The entry is the plans dict's: held while its run may call back into Python. */
+        Py_INCREF(entry);
+        Py_ssize_t before = PyList_GET_SIZE(runs.records);
+        int rc = run_of((RowPlan *)PyTuple_GET_ITEM(entry, 1), &runs, PyTuple_GET_ITEM(entry, 2),
+                        topic, &lsn, &payload, &item, &total, &order);
+        int built = PyList_GET_SIZE(runs.records) > before;
+        if (rc == 0 && built) {
+            PyObject *count = PyLong_FromUnsignedLongLong(order);
+            rc = count == NULL ? -1 : PyDict_SetItem(per_table, topic, count);
+            Py_XDECREF(count);
+        }
+        Py_DECREF(entry);
+        if (rc < 0)
+            goto error;
+        /* Nothing built: the change is one this relation's plan leaves to the decoder. */
+        if (!built || item == NULL)
+            break;
+    }
+    /* item, if any, is the leftover: taken from the iterator but not built. */
+    return Py_BuildValue("(NKN)", runs.records, total, item != NULL ? item : Py_NewRef(Py_None));
+error:
+    Py_XDECREF(item);
+    Py_DECREF(runs.records);
+    return NULL;
+}
+
 /* accelerate_sha256(on: bool) -> bool: the hash kinds' SHA-256 with the CPU's SHA
    extensions (the default where it has them) or with the portable code; whether the
    extensions are now in use. For the tests, which hold both to Python's hmac. */
@@ -1318,6 +1413,10 @@ static PyObject *accelerate_sha256(PyObject *module, PyObject *on) {
 }
 
 static PyMethodDef module_methods[] = {
+    {"runs", (PyCFunction)(void (*)(void))transaction_runs, METH_FASTCALL,
+     "runs(items, lsn, payload, at, plans, relations, per_table, total, headers, max_bytes, "
+     "limit, trailing, slots) -> (records, total, leftover): the records of a transaction's "
+     "row changes, run after run"},
     {"accelerate_sha256", (PyCFunction)accelerate_sha256, METH_O,
      "accelerate_sha256(on) -> whether the CPU's SHA extensions are in use"},
     {NULL, NULL, 0, NULL},

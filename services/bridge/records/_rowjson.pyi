@@ -1,4 +1,4 @@
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 class RowPlan:
@@ -20,22 +20,21 @@ class RowPlan:
     def record(
         self, values: Sequence[str | None], pieces: tuple[bytes, ...], numbers: tuple[int, ...], /
     ) -> tuple[bytes, bytes | None] | None: ...
-    def records(
-        self,
-        items: Iterator[tuple[int, Any]],
-        lsn: int,
-        payload: bytes,
-        at: int,
-        kinds: tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]],
-        total: int,
-        order: int,
-        topic: str,
-        headers: Any,
-        max_bytes: int,
-        limit: int,
-        trailing: tuple[int, ...],
-        slots: bytes,
-        /,
-    ) -> tuple[list[Any], int, int, tuple[int, Any] | None]: ...
 
+def runs(
+    items: Iterator[tuple[int, Any]],
+    lsn: int,
+    payload: bytes,
+    at: int,
+    plans: Mapping[int, tuple[Any, RowPlan, tuple[tuple[bytes, ...], ...], str]],
+    relations: Mapping[int, Any],
+    per_table: dict[str, int],
+    total: int,
+    headers: Any,
+    max_bytes: int,
+    limit: int,
+    trailing: tuple[int, ...],
+    slots: bytes,
+    /,
+) -> tuple[list[Any], int, tuple[int, Any] | None]: ...
 def accelerate_sha256(on: bool, /) -> bool: ...

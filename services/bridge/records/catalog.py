@@ -46,9 +46,12 @@ from services.contract.records import TOAST_PLACEHOLDER
 from services.contract.topics import table_topic
 
 try:
-    from services.bridge.records._rowjson import RowPlan
+    # Re-exported (``as``): the builder runs the compiled runs over these plans.
+    from services.bridge.records._rowjson import RowPlan as RowPlan
+    from services.bridge.records._rowjson import runs as runs
 except ImportError:  # installed where no C compiler was at hand: rows are built in Python
     RowPlan = None  # type: ignore[assignment,misc]
+    runs = None  # type: ignore[assignment]
 COMPILED = RowPlan is not None
 
 _dumps = orjson.dumps

@@ -510,16 +510,13 @@ class DebeziumEventBuilder(EventBuilder):
             info.oid, self._source_pieces(info, txn.xid, txn.commit_ts, b"false")
         )
 
-    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
+    def _row_pieces(self, info: RelationInfo) -> RowPieces:
         """What the compiled plan puts around the rows and the numbers (``_run_numbers``)
         of an insert, of an update without an old tuple, of a delete and of an update with
         its old row: ``_envelope``'s bytes cut at them, the same for a relation version in
         every transaction but the first (whose sequence names no previous commit)."""
         shape = self._shape(info)
-        pieces = txn.row_pieces[info.oid] = (
-            shape.compiled if self.last_end_lsn is not None else shape.compiled_first
-        )
-        return pieces
+        return shape.compiled if self.last_end_lsn is not None else shape.compiled_first
 
     def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
         """The slots and numbers of ``_row_pieces``' records: the transaction's (its

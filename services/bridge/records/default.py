@@ -40,8 +40,6 @@ class DefaultEventBuilder(EventBuilder):
         # Relation oid -> (the version, its source block's two templates): the same for
         # every transaction, and made again only for a new version.
         self._source_templates: dict[int, tuple[RelationInfo, bytes, bytes]] = {}
-        # Relation oid -> (the version, its compiled records' pieces), likewise.
-        self._version_pieces: dict[int, tuple[RelationInfo, RowPieces]] = {}
 
     def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
         """The transaction's xid, commit LSN, commit time and processing time, so that a
@@ -158,14 +156,10 @@ class DefaultEventBuilder(EventBuilder):
             raise self._too_large(info, lsn, len(out))
         return out
 
-    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
+    def _row_pieces(self, info: RelationInfo) -> RowPieces:
         """``_VALUE`` cut at the rows and the numbers, the same for a relation version in
-        every transaction, so made once."""
-        made = self._version_pieces.get(info.oid)
-        if made is None or made[0] is not info:
-            made = self._version_pieces[info.oid] = (info, _compiled_pieces(self, info))
-        pieces = txn.row_pieces[info.oid] = made[1]
-        return pieces
+        every transaction."""
+        return _compiled_pieces(self, info)
 
     def _pieces(self, txn: Txn, info: RelationInfo) -> tuple[bytes, bytes]:
         """The ``source`` block of a relation's records in ``txn``, before and after lsn."""

@@ -23,7 +23,7 @@ import orjson
 
 from services.bridge.decode import messages as m
 from services.bridge.decode.decoder import change_relid_at, in_place_change_relation
-from services.bridge.records.catalog import COMPILED, RelationCatalog, RelationInfo
+from services.bridge.records.catalog import COMPILED, RelationCatalog, RelationInfo, RowPlan, runs
 from services.bridge.records.masking import (
     drop_column,
 )
@@ -82,9 +82,6 @@ class Txn:
     now_ms: int
     txid: bytes  # "xid:commit_lsn", encoded once for all its records
     templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
-    # Relation oid -> the pieces of its insert, update and delete records for the compiled
-    # builder (see ``EventBuilder._row_pieces``).
-    row_pieces: dict[int, RowPieces] = field(default_factory=dict)
     # Its xid, commit LSN and commit time as text, for the source blocks.
     source_numbers: tuple[bytes, bytes, bytes] | None = None
     # Change records so far: in all (total_order), and per topic (data_collection_order).
@@ -98,10 +95,13 @@ class Txn:
         return self.total, order
 
 
-# What RowPlan.records puts around the row and the numbers (``EventBuilder._run_numbers``) of an
-# insert's, an update's and a delete's record, and around the rows and the numbers of an
+# What the compiled runs put around the row and the numbers (``EventBuilder._run_numbers``) of
+# an insert's, an update's and a delete's record, and around the rows and the numbers of an
 # update's with its old row (REPLICA IDENTITY FULL): a piece more.
 RowPieces = tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]
+# A relation version the compiled runs build the records of: itself (the runs check that it
+# is still the catalogue's), its plan, its records' pieces and their topic.
+CompiledRelation = tuple[RelationInfo, RowPlan, RowPieces, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ class Undecoded:
     decode: Callable[[bytes], m.Message]
 
 
-# Most records one RowPlan.records call builds: a run of inserts waits in memory as records
+# Most records one compiled ``runs`` call builds: a run of inserts waits in memory as records
 # until the sink takes them, so this bounds that memory (about 0.5 MB of 500-byte values).
 _RUN = 1024
 
@@ -149,6 +149,8 @@ class EventBuilder(abc.ABC):
         self.schema_topic = schema_topic(topic_prefix)
         self.transaction_topic = transaction_topic(topic_prefix)
         self.message_topic = message_topic(topic_prefix)
+        # Relation oid -> what the compiled runs build its records with (``_compiled``).
+        self._compiled_relations: dict[int, CompiledRelation] = {}
         # One handler per message class: a dict lookup rather than an isinstance chain,
         # which every row change would walk.
         self._handlers: dict[type, Callable[[Txn, int, Any], Sequence[Record]]] = {
@@ -205,6 +207,9 @@ class EventBuilder(abc.ABC):
                 lsn, msg = left
             yield from handlers[msg.__class__](txn, lsn, msg)
         yield self._transaction_record("END", txn)
+        if (end_lsn is None) != (self.last_end_lsn is None):
+            # A format's pieces may name the previous transaction (Debezium's sequence).
+            self._compiled_relations.clear()
         self.last_end_lsn = end_lsn
 
     def _compiled_runs(
@@ -215,47 +220,60 @@ class EventBuilder(abc.ABC):
         payload: bytes,
         undecoded: Undecoded,
     ) -> Generator[Record, None, tuple[int, m.Message] | None]:
-        """Records of runs of row changes to tables the compiled plan covers, each run made
-        in one call that reads their TupleData in place; a run ends at a change to another
-        table, where the next run starts. Returns the first message no run takes (another
-        kind, a row the plan does not read, a record over the limit), decoded, with its LSN,
-        to be handled as any decoded message; None when a run ended with nothing left over
-        (the caller's loop goes on with ``changes``)."""
-        # What every run of the call shares, looked up once: an OLTP transaction is a run
-        # per table it touches, each a change long.
+        """Records of runs of row changes to tables the compiled plan covers, as many runs
+        as follow each other in one call that reads their TupleData in place (``runs``).
+        Returns the first message no run takes (another kind, a row the plan does not read,
+        a record over the limit), decoded, with its LSN, to be handled as any decoded
+        message; None when the runs ended with nothing left over (the caller's loop goes on
+        with ``changes``)."""
         streamed = undecoded.streamed
         relid_at = change_relid_at(streamed)
-        by_oid, row_pieces, per_table = self.catalog.by_oid, txn.row_pieces, txn.per_table
-        headers, limit = self.headers, self.max_record_bytes
+        by_oid, compiled = self.catalog.by_oid, self._compiled_relations
         slots, trailing = self._run_numbers(txn)
         while True:
-            oid = in_place_change_relation(payload, streamed)
-            target = by_oid.get(oid) if oid is not None else None
-            if target is None or target.plan is None:
-                return lsn, undecoded.decode(payload)
-            topic = target.topic
-            built, txn.total, order, leftover = target.plan.records(
+            built, txn.total, leftover = runs(
                 changes,
                 lsn,
                 payload,
                 relid_at,
-                row_pieces.get(target.oid) or self._row_pieces(txn, target),
+                compiled,
+                by_oid,
+                txn.per_table,
                 txn.total,
-                per_table.get(topic, 0),
-                topic,
-                headers,
-                limit,
+                self.headers,
+                self.max_record_bytes,
                 _RUN,
                 trailing,
                 slots,
             )
             if not built:
-                return lsn, undecoded.decode(payload)
-            per_table[topic] = order
+                # A relation whose plan the runs do not know yet takes them on its first
+                # change; anything else is the decoder's.
+                oid = in_place_change_relation(payload, streamed)
+                target = by_oid.get(oid) if oid is not None else None
+                known = compiled.get(oid) if oid is not None else None
+                if target is None or target.plan is None or (known and known[0] is target):
+                    return lsn, undecoded.decode(payload)
+                self._compiled(target)
+                continue
             yield from built
             if leftover is None:
                 return None
             lsn, payload = leftover
+
+    def _compiled(self, info: RelationInfo) -> CompiledRelation:
+        """What the compiled runs build ``info``'s records with, made once per relation
+        version (and again after the first transaction: see ``transaction``)."""
+        made = self._compiled_relations.get(info.oid)
+        if made is None or made[0] is not info:
+            assert info.plan is not None
+            made = self._compiled_relations[info.oid] = (
+                info,
+                info.plan,
+                self._row_pieces(info),
+                info.topic,
+            )
+        return made
 
     # -- what a record format writes -----------------------------------------------------
 
@@ -274,10 +292,10 @@ class EventBuilder(abc.ABC):
         """A change record's value (``op`` c, u, d or t), at most ``max_record_bytes``."""
 
     @abc.abstractmethod
-    def _row_pieces(self, txn: Txn, info: RelationInfo) -> RowPieces:
-        """What ``RowPlan`` puts around the rows and the numbers (``_run_numbers``) of an
-        insert, of an update without an old tuple, of a delete and of an update with its
-        old row; kept in ``txn.row_pieces``."""
+    def _row_pieces(self, info: RelationInfo) -> RowPieces:
+        """What the compiled runs put around the rows and the numbers (``_run_numbers``)
+        of an insert, of an update without an old tuple, of a delete and of an update with
+        its old row; kept per relation version (``_compiled``)."""
 
     @abc.abstractmethod
     def _run_numbers(self, txn: Txn) -> tuple[bytes, tuple[int, ...]]:
@@ -332,7 +350,7 @@ class EventBuilder(abc.ABC):
         total, order = txn.number(info.topic)
         plan = info.plan
         if plan is not None:
-            pieces = txn.row_pieces.get(info.oid) or self._row_pieces(txn, info)
+            pieces = self._compiled(info)[2]
             numbers = self._numbers(txn, lsn, total, order)
             made = plan.record(msg.new, pieces[0], numbers)  # type: ignore[arg-type]
             if made is not None:
@@ -383,7 +401,6 @@ class EventBuilder(abc.ABC):
     def _relation(self, txn: Txn, lsn: int, msg: m.Relation) -> Sequence[Record]:
         info = self.catalog.apply(msg)
         txn.templates.pop(info.oid, None)
-        txn.row_pieces.pop(info.oid, None)
         return () if info.published else (self._schema_record(info),)
 
     def _truncate(self, txn: Txn, lsn: int, msg: m.Truncate) -> Sequence[Record]:
