@@ -85,8 +85,9 @@ def test_missing_publication_ends_the_stream_with_undefined_object(stack: Stack,
 
         def read_until_error() -> None:
             for _ in range(600):  # pgoutput loads publications at the first change
-                for _message in repl.messages(0.1):
+                while repl.next_message() is not None:
                     pass
+                repl.wait(0.1)
 
         error = _error(read_until_error)
     finally:

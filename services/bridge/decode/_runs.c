@@ -5,7 +5,7 @@
    (the stream's framing, the decoder's Begin and Commit, the assembler's spool) cost the
    socket thread 1.7-3.5 us a message (bench/profile_receiver.py). read() does the same for
    such transactions in C and hands each one back sealed, as the spool's (lsn, payload)
-   entries; every other message it hands back as stream.messages frames it, for the Python
+   entries; every other message it hands back as stream.next_message frames it, for the Python
    path (the reference: ReplicationConnection.next_message, Assembler.feed).
 
    A transaction still open when the buffered messages run out is returned as it stands
@@ -130,7 +130,7 @@ static void frame_release(Frame *f) {
     Py_CLEAR(f->result);
 }
 
-/* The frame as stream.messages yields it ('w' and 'k'), for the Python path. */
+/* The frame as stream.next_message gives it ('w' and 'k'), for the Python path. */
 static PyObject *frame_tuple(const unsigned char *p, Py_ssize_t n) {
     if (p[0] == 'w')
         return Py_BuildValue("(OKKy#)", KIND_W, (unsigned long long)be64(p + 1),
@@ -176,8 +176,8 @@ typedef struct {
 } Progress;
 
 /* One frame into the open transaction t, or sealed onto items: 1 when taken (or skipped,
-   as stream.messages skips frames it does not know), 0 when it is the Python path's, -1
-   on error (a frame too short for its kind: stream.messages fails on it too). */
+   as stream.next_message skips frames it does not know), 0 when it is the Python path's, -1
+   on error (a frame too short for its kind: stream.next_message fails on it too). */
 static int take(Open *t, const unsigned char *p, Py_ssize_t n, const Limits *limits,
                 PyObject *items, Progress *read) {
     if (p[0] != 'w' && p[0] != 'k')

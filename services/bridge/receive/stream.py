@@ -11,7 +11,7 @@ from __future__ import annotations
 import select
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -144,24 +144,9 @@ class ReplicationConnection:
         self.conn.nonblocking = 1
         self._streaming = True
 
-    def messages(self, timeout_s: float) -> Iterator[tuple[str, int, int, bytes | bool]]:
-        """Everything that is ready now, waiting at most ``timeout_s`` for the first.
-
-        Yields ``('w', data_start, wal_end, payload)`` and ``('k', wal_end, 0, reply)``.
-        """
-        waited = False
-        while True:
-            message = self.next_message()
-            if message is not None:
-                yield message
-            elif waited or not self.wait(timeout_s):
-                return
-            else:
-                waited = True
-
     def next_message(self) -> tuple[str, int, int, bytes | bool] | None:
-        """The next message libpq holds, as ``messages`` yields it; None when it holds no
-        whole one (``wait`` for more)."""
+        """The next message libpq holds: ``('w', data_start, wal_end, payload)`` or
+        ``('k', wal_end, 0, reply)``; None when it holds no whole one (``wait`` for more)."""
         while True:
             nbytes, data = self.conn.get_copy_data(1)
             if nbytes == 0:
