@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -153,14 +154,17 @@ class DelayHistogram(Collector):
         self._lock = threading.Lock()  # the publisher observes, the HTTP thread collects
 
     def observe_until(self, end_us: int, starts_us: Sequence[int]) -> None:
-        """One delay per start: ``end_us`` minus it (µs; negative counted as 0)."""
-        bounds_us = self._bounds_us
-        counts = [0] * len(self._counts)
-        total = 0
-        for start in starts_us:
-            delay = max(0, end_us - start)
-            counts[bisect_left(bounds_us, delay)] += 1  # delay <= bound: Prometheus' "le"
-            total += delay
+        """One delay per start: ``end_us`` minus it (µs; negative counted as 0).
+
+        Counted a bound at a time over the sorted starts (a delay is within a bound when
+        its start is at or after ``end_us`` less the bound): a Kafka commit of an OLTP
+        backlog holds thousands of starts, and a bisection per start was a Python loop."""
+        starts = sorted(starts_us)
+        n = len(starts)
+        within = [n - bisect_left(starts, end_us - bound) for bound in self._bounds_us]
+        counts = [within[0], *(b - a for a, b in pairwise(within)), n - within[-1]]
+        ended = bisect_right(starts, end_us)  # the starts not after the end
+        total = end_us * ended - sum(starts[:ended])
         with self._lock:
             self._counts = [held + new for held, new in zip(self._counts, counts, strict=True)]
             self._sum_us += total
