@@ -100,7 +100,11 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # Local mode runs the tasks in the driver's JVM, a cluster in the executors'.
         "spark.driver.extraJavaOptions": _JAVA_OPTIONS,
         "spark.executor.extraJavaOptions": _JAVA_OPTIONS,
-        "spark.sql.shuffle.partitions": str(settings.shuffle_partitions),
+        **(
+            {}
+            if settings.shuffle_partitions is None
+            else partition_conf(settings.shuffle_partitions)
+        ),
         # Adaptive query execution runs every query stage as a Spark job of its own, and a
         # job costs its fixed scheduling time whatever its rows: on a table's small
         # per-batch MERGEs (Delta runs them in this session, not in the micro-batch's,
@@ -116,9 +120,6 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         "spark.sql.constraintPropagation.enabled": "false",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
-        # Delta rebuilds table state with this many tasks (default 50): far too many for
-        # the small transaction logs of per-table CDC targets.
-        "spark.databricks.delta.snapshotPartitions": str(settings.shuffle_partitions),
         # Every MERGE first copies its source (ours is never a plain Delta scan), by default
         # to disk only; kept in memory, spilling when it must, the copy is cheaper to write
         # and to read back in the MERGE's two passes.
@@ -126,11 +127,6 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # Delta refuses a VACUUM retention under 168 hours unless this check is off; the
         # job vacuums only with the operator's explicit vacuum_retention_hours.
         "spark.databricks.delta.retentionDurationCheck.enabled": "false",
-        # File listings (VACUUM's among them) run as one task per this many paths;
-        # Spark's 10,000 made a VACUUM of a small table take a minute on two cores.
-        "spark.sql.sources.parallelPartitionDiscovery.parallelism": str(
-            settings.shuffle_partitions
-        ),
         "spark.sql.streaming.stopGracefullyOnShutdown": "false",
         # Spark's default INT96 holds only 1677-2262 for readers that map it to
         # nanoseconds (delta-rs, pandas): one timestamptz of 0001-01-01 or 9999-12-31 made
@@ -141,6 +137,26 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
         "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
         **settings.spark_conf,
+    }
+
+
+def partition_conf(partitions: int) -> dict[str, str]:
+    """The settings that take the job's number of partitions (``shuffle_partitions``).
+
+    Without adaptive execution a write has as many files as its last shuffle has
+    partitions. As many as Spark has cores: on local[2], 2 partitions against 4 (twice
+    the cores, the earlier default) took 8% less time and JVM CPU on batches of 5,000
+    changes and 4% less on batches of 200,000 (``spark_merge_bench``, alternated runs,
+    docs/spark-consumers.md)."""
+    value = str(partitions)
+    return {
+        "spark.sql.shuffle.partitions": value,
+        # Delta rebuilds table state with this many tasks (default 50): far too many for
+        # the small transaction logs of per-table CDC targets.
+        "spark.databricks.delta.snapshotPartitions": value,
+        # File listings (VACUUM's among them) run as one task per this many paths;
+        # Spark's 10,000 made a VACUUM of a small table take a minute on two cores.
+        "spark.sql.sources.parallelPartitionDiscovery.parallelism": value,
     }
 
 
@@ -170,6 +186,13 @@ def build_session(
     for key, value in session_conf(settings).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    if settings.shuffle_partitions is None:
+        # Known once the session runs (a cluster's executors have registered by then); a
+        # value the launch gave (spark_conf, spark-submit's --conf) stays.
+        launched = spark.sparkContext.getConf()
+        for key, value in partition_conf(spark.sparkContext.defaultParallelism).items():
+            if not launched.contains(key):
+                spark.conf.set(key, value)
     spark.sparkContext.setLogLevel("WARN")
     # A failed query is reported once, in one line, by run(); Spark's own report of it
     # is the whole stack trace again.

@@ -79,8 +79,12 @@ class ConsumerSettings(ServiceSettings):
         "them in /opt/slotbridge/jars/spark; a checkout: `slotbridge stack env`); needed "
         "in local mode, optional under spark-submit (--jars / --packages bring them)",
     )
-    shuffle_partitions: int = Field(
-        default=4, ge=1, description="spark.sql.shuffle.partitions of the job's session"
+    shuffle_partitions: int | None = Field(
+        default=None,
+        ge=1,
+        description="spark.sql.shuffle.partitions of the job's session (and Delta's "
+        "snapshot partitions, and file listings' tasks); none: as many as Spark has cores "
+        "once the session started (local[N]: N)",
     )
     stop_grace_s: float = Field(
         default=60.0,

@@ -670,6 +670,39 @@ def _consumer_env(settings: ConsumerSettings) -> dict[str, str]:
     return env
 
 
+def test_partitions_are_the_cores_unless_the_launch_sets_them() -> None:
+    """Without ``shuffle_partitions`` the session's partition settings follow Spark's cores
+    (local[3]: 3) once it runs, but for one the launch set (``spark_conf``). A session of
+    its own: the tests' shared one sets them."""
+    script = """
+import json
+from spark_consumers.job import build_session, partition_conf
+from spark_consumers.settings import ConsumerSettings
+settings = ConsumerSettings(
+    kafka_bootstrap="unused:9", warehouse="/unused", checkpoint_dir="/unused",
+    spark_master="local[3]", http_port=0,
+    spark_conf={"spark.databricks.delta.snapshotPartitions": "7"},
+)
+spark = build_session(settings)
+print(json.dumps({key: spark.conf.get(key) for key in partition_conf(1)}))
+spark.stop()
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "spark.sql.shuffle.partitions": "3",
+        "spark.databricks.delta.snapshotPartitions": "7",
+        "spark.sql.sources.parallelPartitionDiscovery.parallelism": "3",
+    }
+
+
 def test_printed_spark_submit_line_runs_the_job(stack: Stack, tmp_path: Path) -> None:
     """The README's spark-submit path: the line the CLI prints consumes (--once) and ends
     cleanly, here on a prefix whose bridge has not written yet."""
