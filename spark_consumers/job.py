@@ -187,8 +187,9 @@ def build_session(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     if settings.shuffle_partitions is None:
-        # Known once the session runs (a cluster's executors have registered by then); a
-        # value the launch gave (spark_conf, spark-submit's --conf) stays.
+        # Known once the session runs (on a cluster, after the scheduler's wait for its
+        # executors to register); a value the launch gave (spark_conf, spark-submit's
+        # --conf) stays.
         launched = spark.sparkContext.getConf()
         for key, value in partition_conf(spark.sparkContext.defaultParallelism).items():
             if not launched.contains(key):
