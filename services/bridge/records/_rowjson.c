@@ -1206,7 +1206,8 @@ typedef struct {
 static int run_of(RowPlan *plan, Runs *runs, PyObject *kinds, PyObject *topic,
                   unsigned long long *lsn_io, PyObject **payload_io, PyObject **item_io,
                   unsigned long long *total_io, unsigned long long *order_io) {
-    /* Local copies, written back on the way out: the loop keeps them in registers. */
+    /* The loop works on local copies (as the one-run call it replaced did) and writes them
+       back on the way out. */
     unsigned long long lsn = *lsn_io, total = *total_io, order = *order_io;
     PyObject *payload = *payload_io, *item = *item_io, *records = runs->records;
     PyObject *items = runs->items, *headers = runs->headers;
