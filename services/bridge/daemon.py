@@ -44,7 +44,7 @@ from services.bridge.receive.feedback import StreamPosition
 from services.bridge.receive.stream import ReplicationConnection, StreamError, drop_slot
 from services.bridge.session import STOP_GRACE_S, Session, SessionSetup
 from services.bridge.settings import BridgeSettings
-from services.bridge.sink.errors import FencedError, SinkError
+from services.bridge.sink.errors import FencedError, ProducerStranded, SinkError
 from services.bridge.sink.kafka import KafkaSink
 from services.bridge.slot import SlotBusy, SlotClaim
 from services.bridge.snapshot.reader import ChunkReader, SnapshotBook
@@ -365,6 +365,19 @@ class Bridge:
                     return None
                 except FencedError as exc:
                     return exc
+                except ProducerStranded as exc:
+                    # This producer can never ask. Should a successor have fenced it, the
+                    # new session's producer fences the successor in turn, which stops at
+                    # its next transaction: one bridge goes on, exactly once either way.
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "cannot ask Kafka whether another bridge took the slot over: this "
+                        "session's producer knows no broker; the next session's producer "
+                        "registers the transactional id again",
+                        error=one_line(exc),
+                    )
+                    return None
                 except SinkError as exc:
                     if not exc.retryable:
                         raise

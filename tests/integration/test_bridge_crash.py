@@ -8,6 +8,7 @@ log id exactly once.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -76,17 +77,43 @@ def test_exactly_once_across_twenty_kills(running: tuple[Pipeline, CounterWorklo
     assert workload.committed > 100
 
 
-def test_exactly_once_across_kafka_restart(running: tuple[Pipeline, CounterWorkload]) -> None:
-    pipe, workload = running
-    workload.start()
-    time.sleep(3)
-    pipe.stack.kafka.stop()
-    time.sleep(5)
-    pipe.stack.kafka.start()
-    time.sleep(3)
-    workload.finish()
-    pipe.wait_caught_up(300)
-    assert pipe.proc is not None and pipe.proc.poll() is None, "bridge gave up"
-    assert pipe.stop() == 0
-    pipe.audit()  # the broker's own log first, as above
-    workload.verify(pipe)
+# Kafka restarts in a row, each once the bridge has caught up with the last.
+KAFKA_RESTARTS = 3
+
+
+def test_exactly_once_across_kafka_restarts(stack: Stack, tmp_path: Path) -> None:
+    """Kafka stopped (a controlled shutdown) and started under a writing source, again and
+    again. The producer asks for metadata every 10 ms, so it likely asks the broker in the
+    second of its shutdown when the broker lists no broker: librdkafka then drops them all
+    and never reaches Kafka again (librdkafka#5301; once in CI at the default interval, the
+    bridge idle for five minutes). The bridge must see that, start a new producer and go on
+    exactly once."""
+    workload = CounterWorkload(stack.primary_dsn, SCHEMA)
+    pipe = Pipeline(
+        stack,
+        workload.create(),
+        tmp_path,
+        extra={"SLOTBRIDGE_KAFKA_CONFIG": json.dumps({"topic.metadata.refresh.interval.ms": 10})},
+    )
+    pipe.start()
+    try:
+        pipe.wait_caught_up(60)
+        workload.seed_counters()
+        workload.start()
+        for _ in range(KAFKA_RESTARTS):
+            time.sleep(3)
+            stack.kafka.stop()
+            time.sleep(5)
+            stack.kafka.start()
+            pipe.wait_caught_up(300)
+        workload.finish()
+        pipe.wait_caught_up(300)
+        assert pipe.proc is not None and pipe.proc.poll() is None, "bridge gave up"
+        assert pipe.stop() == 0
+        pipe.audit()  # the broker's own log first, as above
+        workload.verify(pipe)
+        stranded = pipe.output().count("session ended, reconnecting error=the Kafka producer has")
+        print(f"restarts {KAFKA_RESTARTS}, producers stranded (librdkafka#5301) {stranded}")
+    finally:
+        workload.stop_flag.set()
+        pipe.cleanup()

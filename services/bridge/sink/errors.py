@@ -40,6 +40,12 @@ class ProducerFailed(SinkError):
     retryable = False
 
 
+class ProducerStranded(SinkError):
+    """The producer knows no broker any more and will not look for one (librdkafka#5301):
+    it can publish nothing, abort nothing, nor tell whether a successor fenced it. Only a
+    new producer, in a new session, reaches Kafka again."""
+
+
 class KafkaRefused(SinkError):
     """Kafka refuses what the bridge must do (a topic, a record's size, a setting) and will
     refuse it again in every new session: only the operator can change that."""

@@ -26,10 +26,12 @@ from services.bridge.sink.ack_wait import REPORT_AFTER_S, AckWait
 from services.bridge.sink.errors import (
     NOT_ABOUT_TOPICS,
     PURGED,
+    ProducerStranded,
     SinkError,
     refusal,
 )
 from services.bridge.sink.partitioner import partition_for
+from services.bridge.sink.stranded import Stranding
 from services.bridge.sink.topics import Topics
 from services.common.kafka import KafkaLog, cause, check_reachable, explain
 from services.common.logs import log_event
@@ -46,6 +48,11 @@ _FLUSH_CHECK_S = 1.0
 # Records that wait in BatchSender before they are handed over: calls with hundreds of
 # records each, and a bounded copy of the records in memory.
 _CHUNK = 1024
+# How often librdkafka reports its statistics, which say whether the producer still knows
+# a broker (``stranded``), and how long it may know none before the session gives it up:
+# two reports, so that a re-bootstrap, which drops brokers and adds them again, is not one.
+_STATS_MS = 5000
+_STRANDED_S = 10.0
 _SECURITY_HINT = (
     "kafka_bootstrap and the security settings in kafka_config (security.protocol, sasl.*, ssl.*)"
 )
@@ -162,9 +169,9 @@ class BatchSender:
     call per run cost more than the records it carried.
     """
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: Producer, wait_for_room: Callable[[], None]) -> None:
         self._produce_batch = producer.produce_batch
-        self._poll = producer.poll
+        self._wait_for_room = wait_for_room
         self._runs: dict[str, list[dict[str, bytes | None]]] = {}
         self.waiting = 0  # records in _runs
 
@@ -211,7 +218,7 @@ class BatchSender:
                 code = int(error.code()) if isinstance(error, KafkaError) else -1
                 if code != KafkaError._QUEUE_FULL:
                     return topic, len(messages[queued]["value"] or b""), code
-                self._poll(0.05)  # let librdkafka send, then hand the rest over
+                self._wait_for_room()  # then hand the rest over
                 messages = messages[queued:]
                 for message in messages:
                     message.pop("_error", None)  # this call's verdict, not the next one's
@@ -233,6 +240,7 @@ class KafkaSink:
         self.topics = Topics(settings, base)
         # on_wait: seconds records have waited for acknowledgement (a metric).
         self._ack_wait = AckWait(self.topics, settings.kafka_transaction_timeout_ms / 1000, on_wait)
+        self._stranding = Stranding()
         self._producer = Producer(
             {
                 **producer_config(settings, self.topics.record_limit),
@@ -241,9 +249,11 @@ class KafkaSink:
                 # proves every record of the transaction was delivered.
                 "on_delivery": self._delivered,
                 "delivery.report.only.error": True,
+                "statistics.interval.ms": _STATS_MS,
+                "stats_cb": self._stranding.seen,
             }
         )
-        self._batches = BatchSender(self._producer)
+        self._batches = BatchSender(self._producer, self._wait_for_room)
         self._first = FirstWrites()
         self._failure: KafkaError | None = None
         self._failed_record: tuple[str, int] | None = None  # topic, bytes
@@ -272,6 +282,7 @@ class KafkaSink:
             ) from None
 
     def begin(self) -> None:
+        self._check_not_stranded()
         self._failure = None
         self._first.renew_if_old()
         self._finish_unfinished()
@@ -307,8 +318,7 @@ class KafkaSink:
                     )
                     break
                 except BufferError:
-                    # The local queue is full: let librdkafka send, then try again.
-                    self._producer.poll(0.05)
+                    self._wait_for_room()  # then try again
             if first:
                 self._deliver_all()  # alone in flight to its partition until acknowledged
                 self._first.written(topic, partition, self.topics.partition_count(topic))
@@ -373,6 +383,7 @@ class KafkaSink:
                     )
                 if not undelivered:
                     return
+                self._check_not_stranded()
                 if left <= _FLUSH_CHECK_S:
                     # Never commit a transaction we cannot prove whole.
                     raise SinkError(
@@ -418,6 +429,15 @@ class KafkaSink:
             return
         self._in_txn = False
         self._first.forget()
+        if self._stranded():
+            log_event(
+                log,
+                logging.WARNING,
+                "Kafka transaction left open: the producer knows no broker to abort it with; "
+                "the next session's producer aborts it when it starts",
+                stranded_s=round(self._stranding.stranded_s()),
+            )
+            return
         try:
             if self._unfinished is None:
                 self._end_transaction("abort_transaction", _ABORT_S)
@@ -450,6 +470,7 @@ class KafkaSink:
                     self._unfinished = call if resumable else None
                     if not resumable or left <= REPORT_AFTER_S:
                         raise
+                    self._check_not_stranded()
                     self._ack_wait.waited(time.monotonic() - began, call.split("_")[0])
                     continue
                 self._unfinished = None
@@ -508,11 +529,39 @@ class KafkaSink:
         is the one reported."""
         self.abort()
         self.topics.close()
+        if self._stranded():
+            return  # the flush would wait for brokers it no longer knows
         try:
             self._producer.flush(5)
         except (KafkaException, SystemError) as exc:
             log_event(
                 log, logging.WARNING, "Kafka producer did not close cleanly", error=explain(exc)
+            )
+
+    def _wait_for_room(self) -> None:
+        """librdkafka's queue is full: let it send for a moment, unless it cannot."""
+        self._producer.poll(0.05)
+        self._check_not_stranded()
+
+    def _stranded(self) -> bool:
+        """Whether the producer has known no broker to ask for ``_STRANDED_S``
+        (``stranded.Stranding``). Statistics still queued are read before a yes: a producer
+        that was not polled for a while may have found its brokers again since."""
+        if self._stranding.stranded_s() < _STRANDED_S:
+            return False
+        self._producer.poll(0)
+        return self._stranding.stranded_s() >= _STRANDED_S
+
+    def _check_not_stranded(self) -> None:
+        """End the session when the producer can no longer reach Kafka by itself: only a
+        new producer gets out of librdkafka#5301, and it fences this one."""
+        if self._stranded():
+            raise ProducerStranded(
+                f"the Kafka producer has known no broker for "
+                f"{self._stranding.stranded_s():.0f}s: a broker answered its metadata request "
+                "with none, as one does in controlled shutdown, and librdkafka dropped them "
+                "all without bootstrapping again (librdkafka#5301); a new session starts a "
+                "new producer, which aborts this one's transaction"
             )
 
     def _delivered(self, err: KafkaError | None, msg: Any) -> None:

@@ -1,0 +1,64 @@
+"""A producer left without a broker to ask, told from its statistics (librdkafka#5301).
+
+librdkafka drops every broker a Metadata response does not list. A broker in controlled
+shutdown lists no broker at all (it no longer counts itself), so a producer that asks it
+for metadata in that second forgets every broker, bootstrap servers included. It starts no
+re-bootstrap either: dropping a broker on purpose is not a broker going down. It then waits
+without a word, up to the transaction's timeout, and so does its abort: seen in CI as a
+bridge idle for five minutes after a Kafka restart, the broker up all along.
+
+Only a new producer gets out of it, and the sink cannot tell that state from a slow broker
+by waiting. librdkafka's statistics can: every broker it knows is listed with where it came
+from, and one that can be asked came from ``bootstrap.servers`` or from metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+
+# Documented in librdkafka's STATISTICS.md; the others are "internal" and "logical" (the
+# transaction coordinator's handle, which needs a real broker to reach it).
+_ASKABLE_SOURCES = frozenset({"learned", "configured"})
+_BROKERS_KEY = re.compile(r'"brokers"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+def askable_brokers(statistics: str) -> int | None:
+    """How many brokers of a librdkafka statistics document the client can ask: came from
+    the bootstrap servers or from metadata. None when the document lists no brokers."""
+    # Only the brokers object is decoded: a bridge with many topics emits a large document,
+    # and its partitions say nothing here. Topic names cannot hold a quote, so the key
+    # appears once, as the top level's.
+    key = _BROKERS_KEY.search(statistics)
+    if key is None:
+        return None
+    brokers, _end = _DECODER.raw_decode(statistics, key.end())
+    if not isinstance(brokers, dict):
+        return None
+    return sum(1 for b in brokers.values() if b.get("source") in _ASKABLE_SOURCES)
+
+
+class Stranding:
+    """Since when the producer has had no broker to ask, from its statistics documents
+    (``seen`` is its ``stats_cb``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since: float | None = None
+
+    def seen(self, statistics: str) -> None:
+        askable = askable_brokers(statistics)
+        if askable is None:
+            return
+        if askable:
+            self._since = None
+        elif self._since is None:
+            self._since = self._clock()
+
+    def stranded_s(self) -> float:
+        """Seconds since the first document without a broker to ask, with none since; 0
+        while the last document had one."""
+        return 0.0 if self._since is None else self._clock() - self._since
