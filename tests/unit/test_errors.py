@@ -29,6 +29,7 @@ from services.bridge.sink.errors import (
     FencedError,
     KafkaRefused,
     ProducerFailed,
+    ProducerStranded,
     SinkError,
     TopicReplaced,
 )
@@ -56,6 +57,7 @@ RETRYABLE: dict[type[SlotbridgeError], bool] = {
     IdentityError: True,
     KafkaRefused: False,
     ProducerFailed: False,
+    ProducerStranded: True,
     TopicReplaced: False,
     KafkaUnreachable: True,
     ProgressRecordError: False,

@@ -45,6 +45,8 @@ class ProducerStranded(SinkError):
     it can publish nothing, abort nothing, nor tell whether a successor fenced it. Only a
     new producer, in a new session, reaches Kafka again."""
 
+    retryable = True  # the new session's producer knows the bootstrap servers again
+
 
 class KafkaRefused(SinkError):
     """Kafka refuses what the bridge must do (a topic, a record's size, a setting) and will
