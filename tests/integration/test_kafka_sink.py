@@ -140,10 +140,18 @@ def test_refusal_of_a_record_sent_in_a_run_is_named(stack: Stack) -> None:
             sink.commit()
     finally:
         sink.close()  # aborts
-    text = str(failed.value)
-    assert "MSG_SIZE_TOO_LARGE" in text and f"{len(big)} bytes for topic {name}" in text
+    _assert_too_large_and_nothing_visible(failed.value, len(big), name, stack.kafka)
+
+
+def _assert_too_large_and_nothing_visible(
+    error: KafkaRefused, size: int, topic: str, kafka: Kafka
+) -> None:
+    """The refusal names its cause, the record's size and topic in one line, and nothing
+    of the aborted transaction is visible."""
+    text = str(error)
+    assert "MSG_SIZE_TOO_LARGE" in text and f"{size} bytes for topic {topic}" in text
     assert "\n" not in text
-    assert read_topics(stack.kafka, [name]) == []
+    assert read_topics(kafka, [topic]) == []
 
 
 def test_records_behind_a_refused_one_fail_the_transaction_with_its_cause(stack: Stack) -> None:
@@ -172,6 +180,28 @@ def test_records_behind_a_refused_one_fail_the_transaction_with_its_cause(stack:
     finally:
         sink.close()  # aborts
     assert read_topics(stack.kafka, [name]) == []
+
+
+def test_a_record_with_headers_refused_by_the_producer_is_named(stack: Stack) -> None:
+    """A record with headers for a proven topic is handed to librdkafka on its own, inside
+    the batch path's loop: when librdkafka refuses it at once (larger than the producer's
+    message.max.bytes), the error names its topic and size in one line, as for any other
+    record, and nothing of the transaction is visible."""
+    name = f"sink{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin.create_topics([NewTopic(name, 1, 1)])[name].result()
+    sink = KafkaSink(_settings(stack, name))
+    try:
+        sink.start()
+        sink.begin()
+        sink.produce(name, b"k", b'"small"')  # the partition's first write: now proven
+        huge = b'"%s"' % (b"x" * (max(sink.topics.record_limit, 1_000_000) + 1000))
+        record: Record = (name, b"k", huge, [("h", b"1")])
+        with pytest.raises(KafkaRefused) as refused:
+            sink.produce_all(iter([record]), ())
+    finally:
+        sink.close()  # aborts
+    _assert_too_large_and_nothing_visible(refused.value, len(huge), name, stack.kafka)
 
 
 def test_a_first_write_waits_for_a_coordinator_that_does_not_know_its_topic(

@@ -152,7 +152,8 @@ class FirstWrites:
             self.forget()
 
 
-Record = tuple[str, bytes | None, bytes | None, list[tuple[str, str | bytes | None]] | None]
+Headers = list[tuple[str, str | bytes | None]]
+Record = tuple[str, bytes | None, bytes | None, Headers | None]
 
 
 class BatchSender:
@@ -161,31 +162,44 @@ class BatchSender:
     ``produce()`` call each (bench/produce_floor.py). Every record keeps its delivery
     report (the producer's ``on_delivery``), so a refused one is named like any other.
 
-    It takes no headers (confluent-kafka's batch call has none: the Debezium format's
-    records go through ``produce()``), and its caller gives it only topics whose every
-    partition is proven (``FirstWrites``): the records are partitioned by librdkafka, many
-    requests in flight to each partition. Records wait here, per topic, until ``flush``:
-    a run of one source transaction is a record or two per table in an OLTP stream, and a
-    call per run cost more than the records it carried.
+    confluent-kafka's batch call takes no headers, so a record with headers (the Debezium
+    format's) is handed over here with a ``produce()`` call of its own, in the same loop: the
+    sink's checks around a single record cost a quarter of the call again. Its caller gives
+    it only topics whose every partition is proven (``FirstWrites``): the records are
+    partitioned by librdkafka, many requests in flight to each partition. Records wait
+    here, per topic, until ``flush``: a run of one source transaction is a record or two per
+    table in an OLTP stream, and a call per run cost more than the records it carried.
     """
 
     def __init__(self, producer: Producer, wait_for_room: Callable[[], None]) -> None:
         self._produce_batch = producer.produce_batch
+        self._produce = producer.produce
         self._wait_for_room = wait_for_room
         self._runs: dict[str, list[dict[str, bytes | None]]] = {}
         self.waiting = 0  # records in _runs
+        # The (topic, bytes) of the record whose produce() call raised, for the error's line.
+        self.refused: tuple[str, int] | None = None
 
     def take(self, records: Iterator[Record], settled: Container[str]) -> tuple[int, Record | None]:
-        """Keep records from ``records`` for their topics' next runs until one is not for
-        this path (it has headers, or its topic is not ``settled``: it is returned), or
-        ``_CHUNK`` wait, or ``records`` ends. Returns how many it kept, and that record.
-        One loop here rather than a call per record: this is every record's path."""
+        """Keep records from ``records`` for their topics' next runs, or hand a record with
+        headers over at once, until one is not for this path (its topic is not ``settled``,
+        or it has headers and records of its topic wait: it is returned, for the caller to
+        hand those over first), or ``_CHUNK`` wait, or ``records`` ends. Returns how many it
+        took, and that record. One loop here rather than a call per record: this is every
+        record's path."""
         runs, waiting, kept = self._runs, self.waiting, 0
         for record in records:
             topic, key, value, headers = record
-            if headers is not None or topic not in settled:
+            if topic not in settled:
                 self.waiting = waiting
                 return kept, record
+            if headers is not None:
+                if topic in runs:  # records of its topic wait: they go first
+                    self.waiting = waiting
+                    return kept, record
+                self._send(topic, key, value, headers)
+                kept += 1
+                continue
             run = runs.get(topic)
             if run is None:
                 run = runs[topic] = []
@@ -196,6 +210,18 @@ class BatchSender:
                 break
         self.waiting = waiting
         return kept, None
+
+    def _send(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers) -> None:
+        """One record with headers to librdkafka (a full queue is waited out)."""
+        while True:
+            try:
+                self._produce(topic, value, key, headers=headers)
+                return
+            except BufferError:
+                self._wait_for_room()  # then try again
+            except (KafkaException, SystemError):
+                self.refused = topic, len(value or b"")
+                raise
 
     def flush(self) -> tuple[str, int, int] | None:
         """Hand every waiting run over, in the order each topic's records came (a full
@@ -298,7 +324,7 @@ class KafkaSink:
         topic: str,
         key: bytes | None,
         value: bytes | None,
-        headers: list[tuple[str, str | bytes | None]] | None = None,
+        headers: Headers | None = None,
     ) -> None:
         self._hand_over()  # what waits for a run goes first: order per partition holds
         if self._failure is not None:
@@ -329,14 +355,17 @@ class KafkaSink:
 
     def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
         """``produce`` each record, creating topics it does not know yet (``compacted``:
-        those to create compacted); returns how many. The publisher's path: records with no
-        headers, for topics whose every partition is proven, wait in runs per topic
-        (``BatchSender``) until enough of them wait, a record takes the other path, or the
-        transaction commits."""
+        those to create compacted); returns how many. The publisher's path: records for topics
+        whose every partition is proven go through ``BatchSender``, those with no headers in
+        runs per topic that wait until enough of them wait, a record takes the other path, or
+        the transaction commits."""
         pending = iter(records)
         count = 0
         while True:
-            kept, other = self._batches.take(pending, self._first.settled)
+            try:
+                kept, other = self._batches.take(pending, self._first.settled)
+            except (KafkaException, SystemError) as exc:
+                raise self._classify(exc, record=self._batches.refused) from None
             count += kept
             if other is None and self._batches.waiting < _CHUNK:
                 return count  # records ended: what waits goes at the next hand-over
