@@ -118,6 +118,19 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # while it was planned. Off, Spark infers no extra filters from a plan's
         # predicates (such as IsNotNull on join keys); the narrow benches ran as fast.
         "spark.sql.constraintPropagation.enabled": "false",
+        # A MERGE copies whole files, and writes what it copied in one file per partition
+        # of its join: unbounded, a 10M-row current state became two files of 5M rows at
+        # its first MERGE of random updates, and a later batch of 4 updates copied all 10M
+        # rows (5.4 s). With files of at most 1M rows that batch copied 3M (2.5-2.7 s;
+        # spark_merge_bench --shapes update, docs/spark-consumers.md).
+        "spark.sql.files.maxRecordsPerFile": str(settings.max_rows_per_file),
+        # Housekeeping's OPTIMIZE rewrites every file under this size, binned up to 1 GB,
+        # and keeps to the bound above: with Delta's default (1 GB) each run rewrote a
+        # table's full files into the same files again (a second run over 3M rows in files
+        # of 1M removed and added 4 files). Files of 8 MB or more are left alone: a full file
+        # of any but the narrowest rows (8 bytes a row in Parquet; five columns took 18),
+        # while the batches' small files are still compacted.
+        "spark.databricks.delta.optimize.minFileSize": str(8 * 1024 * 1024),
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         # Every MERGE first copies its source (ours is never a plain Delta scan), by default

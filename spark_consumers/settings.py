@@ -99,6 +99,14 @@ class ConsumerSettings(ServiceSettings):
         "rewriting their files (much cheaper updates of big tables); every reader must "
         "then apply deletion vectors (Spark, delta-rs), a plain Parquet reader cannot",
     )
+    max_rows_per_file: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="the most rows a data file the job writes holds (Spark's "
+        "spark.sql.files.maxRecordsPerFile): a MERGE copies every file holding a key it "
+        "changes, and without a bound a table's MERGE writes it back into as many files as "
+        "Spark has cores, so a batch of a few updates copies the whole table",
+    )
     stats_columns: dict[str, list[str]] = Field(
         default_factory=dict,
         description="per schema.table, source columns besides the key whose min/max Delta "

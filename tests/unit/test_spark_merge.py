@@ -8,12 +8,16 @@ dead-letter and schema-evolution rules are checked in seconds.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import json
+import os
 import time
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pyarrow as pa
 import pytest
@@ -21,6 +25,7 @@ from delta.tables import DeltaTable
 from deltalake import DeltaTable as DeltaLakeTable
 from deltalake import QueryBuilder
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -38,6 +43,7 @@ from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
 from spark_consumers.batch import BatchProcessor
 from spark_consumers.housekeeping import Housekeeper, fold_history_ends
+from spark_consumers.job import session_conf
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
@@ -1005,6 +1011,105 @@ def test_deletion_vectors_give_every_delta_reader_the_same_tables(
         assert sorted(by_spark.to_pylist(), key=repr) == sorted(
             pa.table(by_delta_rs).to_pylist(), key=repr
         ), kind
+
+
+def test_a_merge_writes_files_of_at_most_max_rows_per_file(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``max_rows_per_file`` reaches the session, and Delta's MERGE keeps to it: updates of
+    every other key of a 1,000-row table (files of at most 100 rows after the insert) are
+    written back in files of at most 100 rows, where the join's two partitions would have
+    made two files of 500."""
+    bound = "spark.sql.files.maxRecordsPerFile"
+    conf = session_conf(
+        ConsumerSettings(
+            kafka_bootstrap="unused:9",
+            warehouse="/unused",
+            checkpoint_dir="/unused",
+            max_rows_per_file=100,
+        )
+    )
+    with _session_settings(spark, {bound: conf[bound]}):
+        t = SynthTable("p", "public", "t", COLUMNS[:4])
+        h = Harness(spark, tmp_path, t)
+        h.run([r for k in range(1000) for r in t.change("c", row(k), 100, k + 1, 1)])
+        h.run([r for k in range(0, 1000, 2) for r in t.change("u", row(k, "b"), 200, k + 1, 2)])
+        current = table_paths(h.settings.warehouse, "public.t").current
+        operations = [
+            c["operation"] for c in spark.sql(f"DESCRIBE HISTORY delta.`{current}`").collect()
+        ]
+        rows_per_file = [
+            r["count"]
+            for r in spark.read.format("delta")
+            .load(current)
+            .groupBy(F.input_file_name())
+            .count()
+            .collect()
+        ]
+    assert "MERGE" in operations
+    assert sum(rows_per_file) == 1000 and max(rows_per_file) <= 100, rows_per_file
+    assert {k: r["name"] for k, r in h.current().items()} == {
+        k: "b" if k % 2 == 0 else "n" for k in range(1000)
+    }
+
+
+def test_compaction_leaves_full_files_alone(spark: SparkSession, tmp_path: Path) -> None:
+    """Housekeeping's OPTIMIZE keeps to ``max_rows_per_file`` and rewrites only files
+    under ``optimize.minFileSize``: set below the size of a full file (the job's 8 MB
+    stands for a full file of 1M rows; here files of 100 rows), the batches' small files
+    are compacted and the full ones left as they are, and a second run rewrites nothing.
+    With Delta's default (1 GB) every run rewrites the full files again."""
+    bound = "spark.sql.files.maxRecordsPerFile"
+    smallest = "spark.databricks.delta.optimize.minFileSize"
+    with _session_settings(spark, {bound: "100", smallest: str(1 << 30)}):
+        t = SynthTable("p", "public", "t", COLUMNS[:4])
+        h = Harness(spark, tmp_path, t)
+        h.run([r for k in range(1000) for r in t.change("c", row(k), 100, k + 1, 1)])
+        for n in range(3):
+            new = range(1000 + 5 * n, 1005 + 5 * n)
+            h.run([r for k in new for r in t.change("c", row(k), 200 + n, k + 1, 2 + n)])
+        current = table_paths(h.settings.warehouse, "public.t").current
+
+        def files() -> dict[str, tuple[int, int]]:
+            """Each data file: its rows and bytes."""
+            frame = spark.read.format("delta").load(current).groupBy(F.input_file_name())
+            counts = frame.count().collect()
+            return {r[0]: (r[1], os.path.getsize(urlparse(r[0]).path)) for r in counts}
+
+        def compact() -> int:
+            metrics = DeltaTable.forPath(spark, current).optimize().executeCompaction().first()
+            assert metrics is not None
+            return int(metrics["metrics"]["numFilesRemoved"])
+
+        before = files()
+        full = {f for f, (rows, _) in before.items() if rows == 100}
+        threshold = int(0.8 * min(before[f][1] for f in full))
+        small = {f for f, (_, size) in before.items() if size < threshold}
+        assert len(full) >= 8 and len(small) >= 3 and not small & full, before
+        spark.conf.set(smallest, str(threshold))
+        assert compact() == len(small)
+        after = files()
+        assert full <= set(after) and sum(rows for rows, _ in after.values()) == 1015, after
+        assert compact() == 0  # nothing left to compact
+        spark.conf.set(smallest, str(1 << 30))
+        assert compact() >= len(full)  # Delta's default: the full files once more
+
+
+@contextlib.contextmanager
+def _session_settings(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
+    """Spark settings changed for one test and put back after it: one session serves every
+    test."""
+    saved = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
 
 
 def test_infinities_and_bc_values_are_stored(spark: SparkSession, tmp_path: Path) -> None:
