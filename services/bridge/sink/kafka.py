@@ -164,11 +164,16 @@ class BatchSender:
 
     confluent-kafka's batch call takes no headers, so a record with headers (the Debezium
     format's) is handed over here with a ``produce()`` call of its own, in the same loop: the
-    sink's checks around a single record cost a quarter of the call again. Its caller gives
-    it only topics whose every partition is proven (``FirstWrites``): the records are
-    partitioned by librdkafka, many requests in flight to each partition. Records wait
-    here, per topic, until ``flush``: a run of one source transaction is a record or two per
-    table in an OLTP stream, and a call per run cost more than the records it carried.
+    sink's checks around a single record cost a third of the call again. A delivery failure
+    reported meanwhile is not looked at per record: librdkafka takes no record into a
+    transaction one of whose records failed (``_STATE``), and the commit raises the
+    failure before it commits.
+
+    Its caller gives it only topics whose every partition is proven (``FirstWrites``): the
+    records are partitioned by librdkafka, many requests in flight to each partition.
+    Records wait here, per topic, until ``flush``: a run of one source transaction is a
+    record or two per table in an OLTP stream, and a call per run cost more than the
+    records it carried.
     """
 
     def __init__(self, producer: Producer, wait_for_room: Callable[[], None]) -> None:
@@ -356,9 +361,9 @@ class KafkaSink:
     def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
         """``produce`` each record, creating topics it does not know yet (``compacted``:
         those to create compacted); returns how many. The publisher's path: records for topics
-        whose every partition is proven go through ``BatchSender``, those with no headers in
-        runs per topic that wait until enough of them wait, a record takes the other path, or
-        the transaction commits."""
+        whose every partition is proven go through ``BatchSender`` (those without headers
+        wait there in runs per topic until enough of them wait, a record takes the other
+        path, or the transaction commits), the others through ``produce``."""
         pending = iter(records)
         count = 0
         while True:
