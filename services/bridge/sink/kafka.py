@@ -202,7 +202,11 @@ class BatchSender:
                 if topic in runs:  # records of its topic wait: they go first
                     self.waiting = waiting
                     return kept, record
-                self._send(topic, key, value, headers)
+                try:
+                    self.send(topic, key, value, headers)
+                except (KafkaException, SystemError):
+                    self.refused = topic, len(value or b"")
+                    raise
                 kept += 1
                 continue
             run = runs.get(topic)
@@ -216,17 +220,22 @@ class BatchSender:
         self.waiting = waiting
         return kept, None
 
-    def _send(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers) -> None:
-        """One record with headers to librdkafka (a full queue is waited out)."""
+    def send(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers | None,
+        partition: int = -1,
+    ) -> None:
+        """One record to librdkafka with a ``produce()`` call of its own (a full queue is
+        waited out); ``partition`` -1: librdkafka's partitioner chooses."""
         while True:
             try:
-                self._produce(topic, value, key, headers=headers)
+                self._produce(topic, value, key, partition=partition, headers=headers)
                 return
             except BufferError:
                 self._wait_for_room()  # then try again
-            except (KafkaException, SystemError):
-                self.refused = topic, len(value or b"")
-                raise
 
     def flush(self) -> tuple[str, int, int] | None:
         """Hand every waiting run over, in the order each topic's records came (a full
@@ -342,14 +351,7 @@ class KafkaSink:
                 first = self._first.is_new(topic, partition)
                 if first:
                     self._deliver_all()  # so that its partition joins the transaction alone
-            while True:
-                try:
-                    self._producer.produce(
-                        topic, value=value, key=key, partition=partition, headers=headers
-                    )
-                    break
-                except BufferError:
-                    self._wait_for_room()  # then try again
+            self._batches.send(topic, key, value, headers, partition)
             if first:
                 self._deliver_all()  # alone in flight to its partition until acknowledged
                 self._first.written(topic, partition, self.topics.partition_count(topic))
