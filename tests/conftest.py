@@ -146,9 +146,9 @@ def _lone_broker(root: Path, kafka_set: str) -> Kafka:
 @contextmanager
 def _running(root: Path, what: str, logs_to: Path, *brokers: Kafka) -> Iterator[None]:
     """Start the brokers in order and wait until each answers; after, stop them (the last
-    first), copy each broker's log and metadata log into ``logs_to`` (the test's tmp_path,
-    which pytest keeps for the last runs: a failure's ground truth is in the brokers' logs)
-    and purge ``root``."""
+    first), copy each broker's log and data directory into ``logs_to`` (the test's
+    tmp_path, which pytest keeps for the last runs: a failure's ground truth is in the
+    brokers' logs) and purge ``root``."""
     try:
         try:
             for broker in brokers:
@@ -164,10 +164,12 @@ def _running(root: Path, what: str, logs_to: Path, *brokers: Kafka) -> Iterator[
         for broker in brokers:
             if broker.log_path.exists():
                 shutil.copy(broker.log_path, logs_to / f"{broker.dir.name}.log")
-            # The cluster's metadata log (KRaft): every ISR change, leader election, fencing
-            # and config change, as the controller decided it (dump_log_segments reads it).
-            for segment in (broker.data_dir / "__cluster_metadata-0").glob("*.log"):
-                shutil.copy(segment, logs_to / f"{broker.dir.name}-metadata-{segment.name}")
+            # The partitions' logs (every record, marker and producer state as the broker
+            # wrote them), the transaction log and the cluster's metadata log (every ISR
+            # change, leader election, fencing and config change, as the controller decided
+            # it): what dump_log_segments reads to clear or convict a failure.
+            if broker.data_dir.exists():
+                shutil.copytree(broker.data_dir, logs_to / f"{broker.dir.name}-data")
         shutil.rmtree(root, ignore_errors=True)
 
 

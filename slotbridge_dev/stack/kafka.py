@@ -82,6 +82,16 @@ def dump_log_segments(*segments: Path, payloads: bool = True) -> str:
 
     Runs the kafka-tools jar set of the cache, which reads every broker version we support.
     """
+    return _dump(segments, "--print-data-log" if payloads else "--deep-iteration")
+
+
+def dump_transaction_log(*segments: Path) -> str:
+    """DumpLogSegments of segment files of the transaction log (``__transaction_state``):
+    every state a transactional id went through, its key and payload decoded as JSON."""
+    return _dump(segments, "--transaction-log-decoder")
+
+
+def _dump(segments: tuple[Path, ...], option: str) -> str:
     jars = bootstrap.jars_dir(bootstrap.cache_dir(), bootstrap.KAFKA_TOOLS_SET)
     proc = subprocess.run(
         [
@@ -91,7 +101,7 @@ def dump_log_segments(*segments: Path, payloads: bool = True) -> str:
             DUMP_LOG_SEGMENTS,
             "--files",
             ",".join(str(s) for s in segments),
-            "--print-data-log" if payloads else "--deep-iteration",
+            option,
         ],
         capture_output=True,
         text=True,

@@ -32,7 +32,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from services.common.kafka import END_READER_CONFIG
 from services.contract.topics import message_topic, schema_topic, transaction_topic
-from slotbridge_dev.stack.kafka import Kafka, dump_log_segments
+from slotbridge_dev.stack.kafka import Kafka, dump_log_segments, dump_transaction_log
 
 _PARTITION_DIR = re.compile(r"^(?P<topic>.+)-(?P<partition>\d+)$")
 _FIELD = re.compile(r"(\w+): (\S+)")
@@ -334,26 +334,72 @@ def audit(
     return report
 
 
-def transaction_starts_at(kafka: Kafka, topic: str, partition: int, offset: int) -> bool:
-    """Whether a Kafka transaction's first record in the partition's log is at ``offset``:
-    the one reason a read_committed reader may stop there, below the high watermark (the
-    last stable offset is the first offset of the oldest transaction without a marker).
+@dataclass(frozen=True)
+class TransactionAt:
+    """A Kafka transaction as a partition's log holds it: whose, and whether its COMMIT or
+    ABORT marker is in the log yet."""
 
-    The transaction may have ended since the reader stopped: its marker may be in the log
-    by the time this reads it, so what counts is where the transaction began, not whether
-    it is still open.
-    """
+    producer_id: int
+    ended: bool
+
+
+def transaction_at(kafka: Kafka, topic: str, partition: int, offset: int) -> TransactionAt | None:
+    """The Kafka transaction whose first record in the partition's log is at ``offset``,
+    if one's is: the one reason a read_committed reader may stop there, below the high
+    watermark (the last stable offset is the first offset of the oldest transaction
+    without a marker). It may have ended since the reader stopped."""
     dirs = [d for d in partition_dirs(kafka.data_dir, [topic]) if d[1] == partition]
     [part] = dump_segments(dirs)
-    started: set[int] = set()  # producer ids inside a transaction at this point of the log
+    started: dict[int, int] = {}  # producer id -> first offset of its open transaction
+    found: int | None = None
     for b in part.batches:
         if b.control:
-            started.discard(b.producer_id)
+            if started.pop(b.producer_id, None) == offset:
+                return TransactionAt(b.producer_id, ended=True)
         elif b.transactional and b.producer_id not in started:
-            started.add(b.producer_id)
+            started[b.producer_id] = b.base_offset
             if b.base_offset == offset:
-                return True
-    return False
+                found = b.producer_id
+    return None if found is None else TransactionAt(found, ended=False)
+
+
+# Kafka's ids of a transaction's states in its transaction log: PrepareCommit and
+# CompleteCommit, the two that say the coordinator has decided to commit.
+_COMMIT_DECIDED = {2, 4}
+_TRANSACTION_LOG = "__transaction_state"
+
+
+def committing_producers(kafka: Kafka) -> set[int]:
+    """The producers whose last transaction the coordinator has decided to commit, from
+    the transaction log as the broker stored it (PrepareCommit or CompleteCommit).
+
+    A producer's commit returns once the coordinator has written PrepareCommit there: the
+    transaction commits from then on, whatever fails, and the coordinator writes the
+    COMMIT markers into the transaction's partitions after. A read_committed reader stops
+    before a partition's records of that transaction until its marker is in, which can
+    take as long as a follower is away: in test_kafka_insync, a transaction committing
+    while the follower shut down stayed in PrepareCommit until it was back (31-43 s, in 4
+    of 6 runs under load). In one, the follower's shutdown had moved the progress
+    partition's leadership 30 ms before PrepareCommit, and that partition's marker was
+    missing 14 s later, while the three others had theirs 90 ms after PrepareCommit.
+    """
+    dirs = partition_dirs(kafka.data_dir, [_TRANSACTION_LOG])
+    segments = [s for _, _, path in dirs for s in sorted(path.glob("*.log")) if s.stat().st_size]
+    if not segments:
+        return set()
+    last: dict[str, tuple[int, int]] = {}  # transactional id -> (producer id, state)
+    for line in dump_transaction_log(*segments).splitlines():
+        if " key: " not in line or " payload: " not in line:
+            continue
+        key, payload = line.split(" key: ", 1)[1].split(" payload: ", 1)
+        transactional_id = json.loads(key)["data"]["transactionalId"]
+        if payload.strip() == "<DELETE>":  # expired and removed by the coordinator
+            last.pop(transactional_id, None)
+            continue
+        state = json.loads(payload)["data"]
+        # A transactional id lives in one partition of the log, in the order written.
+        last[transactional_id] = (int(state["producerId"]), int(state["transactionStatus"]))
+    return {producer for producer, status in last.values() if status in _COMMIT_DECIDED}
 
 
 def _event(topic: str, value: Any, transactions: str, messages: str) -> Event | None:

@@ -28,7 +28,16 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from services.bridge.progress.kafka_reader import read_kafka_progress
 from services.common.kafka import END_READER_CONFIG
 from slotbridge_dev.stack.kafka import Kafka
-from slotbridge_dev.stack.kafka_audit import AuditReport, audit, transaction_starts_at
+from slotbridge_dev.stack.kafka_audit import (
+    AuditReport,
+    audit,
+    committing_producers,
+    dump_segments,
+    partition_dirs,
+    read_records,
+    transaction_at,
+    transaction_outcomes,
+)
 from slotbridge_dev.stack.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,12 +121,13 @@ def read_topics(kafka: Kafka, topics: list[str], stall_s: float = 20.0) -> list[
     partition) before it fails; never a bound on the whole read, whose length grows with
     the topics.
 
-    A read_committed reader stops at the last stable offset: below the high watermark
-    only while a Kafka transaction there has no COMMIT/ABORT marker yet (the broker writes
-    markers just after answering the commit). A short read is read again only if the
-    broker's log shows a transaction beginning exactly where it stopped (it may have
-    ended since: a bridge still publishing commits one every few hundred ms); anything
-    else is a missing record and fails.
+    A read_committed reader stops at the last stable offset, below the high watermark
+    while a Kafka transaction begins there that has no COMMIT/ABORT marker yet. A short
+    read is read again while the brokers' logs say that transaction has ended since, or
+    that the coordinator has decided to commit it (its markers are on their way, see
+    committing_producers); one still open and undecided holds nothing committed, and a
+    bridge's topics have one producer, so nothing committed lies behind it. A reader
+    stopped anywhere else is missing a record, and the read fails.
     """
     seen: list[tuple[str, int, int]] = []
     stuck_since = time.monotonic()
@@ -125,19 +135,31 @@ def read_topics(kafka: Kafka, topics: list[str], stall_s: float = 20.0) -> list[
         records, behind = _read_once(kafka.bootstrap, topics, stall_s)
         if not behind:
             return records
-        if behind != seen:  # the open transactions moved on: progress, however long the read
-            seen, stuck_since = behind, time.monotonic()
-        unexplained = [
-            (t, p, end) for t, p, end in behind if not transaction_starts_at(kafka, t, p, end)
-        ]
+        # The coordinator's decisions first, the partitions' logs after: the transaction
+        # a reader stopped at began before both looks, and a producer begins its next one
+        # only once the last has all its markers, so one still without its marker in the
+        # second look was its producer's last in the first.
+        deciding = committing_producers(kafka)
+        found = {where: transaction_at(kafka, *where) for where in behind}
+        unexplained = [where for where, txn in found.items() if txn is None]
         if unexplained:
             raise AssertionError(
                 f"read_committed stopped below the high watermark at "
                 f"{unexplained} where no transaction begins in the log"
             )
+        committed = [
+            where
+            for where, txn in found.items()
+            if txn is not None and (txn.ended or txn.producer_id in deciding)
+        ]
+        if not committed:
+            return records
+        if committed != seen:  # the transactions moved on: progress, however long the read
+            seen, stuck_since = committed, time.monotonic()
         if time.monotonic() - stuck_since > stall_s:
             raise AssertionError(
-                f"{behind} still hold records of open Kafka transactions after {stall_s}s"
+                f"{committed}: Kafka transactions committed there still have no COMMIT "
+                f"marker after {stall_s}s"
             )
         time.sleep(0.3)
 
@@ -187,12 +209,27 @@ def _read_once(
             raise AssertionError(
                 f"no record from {sorted(pending)} for {stall_s}s before their end"
             )
-        behind = [
-            (*tp, end)
-            for tp, end in ends.items()
-            if end < consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1]
-        ]
-        return out, behind
+        highs = _high_watermarks(bootstrap, list(ends))
+        return out, [(*tp, end) for tp, end in ends.items() if end < highs[tp]]
+    finally:
+        consumer.close()
+
+
+def _high_watermarks(bootstrap: str, parts: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """Each partition's high watermark, asked by a read_uncommitted client: a
+    read_committed consumer is answered its last stable offset, where it stopped anyway."""
+    consumer = Consumer(
+        {
+            **END_READER_CONFIG,
+            "bootstrap.servers": bootstrap,
+            "group.id": f"test-{uuid.uuid4()}",
+            "isolation.level": "read_uncommitted",
+        }
+    )
+    try:
+        return {
+            tp: consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10)[1] for tp in parts
+        }
     finally:
         consumer.close()
 
@@ -329,6 +366,46 @@ class Pipeline:
         records = read_topics(self.kafka, [self.progress_topic], stall_s=30)
         mine = [r.value for r in records if r.key == {"slot": self.name}]
         return max((v["end_lsn"] for v in mine if v), default=0)
+
+    def committed_end_lsn(self) -> int:
+        """Like ``published_end_lsn``, but of every Kafka transaction committed, markers
+        or not: what the bridge may confirm to PostgreSQL once its commit has returned,
+        from the broker's own logs. A reader stops before a committed transaction until
+        its markers are in, which can take as long as a follower is away (see
+        committing_producers).
+
+        For a bridge that cannot commit meanwhile (Kafka refuses its writes): the
+        coordinator's decision is about the transaction open in the log only if the log
+        did not move while the decisions were read, which fails the call otherwise.
+        """
+        [before] = dump_segments(partition_dirs(self.kafka.data_dir, [self.progress_topic]))
+        deciding = committing_producers(self.kafka)
+        [part] = dump_segments(partition_dirs(self.kafka.data_dir, [self.progress_topic]))
+        assert part.batches == before.batches, "the bridge wrote its progress topic meanwhile"
+        producers = {
+            offset: b.producer_id
+            for b in part.batches
+            for offset in range(b.base_offset, b.last_offset + 1)
+        }
+        committed = {
+            offset
+            for offset, outcome in transaction_outcomes(part).items()
+            if outcome == "committed" or (outcome == "open" and producers[offset] in deciding)
+        }
+        values = read_records(
+            self.kafka.bootstrap,
+            [part],
+            lambda topic, partition, offset: offset in committed,
+            lambda topic, value: value,
+        )
+        return max(
+            (
+                v["end_lsn"]
+                for (_, _, offset), v in values.items()
+                if offset in committed and v and v.get("slot") == self.name
+            ),
+            default=0,
+        )
 
     def wait_caught_up(self, stall_s: float = 120) -> None:
         """Until the bridge has published everything the source has written now; fails when
