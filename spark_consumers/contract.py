@@ -6,8 +6,8 @@ names that the contract lacks fails at import. The JSON Schema, not the models, 
 input: it is what ``schemas/`` publishes, with the integer ranges that pick a Spark type.
 
 - an object with ``properties`` (a nested model): a struct, fields in the model's order;
-- an object of anything (a row image): ``map<string, variant>``, so that a column's value
-  is converted on its own (see ``parse.py``);
+- an object of anything (a row image): one ``variant``, made a ``map<string, variant>``
+  where a table's rows are typed (see ``parse.py``);
 - an array: an array of its items' type;
 - a string, with or without ``enum``: a string; a boolean: a boolean;
 - an integer: an int when the contract bounds it to 32 bits, a bigint otherwise.
@@ -29,7 +29,6 @@ from pyspark.sql.types import (
     DataType,
     IntegerType,
     LongType,
-    MapType,
     StringType,
     StructField,
     StructType,
@@ -80,7 +79,7 @@ class _Derivation:
         if kind == "object":
             if "properties" in node:
                 return self.struct(node, path)
-            return MapType(StringType(), VariantType())
+            return VariantType()
         if kind == "array":
             return ArrayType(self.type(node["items"], path))
         if kind == "string":

@@ -1,11 +1,17 @@
 """Raw Kafka rows -> change envelopes -> typed rows of one table, with a reason when bad.
 
-Column values are parsed as VARIANT first (``after map<string, variant>``) rather than
-straight into the table's types, for two reasons: a value that does not fit its column (or
-an unchanged-TOAST marker in a numeric column) must fail *that row* with a reason instead
-of turning the whole record into nulls, and JSON columns must keep their JSON text, which
-a string-typed parse would unquote. Each column is then converted from its text form, so
-scalars and array elements share one conversion per Spark type.
+Column values are parsed as VARIANT first rather than straight into the table's types, for
+two reasons: a value that does not fit its column (or an unchanged-TOAST marker in a
+numeric column) must fail *that row* with a reason instead of turning the whole record
+into nulls, and JSON columns must keep their JSON text, which a string-typed parse would
+unquote. Each column is then converted from its text form, so scalars and array elements
+share one conversion per Spark type.
+
+A row image (``after``, ``before``) is parsed as one VARIANT and made a
+``map<string, variant>`` only where its table's rows are typed: the batch's parsed records
+are cached, read by the survey and again by each table, and one variant a record is less to
+build and to cache than a map of them (parse, survey and typing of 200,000 inserts: 2.33 s
+against 2.56, the same typed rows).
 
 Nothing here raises on bad data: every row comes out with ``_reason`` null (good) or the
 first problems found (dead letter).
@@ -24,9 +30,11 @@ from pyspark.sql.types import (
     DataType,
     DateType,
     DecimalType,
+    MapType,
     StringType,
     TimestampNTZType,
     TimestampType,
+    VariantType,
 )
 
 from services.contract.records import OPS, TOAST_PLACEHOLDER, ChangeValue
@@ -55,6 +63,10 @@ TABLE = "_table"
 # A Kafka record's coordinates, and all a dead letter keeps of it.
 COORDINATES = ("topic", "partition", "offset")
 _NON_NUMBERS = ("NaN", "Infinity", "-Infinity")
+# A row image as typing reads it: column name -> value. An image that is JSON null or no
+# object does not convert (nor one naming a column twice, which the parse leaves null):
+# the record is refused with a reason.
+_ROW_IMAGE = MapType(StringType(), VariantType())
 
 
 def toast_flag(index: int) -> str:
@@ -87,8 +99,9 @@ def envelopes(raw: DataFrame, topic_prefix: str) -> DataFrame:
     )
 
 
-def envelope_reason(table: s.TableSchema) -> Column:
-    """Why a record of ``table``'s topic is not a usable change record (null when it is)."""
+def envelope_reason(table: s.TableSchema, image: Column) -> Column:
+    """Why a record of ``table``'s topic is not a usable change record (null when it is);
+    ``image`` is its row image as a map (null when missing or not a JSON object)."""
     e = F.col("e")
     op = e["op"]
     checks: list[tuple[Column, str]] = [
@@ -103,8 +116,8 @@ def envelope_reason(table: s.TableSchema) -> Column:
             | (e["source"]["table"] != F.lit(table.table)),
             "source.schema/table does not match the topic",
         ),
-        (op.isin("c", "u", "r") & e["after"].isNull(), "after missing"),
-        (op.isin("d") & e["before"].isNull(), "before missing"),
+        (op.isin("c", "u", "r") & image.isNull(), "after missing or not a JSON object"),
+        (op.isin("d") & image.isNull(), "before missing or not a JSON object"),
     ]
     return F.when(e.isNull() | op.isNull(), F.lit("value is not a change record")).otherwise(
         _reasons(checks)
@@ -221,7 +234,7 @@ class RowTyping:
         e = F.col("e")
         op = e["op"]
         columns = list(enumerate(table.columns))
-        image = F.when(op == "d", e["before"]).otherwise(e["after"])
+        image = F.when(op == "d", e["before"]).otherwise(e["after"]).try_cast(_ROW_IMAGE)
         variant, text, items, typed = (
             "_variant_{}".format,
             "_text_{}".format,
@@ -318,7 +331,7 @@ class RowTyping:
             e["source"]["txId"].alias(s.TX_ID),
             F.timestamp_millis(e["source"]["ts_ms"]).alias(s.COMMIT_TS),
             e["source"]["schema_version"].alias(s.SCHEMA_VERSION),
-            envelope_reason(table).alias("_envelope_reason"),
+            envelope_reason(table, F.col("_image")).alias("_envelope_reason"),
             _reasons(checks).alias("_row_reasons"),
         ]
         # Whether a typed row holds an unchanged-TOAST marker (its value is filled in later).

@@ -13,9 +13,9 @@ from services.contract.records import ChangeValue
 from spark_consumers.contract import spark_schema
 from spark_consumers.parse import ENVELOPE
 
-# What parse.py read change records with when the envelope was written by hand.
+# What parse.py reads change records with (written by hand before it was derived).
 _NEEDED = (
-    "before map<string,variant>, after map<string,variant>, "
+    "before variant, after variant, "
     "source struct<schema:string,table:string,txId:bigint,lsn:bigint,commit_lsn:bigint,"
     "ts_ms:bigint,snapshot:string,schema_version:int>, op string, ts_ms bigint, "
     "transaction struct<id:string,total_order:bigint,data_collection_order:bigint>, "

@@ -515,19 +515,40 @@ def test_bad_records_go_to_dead_letter(spark: SparkSession, tmp_path: Path) -> N
             *t.change("c", row(3, big="not a number"), 100, 2, 1),
             *t.change("c", row(4), 100, 3, 1),
             ("p.public.unknown", b'{"id": 1}', b'{"op": "c"}'),
+            # Row images that are no object of column values (one names a column twice).
+            *_with_image(t.change("c", row(5), 100, 4, 1), "after", 7),
+            *_with_image(t.change("c", row(6), 100, 5, 1), "after", None),
+            *_with_image(t.change("d", {"id": 1}, 200, 1, 2), "before", [1]),
         ]
     )
+    [(topic, key, value)] = t.change("c", row(8), 100, 6, 1)
+    assert value is not None and b'"after":{"id":8' in value
+    h.run([(topic, key, value.replace(b'"after":{"id":8', b'"after":{"id":9,"id":8'))])
     assert sorted(h.current()) == [1, 4]
     reasons = {(d["table"], d["offset"]): d["reason"] for d in h.dead_letters()}
+    no_image = "{} missing or not a JSON object".format
     assert reasons == {
         ("public.t", 1): "value is not a change record",
         ("public.t", 2): "column big: cannot convert to bigint",
         ("public.unknown", 4): "no schema record for this table",
+        ("public.t", 5): no_image("after"),
+        ("public.t", 6): no_image("after"),
+        ("public.t", 7): no_image("before"),
+        ("public.t", 8): no_image("after"),
     }
     texts = {d["offset"]: (d["key_text"], d["value_text"]) for d in h.dead_letters()}
     assert texts[1] == ('{"id": 2}', "{this is not json")
     assert texts[4] == ('{"id": 1}', '{"op": "c"}')
-    assert h.processor.status.tables["public.t"].quarantined == 2
+    assert h.processor.status.tables["public.t"].quarantined == 6
+
+
+def _with_image(records: list[Record], image: str, value: Any) -> list[Record]:
+    """The records with their row image ``image`` replaced by ``value``."""
+    return [
+        (topic, key, json.dumps({**json.loads(raw), image: value}).encode())
+        for topic, key, raw in records
+        if raw is not None
+    ]
 
 
 def test_new_column_evolves_tables(spark: SparkSession, tmp_path: Path) -> None:
