@@ -6,8 +6,8 @@ names that the contract lacks fails at import. The JSON Schema, not the models, 
 input: it is what ``schemas/`` publishes, with the integer ranges that pick a Spark type.
 
 - an object with ``properties`` (a nested model): a struct, fields in the model's order;
-- an object of anything (a row image): one ``variant``, made a ``map<string, variant>``
-  where a table's rows are typed (see ``parse.py``);
+- an object of anything (a row image): one ``variant``, cast to the table's columns where
+  its rows are typed (see ``parse.py``);
 - an array: an array of its items' type;
 - a string, with or without ``enum``: a string; a boolean: a boolean;
 - an integer: an int when the contract bounds it to 32 bits, a bigint otherwise.

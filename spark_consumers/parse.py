@@ -7,11 +7,13 @@ into nulls, and JSON columns must keep their JSON text, which a string-typed par
 unquote. Each column is then converted from its text form, so scalars and array elements
 share one conversion per Spark type.
 
-A row image (``after``, ``before``) is parsed as one VARIANT and made a
-``map<string, variant>`` only where its table's rows are typed: the batch's parsed records
-are cached, read by the survey and again by each table, and one variant a record is less to
-build and to cache than a map of them (parse, survey and typing of 200,000 inserts: 2.33 s
-against 2.56, the same typed rows).
+A row image (``after``, ``before``) is parsed as one VARIANT, and where its table's rows
+are typed it is cast to a struct of the table's columns, each a VARIANT. The batch's parsed
+records are cached, read by the survey and again by each table, and one variant a record is
+less to build and to cache than a map of variants (parse, survey and typing of 200,000
+inserts: 2.33 s against 2.56). The cast finds each column once in the variant's sorted
+field names, where a map's lookup scans all its keys, a column after column (typing 30,000
+changes of 40 columns: 1.7 s against 4.8). Both gave the same typed rows.
 
 Nothing here raises on bad data: every row comes out with ``_reason`` null (good) or the
 first problems found (dead letter).
@@ -30,8 +32,9 @@ from pyspark.sql.types import (
     DataType,
     DateType,
     DecimalType,
-    MapType,
     StringType,
+    StructField,
+    StructType,
     TimestampNTZType,
     TimestampType,
     VariantType,
@@ -63,10 +66,6 @@ TABLE = "_table"
 # A Kafka record's coordinates, and all a dead letter keeps of it.
 COORDINATES = ("topic", "partition", "offset")
 _NON_NUMBERS = ("NaN", "Infinity", "-Infinity")
-# A row image as typing reads it: column name -> value. An image that is JSON null or no
-# object does not convert (nor one naming a column twice, which the parse leaves null):
-# the record is refused with a reason.
-_ROW_IMAGE = MapType(StringType(), VariantType())
 
 
 def toast_flag(index: int) -> str:
@@ -101,7 +100,8 @@ def envelopes(raw: DataFrame, topic_prefix: str) -> DataFrame:
 
 def envelope_reason(table: s.TableSchema, image: Column) -> Column:
     """Why a record of ``table``'s topic is not a usable change record (null when it is);
-    ``image`` is its row image as a map (null when missing or not a JSON object)."""
+    ``image`` is its row image as the table's columns (null when missing or not a JSON
+    object)."""
     e = F.col("e")
     op = e["op"]
     checks: list[tuple[Column, str]] = [
@@ -234,7 +234,14 @@ class RowTyping:
         e = F.col("e")
         op = e["op"]
         columns = list(enumerate(table.columns))
-        image = F.when(op == "d", e["before"]).otherwise(e["after"]).try_cast(_ROW_IMAGE)
+        # The image as the table's columns, by exact name: a column the image lacks is
+        # null, one holding JSON null a variant null. An image that is JSON null or no
+        # object does not convert (nor one naming a column twice, which the parse leaves
+        # null): the record is refused with a reason.
+        names = [c.name for c in table.columns]
+        names += [key for key in table.key_columns if key not in names]
+        columns_of_image = StructType([StructField(name, VariantType()) for name in names])
+        image = F.when(op == "d", e["before"]).otherwise(e["after"]).try_cast(columns_of_image)
         variant, text, items, typed = (
             "_variant_{}".format,
             "_text_{}".format,
@@ -244,11 +251,9 @@ class RowTyping:
         self._source = [*(F.col(c) for c in COORDINATES), e, F.col(TABLE), image.alias("_image")]
         self._steps: list[dict[str, Column]] = [
             {
+                **{variant(i): F.col("_image")[c.name] for i, c in columns},
                 **{
-                    variant(i): F.try_element_at(F.col("_image"), F.lit(c.name)) for i, c in columns
-                },
-                **{
-                    f"_no_key_{n}": F.try_element_at(F.col("_image"), F.lit(key)).isNull()
+                    f"_no_key_{n}": F.col("_image")[key].isNull()
                     for n, key in enumerate(table.key_columns)
                 },
             },
