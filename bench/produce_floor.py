@@ -16,6 +16,12 @@ and each again with the four ``__debezium.context.*`` headers the Debezium forma
 every change record (``--headers``): ``produce_batch`` takes no headers, so the sink hands
 such records over with a ``produce()`` call each.
 
+``--c`` adds a third way, the floor of any design: ``bench/produce_floor.c``, a C program
+owning its producer with the same settings, handing each record over with librdkafka's
+public ``rd_kafka_produceva`` (headers included). It is built here against librdkafka's
+public header (Debian's ``librdkafka-dev``) and the librdkafka of confluent-kafka's wheel
+(the library the bridge runs; the system's if the wheel has none).
+
 Printed for each: records/s, this process's CPU microseconds per record (the calls plus
 librdkafka's own threads: batching, compression, the network) and the microseconds spent
 handing records over (inside produce(), or produce_all()); then the sink's ratios to
@@ -28,7 +34,10 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -36,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import confluent_kafka
 from confluent_kafka import Producer
 
 # NewTopic's public home (the stubs do not declare the re-export).
@@ -136,6 +146,52 @@ def _sink_runs(
         sink.close()
 
 
+def _c_producev(
+    settings: BridgeSettings, topic: str, keys: list[bytes], headers: Headers | None
+) -> dict[str, float]:
+    """``produce_floor.c``: the same records from C through ``rd_kafka_produceva``."""
+    folder = Path(tempfile.mkdtemp(prefix="produce-floor-"))
+    try:
+        program = _build_c_floor(folder)
+        value = folder / "value"
+        value.write_bytes(VALUE)
+        config = [
+            f"c:{name}={str(setting).lower() if isinstance(setting, bool) else setting}"
+            for name, setting in producer_config(settings, 1_000_000).items()
+            if isinstance(setting, str | int)
+        ]
+        header_args = [
+            f"h:{name}={data.decode() if isinstance(data, bytes) else data}"
+            for name, data in headers or []
+            if data is not None
+        ]
+        out = subprocess.run(
+            [str(program), topic, str(len(keys)), str(BATCH), str(value), *config, *header_args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        print(f"(produce_floor.c ran librdkafka {out[3]})")
+        return {"seconds": float(out[0]), "cpu": float(out[1]), "inside": float(out[2])}
+    finally:
+        shutil.rmtree(folder)
+
+
+def _build_c_floor(folder: Path) -> Path:
+    """``produce_floor.c`` compiled into ``folder``, linked to the wheel's librdkafka."""
+    if not Path("/usr/include/librdkafka/rdkafka.h").exists() or shutil.which("cc") is None:
+        sys.exit("--c needs cc and librdkafka's public header: apt install librdkafka-dev")
+    libs = Path(confluent_kafka.__file__).resolve().parents[1] / "confluent_kafka.libs"
+    bundled = sorted(libs.glob("librdkafka*.so*"))
+    link = (
+        [f"-L{libs}", f"-l:{bundled[0].name}", f"-Wl,-rpath,{libs}"] if bundled else ["-lrdkafka"]
+    )
+    program = folder / "produce_floor"
+    source = Path(__file__).with_name("produce_floor.c")
+    subprocess.run(["cc", "-O2", "-o", str(program), str(source), *link], check=True)
+    return program
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=500_000)
@@ -145,6 +201,11 @@ def main() -> None:
         "--headers",
         action="store_true",
         help="also each way with the Debezium format's four context headers on every record",
+    )
+    parser.add_argument(
+        "--c",
+        action="store_true",
+        help="also from C through librdkafka's public API (bench/produce_floor.c)",
     )
     args = parser.parse_args()
     with bench_stack(args) as stack:
@@ -157,9 +218,13 @@ def _compare(args: argparse.Namespace, stack: Stack) -> None:
     keys = [b'{"id":%d}' % i for i in range(args.records)]
     results = {}
     ways: list[Way] = [("produce()", _produce_calls, None), ("sink", _sink_runs, None)]
+    if args.c:
+        ways.append(("C", _c_producev, None))
     if args.headers:
         headers = context_headers_of("bench", "0190a3b4-0000-7000-8000-000000000000")
         ways += [("produce()+h", _produce_calls, headers), ("sink+h", _sink_runs, headers)]
+        if args.c:
+            ways.append(("C+h", _c_producev, headers))
     for name, run, with_headers in ways:
         topic = f"produce-floor-{uuid.uuid4().hex[:8]}"
         admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
@@ -178,8 +243,14 @@ def _compare(args: argparse.Namespace, stack: Stack) -> None:
             f"CPU {figures['cpu'] / args.records * 1e6:.2f} us/record, handing over "
             f"{figures['inside'] / args.records * 1e6:.2f} us/record"
         )
-    for way, base in (("sink", "produce()"), ("produce()+h", "produce()"), ("sink+h", "sink")):
-        if way not in results:
+    for way, base in (
+        ("sink", "produce()"),
+        ("produce()+h", "produce()"),
+        ("sink+h", "sink"),
+        ("sink", "C"),
+        ("sink+h", "C+h"),
+    ):
+        if way not in results or base not in results:
             continue
         tried, against = results[way], results[base]
         print(
