@@ -16,11 +16,11 @@ and each again with the four ``__debezium.context.*`` headers the Debezium forma
 every change record (``--headers``): ``produce_batch`` takes no headers, so the sink hands
 such records over with a ``produce()`` call each.
 
-``--c`` adds a third way, the floor of any design: ``bench/produce_floor.c``, a C program
-owning its producer with the same settings, handing each record over with librdkafka's
-public ``rd_kafka_produceva`` (headers included). It is built here against librdkafka's
-public header (Debian's ``librdkafka-dev``) and the librdkafka of confluent-kafka's wheel
-(the library the bridge runs; the system's if the wheel has none).
+``--c`` adds a third way, what a producer of our own could reach: ``bench/produce_floor.c``,
+a C program owning its producer with the same settings, handing each record over with
+librdkafka's public ``rd_kafka_produceva`` (headers included). It is built here against
+librdkafka's public header (Debian's ``librdkafka-dev``) and the librdkafka of
+confluent-kafka's wheel (the library the bridge runs; the system's if the wheel has none).
 
 Printed for each: records/s, this process's CPU microseconds per record (the calls plus
 librdkafka's own threads: batching, compression, the network) and the microseconds spent
@@ -146,7 +146,7 @@ def _sink_runs(
         sink.close()
 
 
-def _c_producev(
+def _c_produceva(
     settings: BridgeSettings, topic: str, keys: list[bytes], headers: Headers | None
 ) -> dict[str, float]:
     """``produce_floor.c``: the same records from C through ``rd_kafka_produceva``."""
@@ -219,12 +219,12 @@ def _compare(args: argparse.Namespace, stack: Stack) -> None:
     results = {}
     ways: list[Way] = [("produce()", _produce_calls, None), ("sink", _sink_runs, None)]
     if args.c:
-        ways.append(("C", _c_producev, None))
+        ways.append(("C", _c_produceva, None))
     if args.headers:
         headers = context_headers_of("bench", "0190a3b4-0000-7000-8000-000000000000")
         ways += [("produce()+h", _produce_calls, headers), ("sink+h", _sink_runs, headers)]
         if args.c:
-            ways.append(("C+h", _c_producev, headers))
+            ways.append(("C+h", _c_produceva, headers))
     for name, run, with_headers in ways:
         topic = f"produce-floor-{uuid.uuid4().hex[:8]}"
         admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
