@@ -40,7 +40,8 @@ the ceiling, one per record format):
    just before it is stopped; its CPU seconds over the same span (utime + stime) are in the
    ``--json`` output. With ``--verify`` (default) the change topics are read back
    with read_committed and must hold exactly the records the workload's changes make in
-   that format (a delete: a record and a tombstone), and their mean size (key and value
+   that format (a delete: a record and a tombstone, or the record alone with
+   ``--no-tombstones``), and their mean size (key and value
    bytes) is printed; the transaction topic is counted too. With ``--format both`` the
    Debezium-format daemon then catches up on its own slot of the same WAL (``all``: also
    the Debezium format without Connect schemas and context headers, ``debezium-lean``),
@@ -445,10 +446,12 @@ class Run:
         other_slots: Sequence[str] = (),
         begin_records: bool = True,
         other_prefixes: Sequence[str] = (),
+        tombstones: bool = True,
     ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
-        # The daemons' transaction_begin_records.
+        # The daemons' transaction_begin_records and tombstones_on_delete.
         self.begin_records = begin_records
+        self.tombstones = tombstones
         self.workload = workload
         self.rows, self.txn_size = rows, txn_size
         self.tag = tag
@@ -646,6 +649,7 @@ class Run:
             record_format,
         )
         env["SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS"] = str(self.begin_records).lower()
+        env["SLOTBRIDGE_TOMBSTONES_ON_DELETE"] = str(self.tombstones).lower()
         if hashed:
             env["SLOTBRIDGE_TRANSFORMS"] = json.dumps(
                 [
@@ -747,7 +751,7 @@ class Run:
         result["record_bytes"] = sum(size for _, size in counted) / max(changes, 1)
         result["transaction_records"] = self.count(f"{prefix}.transaction")[0]
         value_format = RECORD_FORMATS[variant_of(variant)[0]].value_format
-        expected = self.workload.expected_records(value_format, self.plan)
+        expected = self.workload.expected_records(value_format, self.plan, self.tombstones)
         if changes != expected:
             raise RuntimeError(
                 f"{self.tag} ({variant}): the change topics hold {changes} records,"
@@ -824,6 +828,7 @@ def _one(
         variants(args),
         args.py_spy,
         begin_records=not args.no_begin_records,
+        tombstones=not args.no_tombstones,
     )
     run.broker_pid = broker_pid(args.stack_dir)
     results = []
@@ -1125,6 +1130,11 @@ def main() -> None:
         action="store_true",
         help="the daemons write no BEGIN records on the transaction topic "
         "(transaction_begin_records: false), only ENDs",
+    )
+    parser.add_argument(
+        "--no-tombstones",
+        action="store_true",
+        help="the daemons write no tombstone after a delete's record (tombstones_on_delete: false)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()

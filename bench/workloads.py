@@ -49,8 +49,11 @@ class Workload:
     name = ""
     # The tables a run of this workload publishes, unqualified.
     tables: tuple[str, ...] = ("t",)
-    # Change records per change, by record format (a delete adds a tombstone).
+    # Change records per change, by record format.
     records_per_change = {"slotbridge": 1.0, "debezium": 1.0}
+    # Tombstones per change (a delete's), unless the bridge runs without them
+    # (tombstones_on_delete: false).
+    tombstones_per_change = 0.0
 
     def create(self, conn: psycopg.Connection[Any], schema: str) -> None:
         conn.execute(
@@ -65,8 +68,9 @@ class Workload:
         """The changes every reader catches up on; returns what went into the WAL."""
         raise NotImplementedError
 
-    def expected_records(self, value_format: str, plan: Plan) -> int:
-        return round(plan.changes * self.records_per_change[value_format])
+    def expected_records(self, value_format: str, plan: Plan, tombstones: bool = True) -> int:
+        tombstones_per_change = self.tombstones_per_change if tombstones else 0.0
+        return round(plan.changes * (self.records_per_change[value_format] + tombstones_per_change))
 
 
 _ROWS = (
@@ -130,7 +134,7 @@ class UpdateFull(Update):
 
 class Delete(Workload):
     name = "delete"
-    records_per_change = {"slotbridge": 2.0, "debezium": 2.0}
+    tombstones_per_change = 1.0
 
     def prefill(self, dsn: str, schema: str, rows: int) -> None:
         _fill(dsn, schema, rows)

@@ -206,6 +206,7 @@ class SessionSetup:
                 s.max_row_bytes,
                 mark or None,
                 begin_records=s.transaction_begin_records,
+                tombstones=s.tombstones_on_delete,
                 schemas=s.debezium_schemas,
                 context_headers=s.debezium_context_headers,
             )
@@ -215,6 +216,7 @@ class SessionSetup:
             dbname,
             s.max_row_bytes,
             begin_records=s.transaction_begin_records,
+            tombstones=s.tombstones_on_delete,
         )
 
     def _untied_message(self, message: m.LogicalMessage) -> None:

@@ -180,6 +180,14 @@ class BridgeSettings(ServiceSettings):
         "besides its END (which alone carries the event count and the tables): false saves "
         "a record per transaction, a sixth of an OLTP transaction's records",
     )
+    tombstones_on_delete: bool = Field(
+        default=True,
+        description="follow each delete's record (and a key change's delete) with a "
+        "tombstone, a record of the same key and a null value, as Debezium's "
+        "tombstones.on.delete=true (its default) does: what lets a compacted topic drop the "
+        "key and a JDBC sink delete the row; false: the delete's record alone, half the "
+        "records of a purge (the Spark consumers need no tombstones)",
+    )
     progress_topic: str = Field(
         default="__slotbridge_progress",
         description="compacted topic of each slot's last published position (one key per slot)",

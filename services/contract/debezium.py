@@ -86,7 +86,8 @@ class DebeziumSource(StrictModel):
 
 class DebeziumChange(StrictModel):
     """A change record's value without its Connect schema (``debezium_schemas: false``),
-    the ``payload`` of ``DebeziumChangeValue``; a delete's tombstone has a null value."""
+    the ``payload`` of ``DebeziumChangeValue``; a delete's tombstone (unless
+    ``tombstones_on_delete: false``) has a null value."""
 
     before: Row | None
     after: Row | None
@@ -111,7 +112,8 @@ class DebeziumKeyPayload(RootModel[Row]):
 
 
 class DebeziumChangeValue(StrictModel):
-    """Value of a record on a change topic; a delete's tombstone has a null value."""
+    """Value of a record on a change topic; a delete's tombstone (unless
+    ``tombstones_on_delete: false``) has a null value."""
 
     schema_: ConnectSchema = Field(alias="schema")
     payload: DebeziumChange

@@ -88,8 +88,9 @@ class ChangeValue(StrictModel):
     ``source.schema`` and ``source.table`` always hold the real names.
 
     The key is a JSON object of the key columns (primary key or replica identity). A delete
-    is followed by a record with the same key and a null value (tombstone). A truncate has
-    a null key and ``op: "t"``.
+    is followed by a record with the same key and a null value (tombstone), unless the
+    bridge runs with ``tombstones_on_delete: false``. A truncate has a null key and
+    ``op: "t"``.
     """
 
     before: Row | None = Field(

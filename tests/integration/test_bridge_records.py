@@ -245,3 +245,55 @@ def test_status_command_reports_slot_origin_and_kafka(published: Pipeline) -> No
         check=False,
     )
     assert "confirmed_flush_lsn" in table.stdout and table.returncode == 0
+
+
+@pytest.fixture(scope="module", params=["slotbridge", "debezium"])
+def no_tombstones(
+    request: pytest.FixtureRequest, stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """A bridge with ``tombstones_on_delete: false``, in each record format, over a table of
+    its own; a purge of many rows (the compiled path) and a key change and a single delete
+    (the decoder's path), each in a transaction of its own."""
+    table = f"{SCHEMA}.no_tomb_{request.param[:3]}"
+    sql(
+        stack.primary_dsn,
+        f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}; DROP TABLE IF EXISTS {table};"
+        f" CREATE TABLE {table} (id int PRIMARY KEY, v text)",
+    )
+    pipe = Pipeline(stack, [table], Path(tmp_path_factory.mktemp("notomb")))
+    pipe.extra["SLOTBRIDGE_VALUE_FORMAT"] = request.param
+    pipe.extra["SLOTBRIDGE_TOMBSTONES_ON_DELETE"] = "false"
+    pipe.start()
+    try:
+        pipe.wait_caught_up(60)
+        dsn = stack.primary_dsn
+        sql(dsn, f"INSERT INTO {table} SELECT g, 'row ' || g FROM generate_series(1, 50) g")
+        sql(dsn, f"DELETE FROM {table} WHERE id <= 40")
+        sql(dsn, f"UPDATE {table} SET id = 100 WHERE id = 41")
+        sql(dsn, f"DELETE FROM {table} WHERE id = 42")
+        pipe.wait_caught_up(90)
+        yield pipe
+        assert pipe.stop() == 0
+        pipe.audit()
+    finally:
+        pipe.cleanup()
+
+
+def _op(value: dict[str, object]) -> object:
+    """A change record's op, in either record format."""
+    payload = value.get("payload", value)
+    assert isinstance(payload, dict)
+    return payload["op"]
+
+
+def test_without_tombstones_a_delete_is_its_record_alone(no_tombstones: Pipeline) -> None:
+    (table,) = no_tombstones.tables or []
+    records = read_topics(no_tombstones.stack.kafka, [no_tombstones.topic(table)])
+    assert all(r.value is not None for r in records), "a tombstone was written"
+    ops = [_op(r.value) for r in records]
+    # 50 inserts, 40 deletes, the key change (the old key's delete, then the new key's row:
+    # an update in the default format, a create in Debezium's), one more delete.
+    changed = "c" if "debezium" in no_tombstones.extra["SLOTBRIDGE_VALUE_FORMAT"] else "u"
+    assert ops == ["c"] * 50 + ["d"] * 40 + ["d", changed, "d"]
+    keys = [r.key.get("payload", r.key) for r in records[50:]]
+    assert keys == [{"id": i} for i in range(1, 42)] + [{"id": 100}, {"id": 42}]

@@ -25,13 +25,31 @@ COLUMNS = (
 ACCOUNTS = m.Relation(None, 16_401, "public", "accounts", "d", COLUMNS)
 
 
-def builder(max_record_bytes: int = 1 << 20, *, begin_records: bool = True) -> EventBuilder:
+def builder(
+    max_record_bytes: int = 1 << 20,
+    *,
+    debezium: bool = False,
+    begin_records: bool = True,
+    tombstones: bool = True,
+) -> EventBuilder:
+    catalog = RelationCatalog("app", lambda oid: None)
+    if debezium:
+        return DebeziumEventBuilder(
+            catalog,
+            "app",
+            "shop",
+            max_record_bytes,
+            None,
+            begin_records=begin_records,
+            tombstones=tombstones,
+        )
     return DefaultEventBuilder(
-        RelationCatalog("app", lambda oid: None),
+        catalog,
         "app",
         "shop",
         max_record_bytes,
         begin_records=begin_records,
+        tombstones=tombstones,
     )
 
 
@@ -78,27 +96,21 @@ def test_a_transaction_is_begin_schema_changes_end() -> None:
     ]
 
 
+def _stable(record: Record) -> tuple[str, Any, Any]:
+    """A record less its processing time (ts_ms and its kin: on schema, change and END
+    records), the one thing two builds differ in whenever they fall in different
+    milliseconds."""
+    body = value(record) if record[2] is not None else None
+    payload = body.get("payload", body) if isinstance(body, dict) else body
+    if isinstance(payload, dict):
+        payload = {k: v for k, v in payload.items() if not k.startswith("ts_")}
+    return record[0], record[1], payload
+
+
 @pytest.mark.parametrize("debezium", [False, True], ids=["default", "debezium"])
 def test_without_begin_records_a_transaction_is_the_same_less_its_begin(debezium: bool) -> None:
     """``transaction_begin_records: false``: every record but the BEGIN, the END (which
     carries the counts) as with BEGIN records on."""
-
-    def make(begin_records: bool) -> EventBuilder:
-        catalog = RelationCatalog("app", lambda oid: None)
-        if debezium:
-            return DebeziumEventBuilder(
-                catalog, "app", "shop", 1 << 20, None, begin_records=begin_records
-            )
-        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20, begin_records=begin_records)
-
-    def stable(record: Record) -> tuple[str, Any, Any]:
-        # The processing time (ts_ms and its kin: on schema, change and END records) is the
-        # one thing two builds differ in, whenever they fall in different milliseconds.
-        body = value(record) if record[2] is not None else None
-        payload = body.get("payload", body) if isinstance(body, dict) else body
-        if isinstance(payload, dict):
-            payload = {k: v for k, v in payload.items() if not k.startswith("ts_")}
-        return record[0], record[1], payload
 
     messages = (
         ACCOUNTS,
@@ -106,14 +118,14 @@ def test_without_begin_records_a_transaction_is_the_same_less_its_begin(debezium
         m.Update(None, 16_401, None, False, ["1", "bob", None]),
         m.Delete(None, 16_401, ["1", None, None], True),
     )
-    with_begin = build(make(True), *messages)
-    without = build(make(False), *messages)
+    with_begin = build(builder(debezium=debezium), *messages)
+    without = build(builder(debezium=debezium, begin_records=False), *messages)
     assert with_begin[0][0] == "app.transaction" and value(with_begin[0])
-    assert stable(with_begin[0])[2]["status"] == "BEGIN"
-    assert [stable(r) for r in without] == [stable(r) for r in with_begin[1:]]
-    statuses = [stable(r)[2]["status"] for r in without if r[0] == "app.transaction"]
+    assert _stable(with_begin[0])[2]["status"] == "BEGIN"
+    assert [_stable(r) for r in without] == [_stable(r) for r in with_begin[1:]]
+    statuses = [_stable(r)[2]["status"] for r in without if r[0] == "app.transaction"]
     assert statuses == ["END"]
-    end = stable(without[-1])[2]
+    end = _stable(without[-1])[2]
     assert end["event_count"] == 3  # insert, update, delete (its tombstone is no event)
     assert end["data_collections"] == [{"data_collection": "public.accounts", "event_count": 3}]
 
@@ -170,6 +182,34 @@ def test_a_key_change_forgets_the_old_key_first() -> None:
         ({"id": 2}, True),
     ]
     assert [value(records[0])["op"], value(records[2])["op"]] == ["d", "u"]
+
+
+@pytest.mark.parametrize("debezium", [False, True], ids=["default", "debezium"])
+def test_without_tombstones_a_transaction_is_the_same_less_its_tombstones(debezium: bool) -> None:
+    """``tombstones_on_delete: false``: a delete's record and a key change's delete and new
+    row as with tombstones, in the same order and with the same numbers, but no record
+    with a null value; the END counts the same events."""
+
+    messages = (
+        ACCOUNTS,
+        m.Insert(None, 16_401, ["1", "ann", None]),
+        m.Update(None, 16_401, ["1", None, None], True, ["2", "ann", None]),
+        m.Delete(None, 16_401, ["2", None, None], True),
+    )
+    with_tombstones = build(builder(debezium=debezium), *messages)
+    without = build(builder(debezium=debezium, tombstones=False), *messages)
+    deletes = [
+        i
+        for i, r in enumerate(with_tombstones)
+        if r[0] == "app.public.accounts" and r[2] is not None and _stable(r)[2]["op"] == "d"
+    ]
+    assert len(deletes) == 2  # the key change's and the delete's
+    tombstones = [with_tombstones[i + 1] for i in deletes]
+    assert [r[1:3] for r in tombstones] == [(with_tombstones[i][1], None) for i in deletes]
+    assert sum(r[2] is None for r in with_tombstones) == 2
+    assert [_stable(r) for r in without] == [
+        _stable(r) for r in with_tombstones if r[2] is not None
+    ]
 
 
 def test_a_truncate_and_a_logical_message_count_in_the_transaction() -> None:

@@ -168,6 +168,7 @@ def one_relation_runs(
         limit,
         trailing,
         slots,
+        True,
     )
     return records, total, per_table.get("t", 0), leftover
 
@@ -480,17 +481,24 @@ def test_a_run_of_inserts_stops_at_a_record_over_the_limit(
     assert "at LSN 0/113" in message
 
 
-def builder_of(value_format: str) -> EventBuilder:
+def builder_of(value_format: str, tombstones: bool = True) -> EventBuilder:
     """A builder of ``value_format`` (one of ``FORMATS``) over an empty catalogue; the
     Debezium builder's run id (a header of every record) is fixed, so two builders write
     the same records."""
     catalog = RelationCatalog("app", lambda oid: None)
     if value_format == "slotbridge":
-        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20)
+        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20, tombstones=tombstones)
     schemas = value_format == "debezium"
     headers = value_format != "debezium-lean"
     builder = DebeziumEventBuilder(
-        catalog, "app", "shop", 1 << 20, None, schemas=schemas, context_headers=headers
+        catalog,
+        "app",
+        "shop",
+        1 << 20,
+        None,
+        tombstones=tombstones,
+        schemas=schemas,
+        context_headers=headers,
     )
     if not headers:
         return builder
@@ -535,11 +543,15 @@ def row_changes(
 
 
 def transaction_records(
-    value_format: str, changes: list[tuple[int, m.Message]], streamed: bool, undecoded: bool
+    value_format: str,
+    changes: list[tuple[int, m.Message]],
+    streamed: bool,
+    undecoded: bool,
+    tombstones: bool = True,
 ) -> tuple[list[Record], EventBuilder]:
     """The records of one transaction of ``changes``, handed over as pgoutput payloads
     (``undecoded``: the compiled plan reads what it can) or as decoded messages."""
-    builder = builder_of(value_format)
+    builder = builder_of(value_format, tombstones)
     decoder = PgOutputDecoder()
     given: list[tuple[int, m.Message | bytes]] = [
         (lsn, encode(msg) if undecoded else msg) for lsn, msg in changes
@@ -553,26 +565,29 @@ def transaction_records(
 
 @pytest.mark.parametrize("value_format", FORMATS)
 @pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("tombstones", [True, False], ids=["tombstones", "no-tombstones"])
 def test_undecoded_updates_and_deletes_make_the_decoded_records(
-    monkeypatch: pytest.MonkeyPatch, streamed: bool, value_format: str
+    monkeypatch: pytest.MonkeyPatch, streamed: bool, value_format: str, tombstones: bool
 ) -> None:
     # Updates without an old tuple and deletes (old key, or old row under REPLICA IDENTITY
-    # FULL) are read in place like inserts, a delete's tombstone included; what needs both
-    # rows (an update with an old tuple, a key change) or a placeholder (unchanged TOAST)
-    # is decoded. Every record equals the decoded path's, in the same order.
+    # FULL) are read in place like inserts, a delete's tombstone included (unless
+    # tombstones_on_delete is off); what needs both rows (an update with an old tuple, a
+    # key change) or a placeholder (unchanged TOAST) is decoded. Every record equals the
+    # decoded path's, in the same order.
     monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
     monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_123_456_789)
     monkeypatch.setattr(events, "_RUN", 5)
     xid = 700 if streamed else None
     row = ["0", "é 1\n", "2024-01-02 03:04:05+00"]
     changes = row_changes(xid, (20, 25, 1184), row, ["0", "u", None])
-    compiled, builder = transaction_records(value_format, changes, streamed, True)
-    assert compiled == transaction_records(value_format, changes, streamed, False)[0]
+    compiled, builder = transaction_records(value_format, changes, streamed, True, tombstones)
+    assert compiled == transaction_records(value_format, changes, streamed, False, tombstones)[0]
     assert all(info.plan is not None for info in builder.catalog.by_oid.values())
-    # BEGIN, END, 2 schemas; 8 x (insert, update, delete + tombstone, update, delete +
-    # tombstone); two TOAST updates, the key change (delete, tombstone, update), the full
-    # table's TOAST update; 7 deletes + tombstones.
-    assert len(compiled) == 4 + 8 * 7 + 2 + 3 + 1 + 14
+    # BEGIN, END, 2 schemas; 8 x (insert, update, delete, update, delete); two TOAST
+    # updates, the key change (delete, update), the full table's TOAST update; 7 deletes;
+    # with tombstones, one after each of the 8 x 2 + 1 + 7 deletes.
+    assert len(compiled) == 4 + 8 * 5 + 2 + 2 + 1 + 7 + (8 * 2 + 1 + 7 if tombstones else 0)
+    assert sum(r[2] is None for r in compiled) == (8 * 2 + 1 + 7 if tombstones else 0)
 
 
 # One value of each type the Debezium format encodes its own way, as PostgreSQL prints it.
@@ -926,6 +941,7 @@ def test_runs_go_on_across_relations_and_stop_where_no_current_plan_reads() -> N
         100,
         (),
         LSN_TWICE_AND_ORDERS,
+        True,
     )
     # After each row (empty pieces): its lsn twice, its total order and its topic's order.
     assert [(t, v.rsplit(b"}", 1)[1]) for t, _, v, _ in made] == [
@@ -949,6 +965,7 @@ def test_runs_go_on_across_relations_and_stop_where_no_current_plan_reads() -> N
         100,
         (),
         LSN_TWICE_AND_ORDERS,
+        True,
     )
     assert (made, total, leftover) == ([], 0, None)
     with pytest.raises(TypeError, match="a plan is"):
@@ -966,6 +983,7 @@ def test_runs_go_on_across_relations_and_stop_where_no_current_plan_reads() -> N
             100,
             (),
             LSN_TWICE_AND_ORDERS,
+            True,
         )
 
 

@@ -1193,11 +1193,13 @@ typedef struct {
     const Number *numbers[MAX_NUMBERS];
     Py_ssize_t nnumbers;
     Py_ssize_t at, max_bytes, limit;
+    int tombstones; /* whether a delete's record is followed by its tombstone */
     PyObject *items, *headers, *records;
 } Runs;
 
 /* The records of a run of row changes to one relation, appended to runs->records as the
-   builder's loop would make them one by one (a delete's record followed by its tombstone):
+   builder's loop would make them one by one (a delete's record followed by its tombstone,
+   if runs->tombstones):
    from (*lsn, *payload) on, and on with the items the iterator gives while they are
    changes to the same relation this plan reads in place (see change_frame), up to limit
    records. On return *item is the item taken from the iterator that the run stopped at
@@ -1241,7 +1243,7 @@ static int run_of(RowPlan *plan, Runs *runs, PyObject *kinds, PyObject *topic,
             break;
         }
         rc = append_record(records, topic, key, value, headers);
-        if (rc == 0 && tombstone)
+        if (rc == 0 && tombstone && runs->tombstones)
             rc = append_record(records, topic, key, Py_None, headers);
         Py_DECREF(value);
         Py_DECREF(key);
@@ -1300,9 +1302,9 @@ static PyObject *plan_of(PyObject *payload, Py_ssize_t at, PyObject *plans, PyOb
 }
 
 /* runs(items, lsn, payload, at, plans, relations, per_table, total, headers, max_bytes, limit,
-   trailing, slots) -> (records, total, leftover): the change records of a transaction's row
-   changes from (lsn, payload) on, run after run (a run: consecutive changes to one relation,
-   see run_of), without a Python frame per row or per run. plans maps a relation oid to
+   trailing, slots, tombstones) -> (records, total, leftover): the change records of a
+   transaction's row changes from (lsn, payload) on, run after run (a run: consecutive
+   changes to one relation, see run_of), without a Python frame per row or per run. plans maps a relation oid to
    (info, plan, kinds, topic): the relation version (it must still be relations[oid], the
    catalogue's), its RowPlan, the pieces of its records and their topic. per_table maps a
    topic to its records' data_collection_order so far, and is kept up to date.
@@ -1314,13 +1316,14 @@ static PyObject *plan_of(PyObject *payload, Py_ssize_t at, PyObject *plans, PyOb
    relation without a plan, another message, an update of the key, a record over
    max_bytes) or after limit records. leftover is the item taken from the iterator where
    they stopped, which the caller handles itself, or None; with no records, the caller's
-   own (lsn, payload) is what it handles. */
+   own (lsn, payload) is what it handles. tombstones: whether a delete's record is followed
+   by a tombstone (the key and a null value). */
 static PyObject *transaction_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char usage[] =
         "runs(items, lsn: int, payload: bytes, at: int, plans: dict, relations: dict, "
         "per_table: dict, total: int, headers, max_bytes: int, limit: int, trailing: tuple of "
-        "ints, slots: bytes)";
-    if (nargs != 13 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
+        "ints, slots: bytes, tombstones: bool)";
+    if (nargs != 14 || !PyIter_Check(args[0]) || !PyBytes_CheckExact(args[2]) ||
         !PyDict_CheckExact(args[4]) || !PyDict_CheckExact(args[5]) ||
         !PyDict_CheckExact(args[6]) || !PyTuple_Check(args[11]) ||
         PyTuple_GET_SIZE(args[11]) > MAX_NUMBERS - 3 || !PyBytes_Check(args[12]) ||
@@ -1348,6 +1351,9 @@ static PyObject *transaction_runs(PyObject *module, PyObject *const *args, Py_ss
     PyObject *payload = args[2], *plans = args[4], *relations = args[5], *per_table = args[6];
     runs.items = args[0];
     runs.headers = args[8];
+    runs.tombstones = PyObject_IsTrue(args[13]);
+    if (runs.tombstones < 0)
+        return NULL;
     unsigned long long lsn = PyLong_AsUnsignedLongLong(args[1]);
     runs.at = PyLong_AsSsize_t(args[3]);
     unsigned long long total = PyLong_AsUnsignedLongLong(args[7]);
@@ -1416,8 +1422,8 @@ static PyObject *accelerate_sha256(PyObject *module, PyObject *on) {
 static PyMethodDef module_methods[] = {
     {"runs", (PyCFunction)(void (*)(void))transaction_runs, METH_FASTCALL,
      "runs(items, lsn, payload, at, plans, relations, per_table, total, headers, max_bytes, "
-     "limit, trailing, slots) -> (records, total, leftover): the records of a transaction's "
-     "row changes, run after run"},
+     "limit, trailing, slots, tombstones) -> (records, total, leftover): the records of a "
+     "transaction's row changes, run after run"},
     {"accelerate_sha256", (PyCFunction)accelerate_sha256, METH_O,
      "accelerate_sha256(on) -> whether the CPU's SHA extensions are in use"},
     {NULL, NULL, 0, NULL},

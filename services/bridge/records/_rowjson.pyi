@@ -35,6 +35,7 @@ def runs(
     limit: int,
     trailing: tuple[int, ...],
     slots: bytes,
+    tombstones: bool,
     /,
 ) -> tuple[list[Any], int, tuple[int, Any] | None]: ...
 def accelerate_sha256(on: bool, /) -> bool: ...

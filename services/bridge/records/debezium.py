@@ -414,6 +414,7 @@ class DebeziumEventBuilder(EventBuilder):
         last_end_lsn: int | None,
         *,
         begin_records: bool = True,
+        tombstones: bool = True,
         schemas: bool = True,
         context_headers: bool = True,
     ) -> None:
@@ -424,6 +425,7 @@ class DebeziumEventBuilder(EventBuilder):
             db,
             max_record_bytes,
             begin_records=begin_records,
+            tombstones=tombstones,
             last_end_lsn=last_end_lsn,
         )
         self.schemas = schemas
@@ -477,7 +479,7 @@ class DebeziumEventBuilder(EventBuilder):
         created = self._value(txn, info, lsn, "c", None, after, total, order)
         return (
             (info.topic, old_key, deleted, old_headers),
-            (info.topic, old_key, None, old_headers),
+            *self._tombstone(info, old_key, old_headers),
             (info.topic, key, created, new_headers),
         )
 

@@ -35,8 +35,16 @@ class DefaultEventBuilder(EventBuilder):
         max_record_bytes: int,
         *,
         begin_records: bool = True,
+        tombstones: bool = True,
     ) -> None:
-        super().__init__(catalog, topic_prefix, db, max_record_bytes, begin_records=begin_records)
+        super().__init__(
+            catalog,
+            topic_prefix,
+            db,
+            max_record_bytes,
+            begin_records=begin_records,
+            tombstones=tombstones,
+        )
         # Relation oid -> (the version, its source block's two templates): the same for
         # every transaction, and made again only for a new version.
         self._source_templates: dict[int, tuple[RelationInfo, bytes, bytes]] = {}
@@ -57,8 +65,8 @@ class DefaultEventBuilder(EventBuilder):
         old_key: bytes | None,
         key: bytes | None,
     ) -> Sequence[Record]:
-        """The delete, its tombstone and the update under the new key share the update's
-        numbers: one change, one place in the transaction's order."""
+        """The delete, its tombstone (``_tombstone``) and the update under the new key share
+        the update's numbers: one change, one place in the transaction's order."""
         total, order = txn.number(info.topic)
         headers = self.headers
         return (
@@ -68,7 +76,7 @@ class DefaultEventBuilder(EventBuilder):
                 self._value(txn, info, lsn, "d", before, None, total, order),
                 headers,
             ),
-            (info.topic, old_key, None, headers),
+            *self._tombstone(info, old_key, headers),
             (
                 info.topic,
                 key,

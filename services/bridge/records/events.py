@@ -133,16 +133,19 @@ class EventBuilder(abc.ABC):
         max_record_bytes: int,
         *,
         begin_records: bool = True,
+        tombstones: bool = True,
         last_end_lsn: int | None = None,
     ) -> None:
         """``begin_records``: whether a transaction's records start with a BEGIN record on
         the transaction topic (its END, always written, carries what a consumer needs).
+        ``tombstones``: whether a delete's record is followed by a tombstone of its key.
         ``last_end_lsn``: where the last transaction published before this builder's first
         ended (None: none was)."""
         self.catalog = catalog
         # The end of the last transaction built (see ``transaction``), or ``last_end_lsn``.
         self.last_end_lsn = last_end_lsn
         self.begin_records = begin_records
+        self.tombstones = tombstones
         self.topic_prefix = topic_prefix
         self.db = db
         self.max_record_bytes = max_record_bytes
@@ -245,6 +248,7 @@ class EventBuilder(abc.ABC):
                 _RUN,
                 trailing,
                 slots,
+                self.tombstones,
             )
             if not built:
                 # A relation whose plan the runs do not know yet takes them on its first
@@ -316,8 +320,8 @@ class EventBuilder(abc.ABC):
         key: bytes | None,
     ) -> Sequence[Record]:
         """An update that changed the row's key: consumers of a compacted topic must forget
-        the old key, so a delete and a tombstone for it come first (as Debezium does), then
-        the row under the new key."""
+        the old key, so a delete and a tombstone for it come first (as Debezium does; the
+        tombstone only with ``tombstones``), then the row under the new key."""
 
     @abc.abstractmethod
     def snapshot_rows(
@@ -395,8 +399,7 @@ class EventBuilder(abc.ABC):
         )
         key = self._key_of(info, key_row(info, msg.old))
         value = self._value(txn, info, lsn, "d", before, None, total, order)
-        # The tombstone lets a compacted topic drop the key.
-        return ((info.topic, key, value, self.headers), (info.topic, key, None, self.headers))
+        return ((info.topic, key, value, self.headers), *self._tombstone(info, key, self.headers))
 
     def _relation(self, txn: Txn, lsn: int, msg: m.Relation) -> Sequence[Record]:
         info = self.catalog.apply(msg)
@@ -434,6 +437,14 @@ class EventBuilder(abc.ABC):
         """The transaction topic's BEGIN or END record (END counts the change records):
         the default format's, and the Debezium format's without Connect schemas."""
         return self.transaction_topic, b'{"id":"%b"}' % txn.txid, status_value(status, txn), None
+
+    def _tombstone(
+        self, info: RelationInfo, key: bytes | None, headers: Headers | None
+    ) -> tuple[Record, ...]:
+        """What follows the record of a delete of ``key``: its tombstone, which lets a
+        compacted topic drop the key and tells a JDBC sink to delete the row, unless
+        ``tombstones`` is off."""
+        return ((info.topic, key, None, headers),) if self.tombstones else ()
 
     def _key_of(self, info: RelationInfo, row: dict[str, JsonValue]) -> bytes | None:
         """The record key of a row holding (at least) the key columns: the key columns'
