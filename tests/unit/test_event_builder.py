@@ -265,16 +265,18 @@ def test_transaction_records_are_the_json_of_their_fields() -> None:
             "ts_ms": 1_700_000_000_123,
         }
     )
-    per_table = {"app.public.orders": 3, 'app.public."quoted ✓"': 1}
-    assert end_value(txid, 1_700_000_000_123, 4, per_table) == orjson.dumps(
-        {
-            "status": "END",
-            "id": txid.decode(),
-            "event_count": 4,
-            "data_collections": [
-                {"data_collection": "public.orders", "event_count": 3},
-                {"data_collection": 'public."quoted ✓"', "event_count": 1},
-            ],
-            "ts_ms": 1_700_000_000_123,
-        }
-    )
+    # Twice over the same tables (the second from the first's template), with other counts.
+    for orders, quoted in ((3, 1), (1, 7)):
+        per_table = {"app.public.orders": orders, 'app.public."100%d ✓"': quoted}
+        assert end_value(txid, 1_700_000_000_123, orders + quoted, per_table) == orjson.dumps(
+            {
+                "status": "END",
+                "id": txid.decode(),
+                "event_count": orders + quoted,
+                "data_collections": [
+                    {"data_collection": "public.orders", "event_count": orders},
+                    {"data_collection": 'public."100%d ✓"', "event_count": quoted},
+                ],
+                "ts_ms": 1_700_000_000_123,
+            }
+        )
