@@ -3,9 +3,10 @@ Connect standalone (jars from the bootstrap) and the bridge with ``value_format:
 stream the same table through the same changes; their records must agree field by field,
 but for what must differ (times, LSNs, transaction ids, names) and the documented choices
 (``services/bridge/records/debezium.py``). Twice: with Debezium's defaults, and with its
-two settings that make records cheaper, on both sides: no Connect schemas
-(JsonConverter's ``schemas.enable=false``, the bridge's ``debezium_schemas: false``) and
-no context headers (``extended.headers.enabled=false``, ``debezium_context_headers:
+three settings that make records cheaper or fewer, on both sides: no Connect schemas
+(JsonConverter's ``schemas.enable=false``, the bridge's ``debezium_schemas: false``), no
+context headers (``extended.headers.enabled=false``, ``debezium_context_headers:
+false``) and no tombstones (``tombstones.on.delete=false``, ``tombstones_on_delete:
 false``)."""
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ WORKLOAD = [
     f"INSERT INTO {SCHEMA}.alltypes (id) VALUES (22); COMMIT",
     f"TRUNCATE {SCHEMA}.alltypes",
 ]
-EXPECTED_RECORDS = 12  # 3 creates, 1 update, d+tombstone+c, d+tombstone, 2 creates, truncate
+# 3 creates, 1 update, d+tombstone+c, d+tombstone, 2 creates, truncate; without tombstones
+# two fewer.
+EXPECTED_RECORDS = {True: 12, False: 10}
 # Published as strings by the bridge, left out by Debezium (no mapping): see connect_values.
 BRIDGE_ONLY = {"ia"}
 
@@ -90,6 +93,7 @@ def _connect(tmp: Path, bootstrap: str, dsn: str, prefix: str, defaults: bool) -
             "provide.transaction.metadata": "true",
             "skipped.operations": "none",
             "extended.headers.enabled": str(defaults).lower(),
+            "tombstones.on.delete": str(defaults).lower(),
         },
         schemas=defaults,
     )
@@ -102,7 +106,7 @@ class Compared(NamedTuple):
     theirs: list[Any]
     our_topic: str
     their_topic: str
-    defaults: bool  # Debezium's defaults (schemas and context headers), or neither
+    defaults: bool  # Debezium's defaults (schemas, context headers, tombstones), or none
 
 
 def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[Any]:
@@ -129,7 +133,7 @@ def _read(bootstrap: str, topic: str, count: int, timeout: float = 60) -> list[A
     return out
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["defaults", "payloads-no-headers"])
+@pytest.fixture(scope="module", params=[True, False], ids=["defaults", "lean"])
 def both(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Compared]:
@@ -151,6 +155,7 @@ def both(
             SLOTBRIDGE_VALUE_FORMAT="debezium",
             SLOTBRIDGE_DEBEZIUM_SCHEMAS=str(defaults).lower(),
             SLOTBRIDGE_DEBEZIUM_CONTEXT_HEADERS=str(defaults).lower(),
+            SLOTBRIDGE_TOMBSTONES_ON_DELETE=str(defaults).lower(),
         )
         pipe.wait_caught_up(60)
         wait_for(
@@ -167,8 +172,9 @@ def both(
             sql(dsn, statement)
         pipe.wait_caught_up(90)
         our_topic, their_topic = pipe.topic(f"{SCHEMA}.alltypes"), f"{prefix}.{SCHEMA}.alltypes"
-        ours = _read(stack.kafka.bootstrap, our_topic, EXPECTED_RECORDS)
-        theirs = _read(stack.kafka.bootstrap, their_topic, EXPECTED_RECORDS)
+        expected = EXPECTED_RECORDS[defaults]
+        ours = _read(stack.kafka.bootstrap, our_topic, expected)
+        theirs = _read(stack.kafka.bootstrap, their_topic, expected)
         yield Compared(ours, theirs, our_topic, their_topic, defaults)
         assert pipe.stop() == 0
         pipe.audit()
@@ -217,7 +223,11 @@ def _drop_bridge_only(value: Any) -> Any:
 
 
 def test_record_count_and_ops(both: Compared) -> None:
-    assert (len(both.ours), len(both.theirs)) == (EXPECTED_RECORDS, EXPECTED_RECORDS)
+    expected = EXPECTED_RECORDS[both.defaults]
+    assert (len(both.ours), len(both.theirs)) == (expected, expected)
+    tombstones = [v is None for _, v, _ in both.ours]
+    assert tombstones == [v is None for _, v, _ in both.theirs]
+    assert sum(tombstones) == (2 if both.defaults else 0)
 
 
 def test_keys_values_and_headers_match_debezium(both: Compared) -> None:
