@@ -1304,10 +1304,11 @@ static PyObject *plan_of(PyObject *payload, Py_ssize_t at, PyObject *plans, PyOb
 /* runs(items, lsn, payload, at, plans, relations, per_table, total, headers, max_bytes, limit,
    trailing, slots, tombstones) -> (records, total, leftover): the change records of a
    transaction's row changes from (lsn, payload) on, run after run (a run: consecutive
-   changes to one relation, see run_of), without a Python frame per row or per run. plans maps a relation oid to
-   (info, plan, kinds, topic): the relation version (it must still be relations[oid], the
-   catalogue's), its RowPlan, the pieces of its records and their topic. per_table maps a
-   topic to its records' data_collection_order so far, and is kept up to date.
+   changes to one relation, see run_of), without a Python frame per row or per run. plans
+   maps a relation oid to (info, plan, kinds, topic): the relation version (it must still
+   be relations[oid], the catalogue's), its RowPlan, the pieces of its records and their
+   topic. per_table maps a topic to its records' data_collection_order so far, and is kept
+   up to date.
    A record's numbers are picked by slots, each byte an index into (lsn, total + 1, order +
    1, *trailing): the record's own and the transaction's, so that the pieces between them
    may be the same for every transaction. kinds holds the pieces of an insert's, an
