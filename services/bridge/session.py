@@ -34,7 +34,7 @@ from services.bridge.records import catalog
 from services.bridge.records.catalog import KnownVersion, RelationCatalog, known_versions
 from services.bridge.records.debezium import DebeziumEventBuilder
 from services.bridge.records.default import DefaultEventBuilder
-from services.bridge.records.events import EventBuilder, max_change_bytes
+from services.bridge.records.events import EventBuilder, RecordChoices, max_change_bytes
 from services.bridge.records.masking import Masking
 from services.bridge.server import Server, open_server
 from services.bridge.settings import BridgeSettings
@@ -197,6 +197,7 @@ class SessionSetup:
             masking=self._masking,
             routing=s.routing(),
         )
+        choices = RecordChoices(s.transaction_begin_records, s.tombstones_on_delete)
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.
             return DebeziumEventBuilder(
@@ -205,8 +206,7 @@ class SessionSetup:
                 dbname,
                 s.max_row_bytes,
                 mark or None,
-                begin_records=s.transaction_begin_records,
-                tombstones=s.tombstones_on_delete,
+                choices=choices,
                 schemas=s.debezium_schemas,
                 context_headers=s.debezium_context_headers,
             )
@@ -215,8 +215,7 @@ class SessionSetup:
             s.topic_prefix,
             dbname,
             s.max_row_bytes,
-            begin_records=s.transaction_begin_records,
-            tombstones=s.tombstones_on_delete,
+            choices=choices,
         )
 
     def _untied_message(self, message: m.LogicalMessage) -> None:

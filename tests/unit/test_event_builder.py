@@ -13,7 +13,14 @@ from services.bridge.decode import messages as m
 from services.bridge.records.catalog import RelationCatalog, known_versions
 from services.bridge.records.debezium import DebeziumEventBuilder
 from services.bridge.records.default import DefaultEventBuilder
-from services.bridge.records.events import EventBuilder, Record, RowTooLarge, begin_value, end_value
+from services.bridge.records.events import (
+    EventBuilder,
+    Record,
+    RecordChoices,
+    RowTooLarge,
+    begin_value,
+    end_value,
+)
 from services.contract.records import TOAST_PLACEHOLDER
 
 TS = 785_000_000_123_456
@@ -33,24 +40,10 @@ def builder(
     tombstones: bool = True,
 ) -> EventBuilder:
     catalog = RelationCatalog("app", lambda oid: None)
+    choices = RecordChoices(begin_records, tombstones)
     if debezium:
-        return DebeziumEventBuilder(
-            catalog,
-            "app",
-            "shop",
-            max_record_bytes,
-            None,
-            begin_records=begin_records,
-            tombstones=tombstones,
-        )
-    return DefaultEventBuilder(
-        catalog,
-        "app",
-        "shop",
-        max_record_bytes,
-        begin_records=begin_records,
-        tombstones=tombstones,
-    )
+        return DebeziumEventBuilder(catalog, "app", "shop", max_record_bytes, None, choices=choices)
+    return DefaultEventBuilder(catalog, "app", "shop", max_record_bytes, choices=choices)
 
 
 def build(b: EventBuilder, *messages: m.Message, xid: int = 700) -> list[Record]:

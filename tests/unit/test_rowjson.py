@@ -38,7 +38,7 @@ from services.bridge.records.catalog import (
 from services.bridge.records.connect_values import COMPILED_KINDS
 from services.bridge.records.debezium import DebeziumEventBuilder, context_headers_of
 from services.bridge.records.default import DefaultEventBuilder
-from services.bridge.records.events import EventBuilder, Record, Undecoded, whole_row
+from services.bridge.records.events import EventBuilder, Record, RecordChoices, Undecoded, whole_row
 from services.bridge.records.masking import HashRule, column_mask
 from services.bridge.records.values import TYPE_NAMES, ArrayOf, JsonValue
 from services.contract.records import TOAST_PLACEHOLDER
@@ -487,7 +487,9 @@ def builder_of(value_format: str, tombstones: bool = True) -> EventBuilder:
     the same records."""
     catalog = RelationCatalog("app", lambda oid: None)
     if value_format == "slotbridge":
-        return DefaultEventBuilder(catalog, "app", "shop", 1 << 20, tombstones=tombstones)
+        return DefaultEventBuilder(
+            catalog, "app", "shop", 1 << 20, choices=RecordChoices(tombstones=tombstones)
+        )
     schemas = value_format == "debezium"
     headers = value_format != "debezium-lean"
     builder = DebeziumEventBuilder(
@@ -496,7 +498,7 @@ def builder_of(value_format: str, tombstones: bool = True) -> EventBuilder:
         "shop",
         1 << 20,
         None,
-        tombstones=tombstones,
+        choices=RecordChoices(tombstones=tombstones),
         schemas=schemas,
         context_headers=headers,
     )

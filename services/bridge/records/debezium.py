@@ -47,9 +47,11 @@ from services.bridge.records.connect_values import (
     placeholder,
 )
 from services.bridge.records.events import (
+    DEFAULT_CHOICES,
     EventBuilder,
     Headers,
     Record,
+    RecordChoices,
     RowPieces,
     Txn,
     key_row,
@@ -413,8 +415,7 @@ class DebeziumEventBuilder(EventBuilder):
         max_record_bytes: int,
         last_end_lsn: int | None,
         *,
-        begin_records: bool = True,
-        tombstones: bool = True,
+        choices: RecordChoices = DEFAULT_CHOICES,
         schemas: bool = True,
         context_headers: bool = True,
     ) -> None:
@@ -424,8 +425,7 @@ class DebeziumEventBuilder(EventBuilder):
             topic_prefix,
             db,
             max_record_bytes,
-            begin_records=begin_records,
-            tombstones=tombstones,
+            choices=choices,
             last_end_lsn=last_end_lsn,
         )
         self.schemas = schemas

@@ -16,7 +16,15 @@ import orjson
 
 from services.bridge.decode import messages as m
 from services.bridge.records.catalog import RelationCatalog, RelationInfo
-from services.bridge.records.events import EventBuilder, Record, RowPieces, Txn, whole_row
+from services.bridge.records.events import (
+    DEFAULT_CHOICES,
+    EventBuilder,
+    Record,
+    RecordChoices,
+    RowPieces,
+    Txn,
+    whole_row,
+)
 from services.bridge.records.values import JSON_NULL, JsonValue
 from services.common.lsn import PG_EPOCH_UNIX_MS
 from services.contract.records import CONNECTOR, VERSION
@@ -33,18 +41,9 @@ class DefaultEventBuilder(EventBuilder):
         topic_prefix: str,
         db: str,
         max_record_bytes: int,
-        *,
-        begin_records: bool = True,
-        tombstones: bool = True,
+        choices: RecordChoices = DEFAULT_CHOICES,
     ) -> None:
-        super().__init__(
-            catalog,
-            topic_prefix,
-            db,
-            max_record_bytes,
-            begin_records=begin_records,
-            tombstones=tombstones,
-        )
+        super().__init__(catalog, topic_prefix, db, max_record_bytes, choices=choices)
         # Relation oid -> (the version, its source block's two templates): the same for
         # every transaction, and made again only for a new version.
         self._source_templates: dict[int, tuple[RelationInfo, bytes, bytes]] = {}

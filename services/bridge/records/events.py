@@ -114,6 +114,21 @@ class Undecoded:
     decode: Callable[[bytes], m.Message]
 
 
+@dataclass(frozen=True, slots=True)
+class RecordChoices:
+    """Which records a transaction makes besides its change records and its END, as the
+    settings choose (``transaction_begin_records``, ``tombstones_on_delete``): the same for
+    either record format."""
+
+    # A BEGIN record on the transaction topic before the transaction's records.
+    begin_records: bool = True
+    # A tombstone (the key, a null value) after each delete's record.
+    tombstones: bool = True
+
+
+# The settings' defaults: BEGIN records and tombstones, as Debezium writes them.
+DEFAULT_CHOICES = RecordChoices()
+
 # Most records one compiled ``runs`` call builds: a run of inserts waits in memory as records
 # until the sink takes them, so this bounds that memory (about 0.5 MB of 500-byte values).
 _RUN = 1024
@@ -132,20 +147,19 @@ class EventBuilder(abc.ABC):
         db: str,
         max_record_bytes: int,
         *,
-        begin_records: bool = True,
-        tombstones: bool = True,
+        choices: RecordChoices = DEFAULT_CHOICES,
         last_end_lsn: int | None = None,
     ) -> None:
-        """``begin_records``: whether a transaction's records start with a BEGIN record on
-        the transaction topic (its END, always written, carries what a consumer needs).
-        ``tombstones``: whether a delete's record is followed by a tombstone of its key.
+        """``choices``: whether a transaction's records start with a BEGIN record on the
+        transaction topic (its END, always written, carries what a consumer needs), and
+        whether a delete's record is followed by a tombstone of its key.
         ``last_end_lsn``: where the last transaction published before this builder's first
         ended (None: none was)."""
         self.catalog = catalog
         # The end of the last transaction built (see ``transaction``), or ``last_end_lsn``.
         self.last_end_lsn = last_end_lsn
-        self.begin_records = begin_records
-        self.tombstones = tombstones
+        self.begin_records = choices.begin_records
+        self.tombstones = choices.tombstones
         self.topic_prefix = topic_prefix
         self.db = db
         self.max_record_bytes = max_record_bytes
