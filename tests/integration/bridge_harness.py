@@ -499,6 +499,19 @@ class Pipeline:
         )
 
 
+def own_table_pipeline(stack: Stack, workdir: Path, table: str, extra: dict[str, str]) -> Pipeline:
+    """A pipeline, with the settings ``extra``, over ``table`` alone, made afresh as
+    ``(id int PRIMARY KEY, tag text)``: a bridge configuration a test checks on its own
+    table."""
+    schema = table.split(".", 1)[0]
+    sql(
+        stack.primary_dsn,
+        f"CREATE SCHEMA IF NOT EXISTS {schema}; DROP TABLE IF EXISTS {table};"
+        f" CREATE TABLE {table} (id int PRIMARY KEY, tag text)",
+    )
+    return Pipeline(stack, [table], workdir, extra=dict(extra))
+
+
 def _lsn(text: str) -> int:
     hi, lo = text.split("/")
     return (int(hi, 16) << 32) | int(lo, 16)

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import REPO, Pipeline, read_topics, sql
+from tests.integration.bridge_harness import REPO, Pipeline, own_table_pipeline, read_topics, sql
 
 SCHEMA = "rec"
 TYPES_DDL = f"""
@@ -255,14 +255,12 @@ def no_tombstones(
     its own; a purge of many rows (the compiled path) and a key change and a single delete
     (the decoder's path), each in a transaction of its own."""
     table = f"{SCHEMA}.no_tomb_{request.param[:3]}"
-    sql(
-        stack.primary_dsn,
-        f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}; DROP TABLE IF EXISTS {table};"
-        f" CREATE TABLE {table} (id int PRIMARY KEY, v text)",
+    pipe = own_table_pipeline(
+        stack,
+        Path(tmp_path_factory.mktemp("notomb")),
+        table,
+        {"SLOTBRIDGE_VALUE_FORMAT": request.param, "SLOTBRIDGE_TOMBSTONES_ON_DELETE": "false"},
     )
-    pipe = Pipeline(stack, [table], Path(tmp_path_factory.mktemp("notomb")))
-    pipe.extra["SLOTBRIDGE_VALUE_FORMAT"] = request.param
-    pipe.extra["SLOTBRIDGE_TOMBSTONES_ON_DELETE"] = "false"
     pipe.start()
     try:
         pipe.wait_caught_up(60)

@@ -10,7 +10,13 @@ import psycopg
 import pytest
 
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, read_topics, sql, wait_for
+from tests.integration.bridge_harness import (
+    Pipeline,
+    own_table_pipeline,
+    read_topics,
+    sql,
+    wait_for,
+)
 
 SCHEMA = "txn"
 BIG_ROWS = 500_000
@@ -147,18 +153,18 @@ def endless(
 ) -> Iterator[Pipeline]:
     """A bridge writing no BEGIN records (``transaction_begin_records: false``), in each
     record format, over a table of its own; its broker-log audit checks every END alone."""
-    table = f"{SCHEMA}.no_begin_{request.param[:3]}"
-    sql(
-        stack.primary_dsn,
-        f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}; DROP TABLE IF EXISTS {table};"
-        f" CREATE TABLE {table} (id int PRIMARY KEY, tag text)",
+    pipeline = own_table_pipeline(
+        stack,
+        Path(tmp_path_factory.mktemp("nobegin")),
+        f"{SCHEMA}.no_begin_{request.param[:3]}",
+        {
+            "SLOTBRIDGE_SOURCE_DSN": (
+                f"{stack.primary_dsn} options='-c logical_decoding_work_mem=64kB'"
+            ),
+            "SLOTBRIDGE_VALUE_FORMAT": request.param,
+            "SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS": "false",
+        },
     )
-    pipeline = Pipeline(stack, [table], Path(tmp_path_factory.mktemp("nobegin")))
-    pipeline.extra["SLOTBRIDGE_SOURCE_DSN"] = (
-        f"{stack.primary_dsn} options='-c logical_decoding_work_mem=64kB'"
-    )
-    pipeline.extra["SLOTBRIDGE_VALUE_FORMAT"] = request.param
-    pipeline.extra["SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS"] = "false"
     pipeline.start()
     try:
         pipeline.wait_caught_up(60)
