@@ -149,6 +149,8 @@ class SessionSetup:
         ending.callback(assembler.discard_all)
         replay = PgOutputDecoder(4, parallel_abort=parallel)
         stream_reader = TransactionReader(server.repl, assembler, s.spool_memory_bytes)
+        self._spool_stats.count_unsealed(lambda: stream_reader.unsealed_bytes)
+        ending.callback(self._spool_stats.count_unsealed, None)
         publisher = Publisher(
             settings=s,
             sink=sink,

@@ -258,14 +258,18 @@ def test_a_regular_transaction_is_read_whole(cuts: set[int], tmp_path: Path) -> 
         fed.append(payload[0])
         return decoder.decode(payload)
 
-    assembler = Assembler(decode, lambda name: Spool(tmp_path, name, MEMORY, SpoolStats()))
+    stats = SpoolStats()
+    assembler = Assembler(decode, lambda name: Spool(tmp_path, name, MEMORY, stats))
     buffered = Buffered(writer.frames, cuts)
     reader = TransactionReader(FakeStream(buffered), assembler, MEMORY, compiled=True)
+    stats.count_unsealed(lambda: reader.unsealed_bytes)
     arriving = []
+    held = []  # the spool metric's memory bytes after each read
     sealed: list[Transaction] = []
     while not sealed:
         sealed = reader.read(0, 1000).transactions
         arriving.append(reader.mid_transaction)
+        held.append(stats.memory_bytes)
     (txn,) = sealed
     assert (txn.xid, txn.commit_lsn, txn.end_lsn, txn.spool.count) == (
         900,
@@ -277,6 +281,10 @@ def test_a_regular_transaction_is_read_whole(cuts: set[int], tmp_path: Path) -> 
     # A read takes what libpq holds, then what one wait brings: four buffers take three.
     assert arriving == ([True, True, False] if cuts else [False])
     assert reader.idle
+    # The part read before the transaction was sealed counts too, then its spool does.
+    size = txn.spool.size
+    assert held == ([held[0], held[1], size] if cuts else [size])
+    assert all(0 < h <= size for h in held) and held == sorted(held)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["reference", "compiled"])

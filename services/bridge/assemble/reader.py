@@ -69,8 +69,15 @@ class TransactionReader:
         max_change = assembler.max_change
         self._max_change = -1 if max_change is None else max_change
         # A regular transaction the compiled path is reading, between two reads: at most
-        # ``spool_memory`` bytes, which the spool metrics count only once it is sealed.
+        # ``spool_memory`` bytes (``unsealed_bytes``).
         self._partial: Partial | None = None
+
+    @property
+    def unsealed_bytes(self) -> int:
+        """The payload bytes of the transaction the compiled path holds between two reads,
+        not yet in a spool (``SpoolStats.count_unsealed``)."""
+        partial = self._partial  # one read: the metrics' thread asks
+        return 0 if partial is None else partial[2]
 
     @property
     def mid_transaction(self) -> bool:

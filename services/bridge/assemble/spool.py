@@ -18,7 +18,7 @@ import contextlib
 import os
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
@@ -45,7 +45,8 @@ def _failed(directory: Path, exc: OSError) -> SpoolError:
 
 
 class SpoolStats:
-    """Bytes currently held by all spools (exported as metrics).
+    """Bytes currently held by all spools (exported as metrics), and in memory by the
+    stream's reader for a transaction it has not sealed yet (``count_unsealed``).
 
     Summed over the live spools when read: a total kept up to date per row change took
     the receive thread a lock per row, a sixth of its time. No lock per spool either (one
@@ -56,12 +57,19 @@ class SpoolStats:
 
     def __init__(self) -> None:
         self._spools: set[Spool] = set()
+        self._unsealed: Callable[[], int] | None = None
 
     def track(self, spool: Spool) -> None:
         self._spools.add(spool)
 
     def untrack(self, spool: Spool) -> None:
         self._spools.discard(spool)
+
+    def count_unsealed(self, held: Callable[[], int] | None) -> None:
+        """Count ``held()`` too: the bytes of the transaction the session's reader holds
+        before it has a spool (``TransactionReader.unsealed_bytes``); None when the session
+        ends. Those bytes go into the transaction's spool when it is sealed."""
+        self._unsealed = held
 
     def _live(self) -> tuple[Spool, ...]:
         while True:
@@ -72,7 +80,9 @@ class SpoolStats:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(spool.memory for spool in self._live())
+        unsealed = self._unsealed
+        held = 0 if unsealed is None else unsealed()
+        return held + sum(spool.memory for spool in self._live())
 
     @property
     def disk_bytes(self) -> int:
