@@ -41,6 +41,7 @@ class DefaultEventBuilder(EventBuilder):
         topic_prefix: str,
         db: str,
         max_record_bytes: int,
+        *,
         choices: RecordChoices = DEFAULT_CHOICES,
     ) -> None:
         super().__init__(catalog, topic_prefix, db, max_record_bytes, choices=choices)
