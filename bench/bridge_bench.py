@@ -451,11 +451,14 @@ class Run:
         begin_records: bool = True,
         other_prefixes: Sequence[str] = (),
         tombstones: bool = True,
+        transaction_metadata: bool = True,
     ) -> None:
         self.dsn, self.bootstrap = dsn, bootstrap
-        # The daemons' transaction_begin_records and tombstones_on_delete.
+        # The daemons' transaction_begin_records, tombstones_on_delete and
+        # transaction_metadata.
         self.begin_records = begin_records
         self.tombstones = tombstones
+        self.transaction_metadata = transaction_metadata
         self.workload = workload
         self.rows, self.txn_size = rows, txn_size
         self.tag = tag
@@ -654,6 +657,7 @@ class Run:
         )
         env["SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS"] = str(self.begin_records).lower()
         env["SLOTBRIDGE_TOMBSTONES_ON_DELETE"] = str(self.tombstones).lower()
+        env["SLOTBRIDGE_TRANSACTION_METADATA"] = str(self.transaction_metadata).lower()
         if hashed:
             env["SLOTBRIDGE_TRANSFORMS"] = json.dumps(
                 [
@@ -833,6 +837,7 @@ def _one(
         args.py_spy,
         begin_records=not args.no_begin_records,
         tombstones=not args.no_tombstones,
+        transaction_metadata=not args.no_transaction_metadata,
     )
     run.broker_pid = broker_pid(args.stack_dir)
     results = []
@@ -911,7 +916,7 @@ def cpu_budget(plan: Plan, ceiling: dict[str, Any], e2e: dict[str, Any]) -> dict
     change that would leave room for ``GOAL_RATIO`` of the ceiling beside the other two
     (negative: none). Per source transaction: the bridge's CPU and the records it wrote
     (change records and the transaction topic's BEGIN, unless --no-begin-records, and
-    END), when they were counted."""
+    END, unless --no-transaction-metadata), when they were counted."""
     if "walsender_cpu_s" not in e2e or "broker_cpu_s" not in e2e:
         return None
     per_change = {
@@ -1143,6 +1148,12 @@ def main() -> None:
         action="store_true",
         help="the daemons write no BEGIN records on the transaction topic "
         "(transaction_begin_records: false), only ENDs",
+    )
+    parser.add_argument(
+        "--no-transaction-metadata",
+        action="store_true",
+        help="the daemons write no transaction topic, neither BEGIN nor END records "
+        "(transaction_metadata: false, as Debezium's default)",
     )
     parser.add_argument(
         "--no-tombstones",

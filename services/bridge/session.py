@@ -122,7 +122,10 @@ class SessionSetup:
 
         mark = high_water(origin.progress(), kafka_progress)
         builder = self._builder(sql, server.system.dbname, mark)
-        sink.topics.ensure({builder.schema_topic: True, builder.transaction_topic: False})
+        sink.topics.ensure(
+            {builder.schema_topic: True}
+            | ({builder.transaction_topic: False} if s.transaction_metadata else {})
+        )
         with self._slot.racing(sql, sink):
             self._slot.ensure(sql, server.repl, sink, origin, server.system.dbname, kafka_progress)
         shaped = check_published(
@@ -199,7 +202,11 @@ class SessionSetup:
             masking=self._masking,
             routing=s.routing(),
         )
-        choices = RecordChoices(s.transaction_begin_records, s.tombstones_on_delete)
+        choices = RecordChoices(
+            begin_records=s.transaction_metadata and s.transaction_begin_records,
+            end_records=s.transaction_metadata,
+            tombstones=s.tombstones_on_delete,
+        )
         if s.value_format == "debezium":
             # Before anything was published there is no previous commit to name.
             return DebeziumEventBuilder(

@@ -174,11 +174,20 @@ class BridgeSettings(ServiceSettings):
         "false: none (a key change's __debezium.newkey/oldkey stay), and the records go to "
         "Kafka in batches, which cannot carry headers",
     )
+    transaction_metadata: bool = Field(
+        default=True,
+        description="write the transaction topic <prefix>.transaction: an END record per "
+        "source transaction with its event count and tables (and a BEGIN, see "
+        "transaction_begin_records), as Debezium's provide.transaction.metadata=true; "
+        "false: no transaction topic, as Debezium's default (the change records keep their "
+        "transaction block), two records fewer per OLTP transaction",
+    )
     transaction_begin_records: bool = Field(
         default=True,
-        description="write a BEGIN record per source transaction on <prefix>.transaction "
-        "besides its END (which alone carries the event count and the tables): false saves "
-        "a record per transaction, a sixth of an OLTP transaction's records",
+        description="with transaction_metadata: a BEGIN record per source transaction on "
+        "<prefix>.transaction besides its END (which alone carries the event count and the "
+        "tables): false saves a record per transaction, a sixth of an OLTP transaction's "
+        "records",
     )
     tombstones_on_delete: bool = Field(
         default=True,

@@ -121,7 +121,8 @@ class DebeziumChangeValue(StrictModel):
 
 class DebeziumTransactionValue(StrictModel):
     """Value on ``{prefix}.transaction``: a BEGIN and an END per source transaction, or only
-    the END with ``transaction_begin_records: false`` (the END alone carries the counts)."""
+    the END with ``transaction_begin_records: false`` (the END alone carries the counts);
+    none with ``transaction_metadata: false``."""
 
     schema_: ConnectSchema = Field(alias="schema")
     payload: TransactionRecord

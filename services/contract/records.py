@@ -118,7 +118,8 @@ class DataCollection(StrictModel):
 
 class TransactionRecord(StrictModel):
     """Value on ``{prefix}.transaction``: a BEGIN and an END per source transaction, or only
-    the END with ``transaction_begin_records: false`` (the END alone carries the counts)."""
+    the END with ``transaction_begin_records: false`` (the END alone carries the counts);
+    none with ``transaction_metadata: false``."""
 
     status: Literal["BEGIN", "END"]
     id: str

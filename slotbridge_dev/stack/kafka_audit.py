@@ -12,7 +12,11 @@ as a read race, so every exactly-once test ends here:
   transaction; across topics: every source transaction's END record is committed once,
   with its BEGIN (none, for a bridge with ``transaction_begin_records: false``), and the
   change records (and logical messages) committed for it are
-  exactly its ``event_count``, none twice.
+  exactly its ``event_count``, none twice. A bridge with ``transaction_metadata: false``
+  writes no END to count against: there no record may be on the transaction topic, no
+  change committed twice, and each source transaction's changes (one without logical
+  messages, whose places in its total order hold no change) must be its total order's
+  1..n without a hole; a transaction's lost tail cannot be told from its end there.
 """
 
 from __future__ import annotations
@@ -321,12 +325,19 @@ def audit_topics(
 
 
 def audit(
-    kafka: Kafka, prefix: str, extra_topics: Iterable[str] = (), *, begin_records: bool = True
+    kafka: Kafka,
+    prefix: str,
+    extra_topics: Iterable[str] = (),
+    *,
+    begin_records: bool = True,
+    end_records: bool = True,
 ) -> AuditReport:
     """Everything a bridge with topic prefix ``prefix`` wrote (``{prefix}.*`` and
     ``extra_topics``, i.e. its progress topic): the log-level checks, then the source
     transactions against their END records (``begin_records``: the bridge's
-    ``transaction_begin_records``, whether each END must have a BEGIN or none may)."""
+    ``transaction_begin_records``, whether each END must have a BEGIN or none may;
+    ``end_records``: its ``transaction_metadata``, without which there is no END to count
+    against and no record of the transaction topic may be found)."""
     internal = {*extra_topics, schema_topic(prefix)}
     transactions, messages = transaction_topic(prefix), message_topic(prefix)
 
@@ -336,9 +347,11 @@ def audit(
     report, committed = audit_topics(
         kafka, sorted({*topics_with_prefix(kafka.data_dir, prefix), *internal}), essence
     )
-    _check_source_transactions(
-        [e for _, e in committed if e is not None], report, begin_records=begin_records
-    )
+    events = [e for _, e in committed if e is not None]
+    if end_records:
+        _check_source_transactions(events, report, begin_records=begin_records)
+    else:
+        _check_without_transaction_records(events, report)
     return report
 
 
@@ -474,6 +487,12 @@ def _check_source_transactions(
             report.problem("unexpected", f"source transaction {txid}: a BEGIN record")
     for txid in events.keys() - ends.keys():
         report.problem("lost", f"source transaction {txid}: changes committed without its END")
+    _report_duplicated_changes(seen, report)
+
+
+def _report_duplicated_changes(seen: Counter[tuple[Any, ...]], report: AuditReport) -> None:
+    """Each change (source transaction, place in its total order, topic, op, row) found
+    committed more than once."""
     for (txid, order, topic, op, _row), count in seen.items():
         if count > 1:
             report.problem(
@@ -481,3 +500,33 @@ def _check_source_transactions(
                 f"{topic}: change {order} ({op}) of source transaction "
                 f"{txid} committed {count} times",
             )
+
+
+def _check_without_transaction_records(committed: list[Event], report: AuditReport) -> None:
+    """The source-transaction check of a bridge that writes no transaction topic (see the
+    module's docstring)."""
+    orders: dict[str, set[int]] = defaultdict(set)
+    with_messages: set[str] = set()
+    seen: Counter[tuple[Any, ...]] = Counter()
+    for event in committed:
+        kind = event[0]
+        if kind in ("begin", "end"):
+            record = "a BEGIN" if kind == "begin" else "an END"
+            report.problem("unexpected", f"source transaction {event[1]}: {record} record")
+        elif kind == "message":
+            with_messages.add(event[1])
+        elif kind == "snapshot":
+            report.snapshot_records += 1
+        else:
+            report.change_records += 1
+            orders[event[1]].add(event[2])
+            seen[event[1:]] += 1
+    report.source_transactions = len(orders.keys() | with_messages)
+    for txid, held in orders.items():
+        if txid not in with_messages and sorted(held) != list(range(1, len(held) + 1)):
+            report.problem(
+                "lost",
+                f"source transaction {txid}: changes {sorted(held)[:10]} are not its total "
+                "order's 1..n",
+            )
+    _report_duplicated_changes(seen, report)

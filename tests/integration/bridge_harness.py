@@ -476,7 +476,14 @@ class Pipeline:
         """The broker-log audit of everything this pipeline's bridges wrote; fails on any
         gap, loss, duplicate or open transaction. Call it with no bridge running."""
         begins = self.extra.get("SLOTBRIDGE_TRANSACTION_BEGIN_RECORDS", "true") != "false"
-        report = audit(self.kafka, self.prefix, [self.progress_topic], begin_records=begins)
+        ends = self.extra.get("SLOTBRIDGE_TRANSACTION_METADATA", "true") != "false"
+        report = audit(
+            self.kafka,
+            self.prefix,
+            [self.progress_topic],
+            begin_records=begins and ends,
+            end_records=ends,
+        )
         print(f"\n{self.name} {report.summary()}")
         report.assert_clean()
         return report

@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from slotbridge_dev.stack.stack import Stack
 from tests.integration.bridge_harness import (
@@ -182,12 +183,10 @@ def _payload(value: dict[str, Any]) -> dict[str, Any]:
     return inner
 
 
-def test_without_begin_records_each_end_counts_its_transaction(endless: Pipeline) -> None:
-    """Small transactions, a streamed one, one with a rolled-back subtransaction and a
-    prepared one: the transaction topic holds one END per source transaction and nothing
-    else, and each END counts exactly the change records of its transaction."""
-    (table,) = endless.tables or []
-    dsn = endless.stack.primary_dsn
+def _every_kind_of_transaction(dsn: str, table: str) -> None:
+    """Into ``table``: three small transactions of two changes each, a streamed one of
+    4,000 inserts (a bridge whose session has 64 kB of decoding memory), one with a
+    rolled-back subtransaction (one change kept) and a prepared one (one change)."""
     with psycopg.connect(dsn) as conn:
         for n in range(3):  # three small transactions of two changes each
             conn.execute(f"INSERT INTO {table} VALUES (%s, 'small')", (n,))
@@ -206,8 +205,16 @@ def test_without_begin_records_each_end_counts_its_transaction(endless: Pipeline
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("BEGIN")
         conn.execute(f"INSERT INTO {table} VALUES (20, 'prepared')")
-        conn.execute("PREPARE TRANSACTION 'sb-no-begin'")
-        conn.execute("COMMIT PREPARED 'sb-no-begin'")
+        conn.execute(f"PREPARE TRANSACTION 'sb-{table}'")
+        conn.execute(f"COMMIT PREPARED 'sb-{table}'")
+
+
+def test_without_begin_records_each_end_counts_its_transaction(endless: Pipeline) -> None:
+    """Small transactions, a streamed one, one with a rolled-back subtransaction and a
+    prepared one: the transaction topic holds one END per source transaction and nothing
+    else, and each END counts exactly the change records of its transaction."""
+    (table,) = endless.tables or []
+    _every_kind_of_transaction(endless.stack.primary_dsn, table)
     endless.wait_caught_up(120)
     changes = [_payload(r.value) for r in endless.changes(table)]
     per_txn: dict[str, int] = {}
@@ -223,3 +230,46 @@ def test_without_begin_records_each_end_counts_its_transaction(endless: Pipeline
     assert counted == per_txn
     assert sorted(per_txn.values()) == [1, 1, 2, 2, 2, 4000]
     assert len(changes) == 6 + 4000 + 1 + 1  # small, streamed, kept, prepared
+
+
+def test_without_transaction_metadata_there_is_no_transaction_topic(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """``transaction_metadata: false``: the same transactions as above, and the bridge
+    neither creates nor writes the transaction topic; every change is in Kafka once, each
+    source transaction's changes numbered 1..n by their transaction block, and the
+    broker-log audit finds no hole, duplicate or transaction record."""
+    table = f"{SCHEMA}.no_metadata"
+    pipeline = own_table_pipeline(
+        stack,
+        tmp_path,
+        table,
+        {
+            "SLOTBRIDGE_SOURCE_DSN": (
+                f"{stack.primary_dsn} options='-c logical_decoding_work_mem=64kB'"
+            ),
+            "SLOTBRIDGE_TRANSACTION_METADATA": "false",
+        },
+    )
+    pipeline.start()
+    try:
+        pipeline.wait_caught_up(60)
+        _every_kind_of_transaction(stack.primary_dsn, table)
+        pipeline.wait_caught_up(120)
+        changes = pipeline.changes(table)
+        assert pipeline.stop() == 0
+        report = pipeline.audit()
+        assert report.source_transactions == 6 and report.change_records == len(changes)
+        topics = (
+            AdminClient({"bootstrap.servers": stack.kafka.bootstrap}).list_topics(timeout=30).topics
+        )
+        assert f"{pipeline.prefix}.transaction" not in topics
+        assert pipeline.topic(table) in topics
+        per_txn: dict[str, list[int]] = {}
+        for change in changes:
+            block = change.value["transaction"]
+            per_txn.setdefault(block["id"], []).append(block["total_order"])
+        assert sorted(len(orders) for orders in per_txn.values()) == [1, 1, 2, 2, 2, 4000]
+        assert all(orders == list(range(1, len(orders) + 1)) for orders in per_txn.values())
+    finally:
+        pipeline.cleanup()

@@ -30,6 +30,13 @@ COLUMNS = (
     m.Column("doc", 3802, -1, False),
 )
 ACCOUNTS = m.Relation(None, 16_401, "public", "accounts", "d", COLUMNS)
+# A row's life in one transaction, after its table's description.
+INSERT_UPDATE_DELETE = (
+    ACCOUNTS,
+    m.Insert(None, 16_401, ["1", "ann", None]),
+    m.Update(None, 16_401, None, False, ["1", "bob", None]),
+    m.Delete(None, 16_401, ["1", None, None], True),
+)
 
 
 def builder(
@@ -37,10 +44,13 @@ def builder(
     *,
     debezium: bool = False,
     begin_records: bool = True,
+    end_records: bool = True,
     tombstones: bool = True,
 ) -> EventBuilder:
     catalog = RelationCatalog("app", lambda oid: None)
-    choices = RecordChoices(begin_records, tombstones)
+    choices = RecordChoices(
+        begin_records=begin_records, end_records=end_records, tombstones=tombstones
+    )
     if debezium:
         return DebeziumEventBuilder(catalog, "app", "shop", max_record_bytes, None, choices=choices)
     return DefaultEventBuilder(catalog, "app", "shop", max_record_bytes, choices=choices)
@@ -105,14 +115,8 @@ def test_without_begin_records_a_transaction_is_the_same_less_its_begin(debezium
     """``transaction_begin_records: false``: every record but the BEGIN, the END (which
     carries the counts) as with BEGIN records on."""
 
-    messages = (
-        ACCOUNTS,
-        m.Insert(None, 16_401, ["1", "ann", None]),
-        m.Update(None, 16_401, None, False, ["1", "bob", None]),
-        m.Delete(None, 16_401, ["1", None, None], True),
-    )
-    with_begin = build(builder(debezium=debezium), *messages)
-    without = build(builder(debezium=debezium, begin_records=False), *messages)
+    with_begin = build(builder(debezium=debezium), *INSERT_UPDATE_DELETE)
+    without = build(builder(debezium=debezium, begin_records=False), *INSERT_UPDATE_DELETE)
     assert with_begin[0][0] == "app.transaction" and value(with_begin[0])
     assert _stable(with_begin[0])[2]["status"] == "BEGIN"
     assert [_stable(r) for r in without] == [_stable(r) for r in with_begin[1:]]
@@ -121,6 +125,29 @@ def test_without_begin_records_a_transaction_is_the_same_less_its_begin(debezium
     end = _stable(without[-1])[2]
     assert end["event_count"] == 3  # insert, update, delete (its tombstone is no event)
     assert end["data_collections"] == [{"data_collection": "public.accounts", "event_count": 3}]
+
+
+@pytest.mark.parametrize("debezium", [False, True], ids=["default", "debezium"])
+def test_without_transaction_metadata_a_transaction_is_its_schema_and_changes(
+    debezium: bool,
+) -> None:
+    """``transaction_metadata: false``: no record on the transaction topic, every other
+    record as with it on, each change record keeping its transaction block (its total
+    order is what the Spark consumers order a transaction's changes by)."""
+    with_metadata = build(builder(debezium=debezium), *INSERT_UPDATE_DELETE)
+    without = build(
+        builder(debezium=debezium, begin_records=False, end_records=False), *INSERT_UPDATE_DELETE
+    )
+    assert [_stable(r) for r in without] == [
+        _stable(r) for r in with_metadata if r[0] != "app.transaction"
+    ]
+    assert len(without) == len(with_metadata) - 2
+    orders = [
+        _stable(r)[2]["transaction"]["total_order"]
+        for r in without
+        if r[0] == "app.public.accounts" and r[2] is not None
+    ]
+    assert orders == [1, 2, 3]
 
 
 def test_a_schema_record_goes_out_once_per_table_version() -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from slotbridge_dev.stack.kafka_audit import AuditReport, _check_source_transactions, _event
+from slotbridge_dev.stack.kafka_audit import (
+    AuditReport,
+    _check_source_transactions,
+    _check_without_transaction_records,
+    _event,
+)
 
 TXNS, MESSAGES = "p.transaction", "p.message"
 
@@ -91,3 +96,31 @@ def test_without_begin_records_an_end_alone_is_whole_and_a_begin_is_named() -> N
     with_begins = AuditReport()
     _check_source_transactions(_events(*records), with_begins)
     assert "source transaction 1:10: END without BEGIN" in with_begins.problems
+
+
+def test_without_transaction_records_holes_duplicates_and_a_transaction_record_are_named() -> None:
+    """A bridge with ``transaction_metadata: false`` writes no END to count against: each
+    transaction's changes must be its total order's 1..n, none twice, and a record on the
+    transaction topic is named. A key change (two records, one place) and a transaction
+    with a logical message (a place that holds no change) are whole."""
+    report = AuditReport()
+    records = [
+        ("p.s.t", _change("1:10", 1, {"k": 1})),
+        ("p.s.t", _change("1:10", 2, {"k": 2}, op="d")),
+        ("p.s.t", _change("1:10", 2, {"k": 3}, op="c")),  # the key change of 1:10
+        ("p.s.t", _change("2:20", 1, {"k": 4})),
+        ("p.s.t", _change("2:20", 3, {"k": 5})),  # change 2 of 2:20 is missing
+        ("p.s.t", _change("3:30", 1, {"k": 6})),
+        ("p.s.t", _change("3:30", 1, {"k": 6})),  # committed twice
+        ("p.message", {"prefix": "x", "txId": 4, "commit_lsn": 40, "lsn": 41}),
+        ("p.s.t", _change("4:40", 2, {"k": 7})),  # after its message
+        (TXNS, {"status": "END", "id": "5:50", "event_count": 0}),
+    ]
+    _check_without_transaction_records(_events(*records), report)
+    assert report.problems == [
+        "source transaction 5:50: an END record",
+        "source transaction 2:20: changes [1, 3] are not its total order's 1..n",
+        "p.s.t: change 1 (u) of source transaction 3:30 committed 2 times",
+    ]
+    assert report.kinds == {"unexpected": 1, "lost": 1, "duplicated": 1}
+    assert report.source_transactions == 4 and report.change_records == 8

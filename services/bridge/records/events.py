@@ -116,17 +116,20 @@ class Undecoded:
 
 @dataclass(frozen=True, slots=True)
 class RecordChoices:
-    """Which records a transaction makes besides its change records and its END, as the
-    settings choose (``transaction_begin_records``, ``tombstones_on_delete``): the same for
-    either record format."""
+    """Which records a transaction makes besides its change records, as the settings
+    choose (``transaction_metadata``, ``transaction_begin_records``,
+    ``tombstones_on_delete``): the same for either record format."""
 
     # A BEGIN record on the transaction topic before the transaction's records.
     begin_records: bool = True
+    # An END record on the transaction topic after them, counting them.
+    end_records: bool = True
     # A tombstone (the key, a null value) after each delete's record.
     tombstones: bool = True
 
 
-# The settings' defaults: BEGIN records and tombstones, as Debezium writes them.
+# The settings' defaults: BEGIN and END records and tombstones, as Debezium writes them
+# with provide.transaction.metadata on.
 DEFAULT_CHOICES = RecordChoices()
 
 # Most records one compiled ``runs`` call builds: a run of inserts waits in memory as records
@@ -151,14 +154,16 @@ class EventBuilder(abc.ABC):
         last_end_lsn: int | None = None,
     ) -> None:
         """``choices``: whether a transaction's records start with a BEGIN record on the
-        transaction topic (its END, always written, carries what a consumer needs), and
-        whether a delete's record is followed by a tombstone of its key.
+        transaction topic and end with an END record there (which carries what a consumer
+        of that topic needs), and whether a delete's record is followed by a tombstone of
+        its key.
         ``last_end_lsn``: where the last transaction published before this builder's first
         ended (None: none was)."""
         self.catalog = catalog
         # The end of the last transaction built (see ``transaction``), or ``last_end_lsn``.
         self.last_end_lsn = last_end_lsn
         self.begin_records = choices.begin_records
+        self.end_records = choices.end_records
         self.tombstones = choices.tombstones
         self.topic_prefix = topic_prefix
         self.db = db
@@ -197,7 +202,7 @@ class EventBuilder(abc.ABC):
         undecoded: Undecoded | None = None,
     ) -> Iterator[Record]:
         """Records for one transaction: BEGIN (unless ``begin_records`` is off), schema
-        versions as needed, changes, END.
+        versions as needed, changes, END (unless ``end_records`` is off).
 
         ``end_lsn`` (the end of its commit record) is what the Debezium format's next
         transaction names as the previous commit in ``source.sequence``. ``changes`` may
@@ -223,7 +228,8 @@ class EventBuilder(abc.ABC):
                     continue
                 lsn, msg = left
             yield from handlers[msg.__class__](txn, lsn, msg)
-        yield self._transaction_record("END", txn)
+        if self.end_records:
+            yield self._transaction_record("END", txn)
         if (end_lsn is None) != (self.last_end_lsn is None):
             # A format's pieces may name the previous transaction (Debezium's sequence).
             self._compiled_relations.clear()
