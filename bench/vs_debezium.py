@@ -46,7 +46,10 @@ Connect: ``--dbz-poll-ms`` (10 by default) keeps that wait from being most of wh
 latency measures. Its JsonConverter writes without the Connect schemas
 (``schemas.enable=false``: the payload alone is a fraction of the bytes) and the connector
 without its context headers (``extended.headers.enabled=false``), its cheapest records,
-unless ``--format debezium`` asks both systems for Debezium's defaults.
+unless ``--format debezium`` asks both systems for Debezium's defaults. Neither writes a
+transaction topic: Debezium's default (``provide.transaction.metadata=false``), and the
+daemon's ``transaction_metadata: false`` (before 29 Nov 2026 the daemon wrote a BEGIN and
+an END per source transaction besides, which Debezium did not).
 Connect runs with the heap of Kafka's ``connect-standalone.sh`` (2 GB).
 
 Figures, not assertions: the machine is shared, so run it a few times and take medians.
@@ -282,6 +285,9 @@ def throughput(
         formats=(args.format,),
         other_slots=[slot],
         other_prefixes=["dbz"],
+        # Debezium writes no transaction topic by default (provide.transaction.metadata):
+        # the daemon neither, so both write the same records.
+        transaction_metadata=False,
     )
     with run.prepared(args.keep) as (load_s, ceiling):
         say(f"{tag}: ceiling {ceiling['changes_per_s']:,.0f} changes/s; starting Debezium")
