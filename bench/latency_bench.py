@@ -81,15 +81,29 @@ def _history_mtime(value: Any) -> datetime:
 _INSERTED_AT = inserted_at()
 
 
+def _source_commit(value: Any) -> float:
+    """A change record's source commit time (``source.ts_ms``, the pgoutput Commit's), in
+    seconds since the epoch."""
+    return float(value["source"]["ts_ms"]) / 1000
+
+
 class Receiver(threading.Thread):
     """Reads the change topic (read_committed) and keeps each row's delay in seconds;
-    ``stamp`` finds when the row was written in a record's decoded value."""
+    ``stamp`` finds when the row was written in a record's decoded value. With
+    ``commit_delays``, each record's delay from its source commit too (``source.ts_ms``:
+    what a row written at a transaction's start cannot tell)."""
 
     def __init__(
-        self, bootstrap: str, topic: str, stamp: Callable[[Any], datetime] = _INSERTED_AT
+        self,
+        bootstrap: str,
+        topic: str,
+        stamp: Callable[[Any], datetime] = _INSERTED_AT,
+        *,
+        commit_delays: bool = False,
     ) -> None:
         super().__init__(daemon=True)
         self.stamp = stamp
+        self.commit_delays: list[float] | None = [] if commit_delays else None
         self.consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -115,8 +129,10 @@ class Receiver(threading.Thread):
                 received = time.time()
                 if msg.error() is not None:
                     raise RuntimeError(f"consumer: {msg.error()}")
-                written = self.stamp(json.loads(value))
-                self.delays.append(received - written.timestamp())
+                decoded = json.loads(value)
+                self.delays.append(received - self.stamp(decoded).timestamp())
+                if self.commit_delays is not None:
+                    self.commit_delays.append(received - _source_commit(decoded))
         except BaseException as exc:  # reported by the caller
             self.error = exc
         finally:
@@ -222,6 +238,9 @@ def measure(
     return _figures(what, receiver.delays, rows, rows / write_s)
 
 
+_PERCENTILES = ("p50_ms", "p90_ms", "p99_ms", "max_ms")
+
+
 def _figures(what: str, delays: list[float], rows: int, rate: float) -> dict[str, Any]:
     """Percentiles of the rows' delays; every row written must have arrived."""
     delays = sorted(delays)
@@ -289,7 +308,8 @@ def run_oltp(args: argparse.Namespace, dsn: str, bootstrap: str, work: Path) -> 
     and an INSERT into pgbench_history per transaction) rate-limited to a quarter of that in
     transactions, by 8 clients, for ``args.seconds``. A history row's ``mtime`` is its
     transaction's start, so its delay is start-to-visible: commit-to-visible plus the few
-    milliseconds a four-statement transaction takes."""
+    milliseconds a four-statement transaction takes (on a loaded machine, more). Also each
+    row's commit-to-visible, from its record's ``source.ts_ms``: what the goal names."""
     tag = f"latoltp{int(time.time()) % 1_000_000}"
     schema, prefix = f"bench_{tag}", f"bench.{tag}"
     oltp = OLTP
@@ -301,6 +321,7 @@ def run_oltp(args: argparse.Namespace, dsn: str, bootstrap: str, work: Path) -> 
         conn.execute(f"CREATE PUBLICATION {tag} FOR TABLE {', '.join(tables)}")
     log_path = work / f"{tag}.log"
     env = daemon_env(dsn, bootstrap, tag, tag, tables, prefix, work / "spool")
+    env["SLOTBRIDGE_TRANSACTION_METADATA"] = str(not args.no_transaction_metadata).lower()
     http_port = free_port()
     env["SLOTBRIDGE_HTTP_PORT"] = str(http_port)
     topic = f"{prefix}.{schema}.pgbench_history"
@@ -397,7 +418,7 @@ def _oltp_delays(
     # One transaction first, so the daemon has made the topic the receiver reads.
     OLTP.run_pgbench(dsn, schema, "-n", "-t", "1", "-c", "1")
     _wait_for_topic(bootstrap, topic, 60)
-    receiver = Receiver(bootstrap, topic, _history_mtime)
+    receiver = Receiver(bootstrap, topic, _history_mtime, commit_delays=True)
     receiver.start()
     try:
         before = history_rows()
@@ -418,9 +439,11 @@ def _oltp_delays(
     finally:
         receiver.stop_flag.set()
         receiver.join(10)
-    warm_up = receiver.delays[:1]  # the first transaction's row
-    measured = receiver.delays[len(warm_up) :]
-    return _figures("oltp", measured, rows, rows * OLTP_CHANGES_PER_TXN / write_s)
+    # The first transaction's row is the warm-up.
+    figures = _figures("oltp", receiver.delays[1:], rows, rows * OLTP_CHANGES_PER_TXN / write_s)
+    assert receiver.commit_delays is not None
+    from_commit = _figures("oltp", receiver.commit_delays[1:], rows, 0.0)
+    return {**figures, **{f"commit_{k}": from_commit[k] for k in _PERCENTILES}}
 
 
 OLTP = Oltp()
@@ -455,6 +478,11 @@ def main() -> None:
         default="insert",
         help="insert: --txn-rows-row inserts, in each of --modes; oltp: pgbench's mix at "
         "--rate changes/s, the default mode",
+    )
+    parser.add_argument(
+        "--no-transaction-metadata",
+        action="store_true",
+        help="oltp: the daemon writes no transaction topic (transaction_metadata: false)",
     )
     parser.add_argument("--keep", action="store_true", help="keep tables, slots and topics")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -492,6 +520,12 @@ def main() -> None:
             f"{r['mode']:6} {r['rows']:8,} {r['write_rows_per_s']:8,.0f} {r['p50_ms']:8.1f}"
             f" {r['p90_ms']:8.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f}"
         )
+        if "commit_p99_ms" in r:
+            print(
+                f"       the same rows from their source commit (source.ts_ms, in ms): p50"
+                f" {r['commit_p50_ms']:.1f}, p90 {r['commit_p90_ms']:.1f}, p99"
+                f" {r['commit_p99_ms']:.1f}, max {r['commit_max_ms']:.1f} ms"
+            )
         if "daemon_transactions" in r:
             print(
                 f"       the daemon's own source commit -> Kafka commit, over"
