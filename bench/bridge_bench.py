@@ -511,9 +511,11 @@ class Run:
         try:
             self.setup()
             load_s = self.load()
+            self.settle()
             say(
                 f"{self.tag}: {self.plan.changes:,} changes in {self.plan.transactions:,}"
-                f" transaction(s) loaded in {load_s:.1f}s; reading the ceiling slot"
+                f" transaction(s) loaded in {load_s:.1f}s, vacuumed, checkpointed;"
+                " reading the ceiling slot"
             )
             yield load_s, self.ceiling()
         finally:
@@ -582,6 +584,20 @@ class Run:
         started = time.monotonic()
         self.plan = self.workload.load(self.dsn, self.schema, self.rows, self.txn_size)
         return time.monotonic() - started
+
+    def settle(self) -> None:
+        """Vacuum the loaded tables and checkpoint before anything reads the slots. Left to
+        autovacuum (its naptime is a minute) and the checkpointer (every 5 minutes or 1 GB
+        of WAL), that work ran at any moment of the reads, taking CPU on 2 cores from the
+        ceiling's reader or from a daemon's catch-up: on 2026-11-29 `pg_stat_user_tables`
+        put autovacuums of the loaded tables inside both, at random. The readers stop at
+        the load's last commit, so they never read the WAL this writes. (It did not narrow
+        the ceiling's spread in three runs each: the daemon's own CPU per change moved
+        by a third between runs of the same code, so the machine's speed moves too.)"""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            for table in self.tables:
+                conn.execute(f"VACUUM (ANALYZE) {table}")
+            conn.execute("CHECKPOINT")
 
     # -- the ceiling -------------------------------------------------------------------
 
