@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.bridge.assemble.spool import SpoolStats
+from services.bridge.sink.broker_stats import BrokerLatency
 
 # From a quiet stream's few milliseconds to a backlog's seconds.
 COMMIT_TO_VISIBLE_BUCKETS = (
@@ -102,6 +103,22 @@ class BridgeMetrics:
             ["slot"],
             registry=r,
         ).labels(slot)
+        self._broker_rtt = Gauge(
+            "slotbridge_kafka_broker_rtt_seconds",
+            "Round trip of the producer's requests to each broker over librdkafka's last "
+            "statistics interval (5 s) with requests: p50 and p99 (a Kafka commit is several "
+            "round trips in a row)",
+            ["slot", "broker", "quantile"],
+            registry=r,
+        )
+        self._broker_queue = Gauge(
+            "slotbridge_kafka_producer_queue_seconds",
+            "p99 of how long records waited in the producer before being sent to each broker "
+            "(linger.ms included), over the same interval",
+            ["slot", "broker"],
+            registry=r,
+        )
+        self._slot = slot
         self.reconnects = Counter(
             "slotbridge_reconnects_total", "Sessions restarted after an error", ["slot"], registry=r
         ).labels(slot)
@@ -134,6 +151,13 @@ class BridgeMetrics:
             ["slot", "stat"],
             registry=r,
         )
+
+    def broker_latencies(self, latencies: list[BrokerLatency]) -> None:
+        """The sink's ``on_latencies``."""
+        for b in latencies:
+            self._broker_rtt.labels(self._slot, b.broker, "0.5").set(b.rtt_p50_s)
+            self._broker_rtt.labels(self._slot, b.broker, "0.99").set(b.rtt_p99_s)
+            self._broker_queue.labels(self._slot, b.broker).set(b.queue_p99_s)
 
 
 class DelayHistogram(Collector):

@@ -106,7 +106,11 @@ class SessionSetup:
         opened here is closed by ``ending``."""
         s = self._settings
         spool_dir = prepare_spool_dir(s.spool_dir, s.slot_name)
-        sink = KafkaSink(s, on_wait=self._metrics.kafka_wait.set)
+        sink = KafkaSink(
+            s,
+            on_wait=self._metrics.kafka_wait.set,
+            on_latencies=self._metrics.broker_latencies,
+        )
         ending.callback(sink.close)
         sink.start()  # fences a killed predecessor; must precede reading progress
         sink.topics.ensure({s.progress_topic: True})

@@ -1,5 +1,6 @@
 """A quiet stream's transactions are committed to Kafka at once, not when the batch's time
-budget runs out, and the commit-to-visible histogram counts them."""
+budget runs out, and the commit-to-visible histogram counts them; the broker's round trip
+is a metric too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slotbridge_dev.stack.cluster import free_ports
 from slotbridge_dev.stack.stack import Stack
-from tests.integration.bridge_harness import Pipeline, sql
+from tests.integration.bridge_harness import Pipeline, metric, sql, wait_for
 
 SCHEMA = "lat"
 BATCH_MAX_MS = 5000
@@ -89,6 +90,16 @@ def test_quiet_stream_is_visible_before_the_batch_time_budget(stack: Stack, tmp_
         assert seen["count"] == INSERTS, seen
         assert seen["le=2.5"] == INSERTS, seen
         assert 0 < seen["sum"] < INSERTS * VISIBLE_WITHIN_S, seen
+        # From librdkafka's statistics, every 5 s; an idle bridge's fence check every 5 s
+        # makes requests, so a window with round trips comes.
+        rtt = wait_for(
+            lambda: metric(port, "slotbridge_kafka_broker_rtt_seconds"), 60, "the round trip"
+        )
+        quantiles = {label.split('quantile="')[1].split('"')[0] for label in rtt}
+        assert quantiles == {"0.5", "0.99"} and all(f'slot="{pipe.name}"' in k for k in rtt), rtt
+        assert all(0 < v < 60 for v in rtt.values()), rtt
+        (queue,) = metric(port, "slotbridge_kafka_producer_queue_seconds").values()
+        assert 0 <= queue < 60, queue
         assert pipe.stop() == 0
         pipe.audit()
     finally:

@@ -23,6 +23,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink.ack_wait import REPORT_AFTER_S, AckWait
+from services.bridge.sink.broker_stats import BrokerLatency, broker_latencies, brokers_of
 from services.bridge.sink.errors import (
     NOT_ABOUT_TOPICS,
     PURGED,
@@ -271,7 +272,10 @@ class BatchSender:
 
 class KafkaSink:
     def __init__(
-        self, settings: BridgeSettings, on_wait: Callable[[float], None] = lambda _s: None
+        self,
+        settings: BridgeSettings,
+        on_wait: Callable[[float], None] = lambda _s: None,
+        on_latencies: Callable[[list[BrokerLatency]], None] = lambda _l: None,
     ) -> None:
         self._settings = settings
         base = kafka_client_config(settings)
@@ -281,6 +285,8 @@ class KafkaSink:
         # on_wait: seconds records have waited for acknowledgement (a metric).
         self._ack_wait = AckWait(self.topics, settings.kafka_transaction_timeout_ms / 1000, on_wait)
         self._stranding = Stranding()
+        # on_latencies: each broker's round trip and queue time, every _STATS_MS (a metric).
+        self._on_latencies = on_latencies
         self._producer = Producer(
             {
                 **producer_config(settings, self.topics.record_limit),
@@ -290,7 +296,7 @@ class KafkaSink:
                 "on_delivery": self._delivered,
                 "delivery.report.only.error": True,
                 "statistics.interval.ms": _STATS_MS,
-                "stats_cb": self._stranding.seen,
+                "stats_cb": self._statistics,
             }
         )
         self._batches = BatchSender(self._producer, self._wait_for_room)
@@ -578,6 +584,14 @@ class KafkaSink:
         """librdkafka's queue is full: let it send for a moment, unless it cannot."""
         self._producer.poll(0.05)
         self._check_not_stranded()
+
+    def _statistics(self, statistics: str) -> None:
+        """librdkafka's statistics document: whether the producer still has a broker to ask,
+        and each broker's latencies."""
+        self._stranding.seen(statistics)
+        brokers = brokers_of(statistics)
+        if brokers is not None:
+            self._on_latencies(broker_latencies(brokers))
 
     def _stranded(self) -> bool:
         """Whether the producer has known no broker to ask for ``_STRANDED_S``

@@ -16,31 +16,21 @@ from, and one that can be asked came from ``bootstrap.servers`` or from metadata
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Callable
+
+from services.bridge.sink.broker_stats import brokers_of
 
 # Documented in librdkafka's STATISTICS.md; the others are "internal" and "logical" (the
 # transaction coordinator's handle, which needs a real broker to reach it).
 _ASKABLE_SOURCES = frozenset({"learned", "configured"})
-_BROKERS_KEY = re.compile(r'"brokers"\s*:\s*')
-_DECODER = json.JSONDecoder()
 
 
 def askable_brokers(statistics: str) -> int | None:
     """How many brokers of a librdkafka statistics document the client can ask: came from
     the bootstrap servers or from metadata. None when the document lists no brokers."""
-    # Only the brokers object is decoded: the callback runs in the publisher's thread, and a
-    # bridge with many topics emits a large document whose partitions say nothing here
-    # (600 partitions, 413 kB: json.loads 2.7 ms, this 3 us). Topic names cannot hold a
-    # quote and a string value's quotes are escaped, so the key matches once, the top
-    # level's.
-    key = _BROKERS_KEY.search(statistics)
-    if key is None:
-        return None
-    brokers, _end = _DECODER.raw_decode(statistics, key.end())
-    if not isinstance(brokers, dict):
+    brokers = brokers_of(statistics)
+    if brokers is None:
         return None
     return sum(1 for b in brokers.values() if b.get("source") in _ASKABLE_SOURCES)
 
