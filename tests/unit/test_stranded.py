@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 from confluent_kafka import Producer
 
+from services.bridge.sink.broker_stats import brokers_of
 from services.bridge.sink.stranded import Stranding, askable_brokers
 
 
@@ -39,11 +41,17 @@ CONNECTED = statistics({"127.0.0.1:9092/1": "learned", "TxnCoordinator": "logica
 BOOTSTRAPPING = statistics({"127.0.0.1:9092/bootstrap": "configured"})
 
 
+def _brokers(document: str) -> dict[str, Any]:
+    brokers = brokers_of(document)
+    assert brokers is not None
+    return brokers
+
+
 def test_brokers_from_metadata_or_bootstrap_servers_can_be_asked_the_others_not() -> None:
-    assert askable_brokers(CONNECTED) == 1
-    assert askable_brokers(BOOTSTRAPPING) == 1
-    assert askable_brokers(STRANDED) == 0
-    assert askable_brokers(json.dumps({"name": "x", "topics": {}})) is None
+    assert askable_brokers(_brokers(CONNECTED)) == 1
+    assert askable_brokers(_brokers(BOOTSTRAPPING)) == 1
+    assert askable_brokers(_brokers(STRANDED)) == 0
+    assert brokers_of(json.dumps({"name": "x", "topics": {}})) is None
 
 
 def test_a_real_producers_statistics_list_its_bootstrap_server() -> None:
@@ -65,21 +73,22 @@ def test_a_real_producers_statistics_list_its_bootstrap_server() -> None:
     )
     while not arrived.is_set():
         producer.poll(0.1)
-    assert askable_brokers(documents[0]) == 1
+    assert askable_brokers(_brokers(documents[0])) == 1
 
 
 def test_stranded_counts_from_the_first_document_without_brokers_until_one_has_some() -> None:
     now = [100.0]
     stranding = Stranding(clock=lambda: now[0])
-    stranding.seen(CONNECTED)
+    stranding.seen(brokers_of(CONNECTED))
     now[0] += 5
     assert stranding.stranded_s() == 0
-    stranding.seen(STRANDED)
+    stranding.seen(brokers_of(STRANDED))
     now[0] += 5
-    stranding.seen(STRANDED)  # still stranded: counted from the first
+    stranding.seen(brokers_of(STRANDED))  # still stranded: counted from the first
     now[0] += 5
     assert stranding.stranded_s() == 10
-    stranding.seen(BOOTSTRAPPING)  # a re-bootstrap found its servers again
+    stranding.seen(brokers_of(BOOTSTRAPPING))  # a re-bootstrap found its servers again
     assert stranding.stranded_s() == 0
-    stranding.seen(json.dumps({"name": "x"}))  # says nothing of brokers: changes nothing
+    # A document that says nothing of brokers changes nothing.
+    stranding.seen(brokers_of(json.dumps({"name": "x"})))
     assert stranding.stranded_s() == 0

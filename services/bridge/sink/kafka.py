@@ -588,8 +588,8 @@ class KafkaSink:
     def _statistics(self, statistics: str) -> None:
         """librdkafka's statistics document: whether the producer still has a broker to ask,
         and each broker's latencies."""
-        self._stranding.seen(statistics)
-        brokers = brokers_of(statistics)
+        brokers = brokers_of(statistics)  # decoded once, for both
+        self._stranding.seen(brokers)
         if brokers is not None:
             self._on_latencies(broker_latencies(brokers))
 

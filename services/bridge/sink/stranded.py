@@ -18,36 +18,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
-from services.bridge.sink.broker_stats import brokers_of
+from typing import Any
 
 # Documented in librdkafka's STATISTICS.md; the others are "internal" and "logical" (the
 # transaction coordinator's handle, which needs a real broker to reach it).
 _ASKABLE_SOURCES = frozenset({"learned", "configured"})
 
 
-def askable_brokers(statistics: str) -> int | None:
-    """How many brokers of a librdkafka statistics document the client can ask: came from
-    the bootstrap servers or from metadata. None when the document lists no brokers."""
-    brokers = brokers_of(statistics)
-    if brokers is None:
-        return None
+def askable_brokers(brokers: dict[str, Any]) -> int:
+    """How many of a statistics document's brokers (``broker_stats.brokers_of``) the client
+    can ask: came from the bootstrap servers or from metadata."""
     return sum(1 for b in brokers.values() if b.get("source") in _ASKABLE_SOURCES)
 
 
 class Stranding:
-    """Since when the producer has had no broker to ask, from its statistics documents
-    (``seen`` is its ``stats_cb``)."""
+    """Since when the producer has had no broker to ask, from its statistics documents'
+    brokers (``seen``, from the sink's ``stats_cb``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._since: float | None = None
 
-    def seen(self, statistics: str) -> None:
-        askable = askable_brokers(statistics)
-        if askable is None:
+    def seen(self, brokers: dict[str, Any] | None) -> None:
+        """A document's brokers; None (it lists none) says nothing."""
+        if brokers is None:
             return
-        if askable:
+        if askable_brokers(brokers):
             self._since = None
         elif self._since is None:
             self._since = self._clock()
