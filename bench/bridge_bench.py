@@ -59,6 +59,19 @@ the ceiling, one per record format):
    ``rdk us``, what librdkafka's own threads spent (batching, compressing, sending): the
    daemon's Python threads share one core, so 1e6 / (bridge us - rdk us) bounds it alone.
 
+Warm-up: the broker is a JVM, and a freshly started one spends far more CPU per record
+until its JIT has compiled its paths. On a stack started just before (2026-11-29,
+``--workload insert,update --rows 100000``), the first ``insert`` run cost the broker 10.7
+us a change, and its e2e/ceiling was 0.47 against 1.04 and 0.96 in the next two; the
+broker's us a change went 10.7, 4.3, 3.0 over the first three ``insert`` runs and stayed
+at 1.7-3.4 over the eight runs of both workloads after them. So the first workload's figures, and every ratio to them, were
+the broker's warm-up. Before the measured runs the bench now runs ``--warm-up`` untimed
+passes (3 by default, 0 for none) of ``insert`` in ``--txn-size`` transactions,
+``WARM_UP_ROWS`` rows each, in the default format, and drops their figures: the two
+measured ``insert`` runs then cost the broker 4.3 and 5.2 us after two passes, 3.8 and 2.2
+after five (one fresh stack each). The broker's figure moves with the machine too (0.85 us an
+``insert`` in a run at 05:58 the same day): compare runs made side by side.
+
 The stack is stopped at the end if this bench started it, unless ``--keep-stack``.
 
 The server's ``logical_decoding_work_mem`` is left as configured (64MB by default), so the
@@ -877,6 +890,29 @@ def _one(
     return results
 
 
+def warm_up(args: argparse.Namespace, stack: Stack, work: Path) -> None:
+    """``--warm-up`` untimed passes of ``insert`` through the default format's daemon, so
+    the measured runs meet a broker whose JIT has compiled its paths (module doc)."""
+    passes = vars(args) | {
+        "rows": WARM_UP_ROWS,
+        "format": "slotbridge",
+        "hashed_columns": 0,
+        "py_spy": None,
+        "keep": False,
+    }
+    for index in range(args.warm_up):
+        say(f"warm-up pass {index + 1} of {args.warm_up}: figures dropped")
+        _one(
+            argparse.Namespace(**passes),
+            stack.primary_dsn,
+            stack.kafka_bootstrap,
+            WORKLOADS["insert"],
+            args.txn_size,
+            index,
+            work,
+        )
+
+
 def variants(args: argparse.Namespace) -> tuple[str, ...]:
     """The daemons of a run: one per record format of --format, and with
     --hashed-columns N a second one of each hashing N text columns (``<format>-hN``)."""
@@ -911,6 +947,7 @@ class RecordFormat:
 
 
 GOAL_RATIO = 0.8  # the end-to-end goal of issues #14 and #33, as a share of the ceiling
+WARM_UP_ROWS = 100_000  # rows of each untimed warm-up pass (see the module's doc)
 RECORD_FORMATS = {
     "slotbridge": RecordFormat("slotbridge", "slo"),
     "debezium": RecordFormat("debezium", "deb"),
@@ -1176,6 +1213,14 @@ def main() -> None:
         action="store_true",
         help="the daemons write no tombstone after a delete's record (tombstones_on_delete: false)",
     )
+    parser.add_argument(
+        "--warm-up",
+        type=int,
+        default=3,
+        metavar="PASSES",
+        help=f"untimed passes of insert ({WARM_UP_ROWS:,} rows, default format) before the "
+        "measured runs, for the broker's JIT (default 3; 0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     chosen = workloads(parser, args)
@@ -1192,6 +1237,7 @@ def main() -> None:
     with bench_stack(args) as stack:
         work = args.stack_dir / "bridge-bench"
         work.mkdir(parents=True, exist_ok=True)
+        warm_up(args, stack, work)
         results = [
             result
             for i in range(args.repeat)
