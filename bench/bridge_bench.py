@@ -64,13 +64,14 @@ until its JIT has compiled its paths. On a stack started just before (2026-11-29
 ``--workload insert,update --rows 100000``), the first ``insert`` run cost the broker 10.7
 us a change, and its e2e/ceiling was 0.47 against 1.04 and 0.96 in the next two; the
 broker's us a change went 10.7, 4.3, 3.0 over the first three ``insert`` runs and stayed
-at 1.7-3.4 over the eight runs of both workloads after them. So the first workload's figures, and every ratio to them, were
-the broker's warm-up. Before the measured runs the bench now runs ``--warm-up`` untimed
-passes (3 by default, 0 for none) of ``insert`` in ``--txn-size`` transactions,
-``WARM_UP_ROWS`` rows each, in the default format, and drops their figures: the two
-measured ``insert`` runs then cost the broker 4.3 and 5.2 us after two passes, 3.8 and 2.2
-after five (one fresh stack each). The broker's figure moves with the machine too (0.85 us an
-``insert`` in a run at 05:58 the same day): compare runs made side by side.
+at 1.7-3.4 over the eight runs of both workloads after them. So the first workload's
+figures, and every ratio to them, were the broker's warm-up. Before the measured runs the
+bench now runs ``--warm-up`` untimed passes (3 by default, 0 for none) of ``insert`` in
+``--txn-size`` transactions, ``WARM_UP_ROWS`` rows each, in the default format, and drops
+their figures: the two measured ``insert`` runs then cost the broker 4.3 and 5.2 us after
+two passes, 3.8 and 2.2 after five (one fresh stack each). The broker's figure moves with
+the machine too (0.85 us an ``insert`` in a run at 05:58 the same day): compare runs made
+side by side.
 
 The stack is stopped at the end if this bench started it, unless ``--keep-stack``.
 
