@@ -891,24 +891,30 @@ def _one(
     return results
 
 
-def warm_up(args: argparse.Namespace, stack: Stack, work: Path) -> None:
-    """``--warm-up`` untimed passes of ``insert`` through the default format's daemon, so
-    the measured runs meet a broker whose JIT has compiled its paths (module doc)."""
-    passes = vars(args) | {
-        "rows": WARM_UP_ROWS,
-        "format": "slotbridge",
-        "hashed_columns": 0,
-        "py_spy": None,
-        "keep": False,
-    }
-    for index in range(args.warm_up):
-        say(f"warm-up pass {index + 1} of {args.warm_up}: figures dropped")
+def warm_up(stack: Stack, stack_dir: Path, work: Path, passes: int, txn_size: int) -> None:
+    """``passes`` untimed runs of ``insert`` through the default format's daemon, figures
+    dropped, so the measured runs meet a broker whose JIT has compiled its paths (module
+    doc). ``bench/vs_debezium.py`` runs them too, before both systems' runs."""
+    options = argparse.Namespace(
+        rows=WARM_UP_ROWS,
+        format="slotbridge",
+        hashed_columns=0,
+        py_spy=None,
+        verify=True,  # the read back warms the broker's fetch path too
+        no_begin_records=False,
+        no_tombstones=False,
+        no_transaction_metadata=False,
+        stack_dir=stack_dir,
+        keep=False,
+    )
+    for index in range(passes):
+        say(f"warm-up pass {index + 1} of {passes}: figures dropped")
         _one(
-            argparse.Namespace(**passes),
+            options,
             stack.primary_dsn,
             stack.kafka_bootstrap,
             WORKLOADS["insert"],
-            args.txn_size,
+            txn_size,
             index,
             work,
         )
@@ -1238,7 +1244,7 @@ def main() -> None:
     with bench_stack(args) as stack:
         work = args.stack_dir / "bridge-bench"
         work.mkdir(parents=True, exist_ok=True)
-        warm_up(args, stack, work)
+        warm_up(stack, args.stack_dir, work, args.warm_up, args.txn_size)
         results = [
             result
             for i in range(args.repeat)

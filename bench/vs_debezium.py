@@ -3,7 +3,8 @@ and latency of both, and the ratios (slotbridge / Debezium).
 
     python bench/vs_debezium.py [--rows 200000] [--txn-size 1000] [--shapes both]
                                 [--rate 5000] [--txn-rows 50] [--seconds 30] [--warm-up 20]
-                                [--dbz-poll-ms 10] [--repeat 1] [--workload insert|...|all]
+                                [--dbz-poll-ms 10] [--broker-warm-up 3] [--repeat 1]
+                                [--workload insert|...|all]
                                 [--format slotbridge|debezium|debezium-lean]
                                 [--stack-dir .stack/bench] [--json]
 
@@ -17,9 +18,12 @@ own table, publication, slot and topics, all dropped afterwards unless ``--keep`
 Throughput, for each shape (``--txn-size``-row transactions, and one ``--rows``-row
 transaction), as bench/bridge_bench.py measures it: the rows are loaded while the slots
 already exist, so both systems catch up on the same WAL, Debezium first and slotbridge
-second (so A B A B with ``--repeat``). Each one's clock runs from the log line saying it
-streams (Debezium's "Processing messages", the daemon's "streaming") to the moment its last
-row is readable by a read_committed consumer: for Debezium, whose producer is not
+second (so A B A B with ``--repeat``). Before the first, ``--broker-warm-up`` untimed
+passes of bridge_bench's ``insert`` (its ``warm_up``, figures dropped) let the broker's JIT
+compile its paths: a fresh broker spends several times the CPU per record in its first
+runs, and Debezium, which goes first, would pay for it. Each one's clock runs from the log
+line saying it streams (Debezium's "Processing messages", the daemon's "streaming") to the
+moment its last row is readable by a read_committed consumer: for Debezium, whose producer is not
 transactional, when the change topic's end offset reaches ``--rows``; for the daemon, when
 its progress record, committed in the same Kafka transaction as the last rows, reaches the
 last commit. Per system: rows/s (also from its process start, where the JVM's start
@@ -84,6 +88,7 @@ from bench.bridge_bench import (
     say,
     stop_process,
     txn_sizes,
+    warm_up,
     workloads,
 )
 from bench.latency_bench import (
@@ -400,6 +405,14 @@ def main() -> None:
         "defaults, which Debezium then keeps too; debezium-lean: both without Connect "
         "schemas and context headers)",
     )
+    parser.add_argument(
+        "--broker-warm-up",
+        type=int,
+        default=3,
+        metavar="PASSES",
+        help="untimed passes of bridge_bench's insert before the runs, for the broker's JIT "
+        "(default 3; 0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     chosen = workloads(parser, args)
@@ -422,6 +435,7 @@ def compare(args: argparse.Namespace, stack: Stack, chosen: list[Workload]) -> d
     work = args.stack_dir / "vs-debezium"
     work.mkdir(parents=True, exist_ok=True)
     dsn, bootstrap = stack.primary_dsn, stack.kafka_bootstrap
+    warm_up(stack, args.stack_dir, work, args.broker_warm_up, args.txn_size)
     runs: list[dict[str, Any]] = []
     latencies: list[dict[str, Any]] = []
     for i in range(args.repeat):
