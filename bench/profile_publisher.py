@@ -41,7 +41,7 @@ from services.bridge.records.default import DefaultEventBuilder
 from services.bridge.records.events import Record
 from services.bridge.settings import BridgeSettings
 from services.bridge.snapshot.reader import SnapshotBook
-from services.common.collector import space_out_collections
+from services.common.collector import freeze_startup_objects, space_out_collections
 
 OID = 16_384
 Columns = tuple[tuple[str, int, int], ...]  # name, type oid, key flag
@@ -257,6 +257,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
     space_out_collections()  # as the daemon does (services/bridge/cli.py)
+    freeze_startup_objects()
     memory = 8 * 1024 * 1024 if args.spill else 1 << 40
     run = (args.workload, args.format, args.rows, args.txn_size, memory)
 

@@ -41,7 +41,7 @@ from services.bridge.assemble.spool import Spool, SpoolStats
 from services.bridge.decode.decoder import PgOutputDecoder
 from services.bridge.publish.publisher import TxnQueue
 from services.bridge.receive.stream import ReplicationConnection
-from services.common.collector import space_out_collections
+from services.common.collector import freeze_startup_objects, space_out_collections
 
 BUFFER = 64 * 1024  # what libpq holds after one read of the socket, at most
 SPOOL_MEMORY = 8 * 1024 * 1024  # spool_memory_bytes' default
@@ -142,6 +142,7 @@ def main() -> None:
     transactions = args.transactions or (50_000 if args.workload == "oltp" else 200)
     frames = _frames(args.workload, transactions)
     space_out_collections()  # as the daemon does (services/bridge/cli.py)
+    freeze_startup_objects()
     if args.profile:
         cProfile.runctx("_run(frames, True)", globals(), {"frames": frames}, "/tmp/receiver.prof")
         pstats.Stats("/tmp/receiver.prof").sort_stats("tottime").print_stats(20)

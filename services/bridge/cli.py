@@ -43,7 +43,7 @@ def _settings(config: Path | None) -> BridgeSettings:
 def run(config: Path | None) -> None:
     """Stream the slot into Kafka until SIGTERM."""
     from services.common.allocator import fix_mmap_threshold
-    from services.common.collector import space_out_collections
+    from services.common.collector import freeze_startup_objects, space_out_collections
 
     # First, before the daemon's first large blocks: see services.common.allocator.
     fix_mmap_threshold()
@@ -53,6 +53,7 @@ def run(config: Path | None) -> None:
     from services.common.logs import setup_logging
 
     setup_logging(settings.log_format, settings.log_level)
+    freeze_startup_objects()  # what full collections walked most: see there
     sys.exit(Bridge(settings).run())
 
 

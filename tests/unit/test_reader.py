@@ -6,6 +6,7 @@ requires a C compiler), so its import is not optional."""
 
 from __future__ import annotations
 
+import gc
 import random
 import struct
 from pathlib import Path
@@ -278,6 +279,8 @@ def test_a_regular_transaction_is_read_whole(cuts: set[int], tmp_path: Path) -> 
         2,
     )
     assert fed == []
+    # Its (lsn, payload) pairs are out of the cyclic collector's sight (services.common.collector).
+    assert not any(gc.is_tracked(entry) for entry in txn.spool)
     # A read takes what libpq holds, then what one wait brings: four buffers take three.
     assert arriving == ([True, True, False] if cuts else [False])
     assert reader.idle

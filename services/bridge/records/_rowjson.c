@@ -1145,6 +1145,10 @@ static PyObject *spooled(PyObject *item, unsigned long long *lsn) {
 static int append_record(PyObject *records, PyObject *topic, PyObject *key, PyObject *value,
                          PyObject *headers) {
     PyObject *record = PyTuple_Pack(4, topic, key, value, headers);
+    /* A topic, a key and a value make no cycle: untracked, as _runs.c's entries, so the
+       collector does not walk the records waiting for the sink. Headers are a list. */
+    if (record != NULL && headers == Py_None)
+        PyObject_GC_UnTrack(record);
     int rc = record == NULL ? -1 : PyList_Append(records, record);
     Py_XDECREF(record);
     return rc;
