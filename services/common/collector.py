@@ -7,7 +7,7 @@ once the objects that survived since the last full collection are a quarter of t
 generation. The bridge allocates a few containers per row change (the queued transaction,
 its spool, the decoded messages), and a backlog of small transactions keeps tens of
 thousands of them in its queue, which every middle and full collection walks. A collection
-holds the GIL: the publisher thread, which sets the bridge's pace, stands still meanwhile.
+holds the GIL: the other thread (the socket's or the publisher's) stands still meanwhile.
 
 Measured (2026-11-25, ``bench/bridge_bench.py --workload oltp --rows 300000``, three pairs of
 runs, the collector's CPU time taken in ``gc.callbacks`` by the thread it ran in): with the
@@ -22,7 +22,9 @@ models: about 58,000 objects). The stream's own pairs and records are now untrac
 they are made (``decode/_runs.c``, ``records/_rowjson.c``: ints, bytes and strings make no
 cycle), which took the young collections from 38-48 to 27-30 ms; with startup's objects
 frozen (``freeze_startup_objects``) and the first threshold at 50,000, the collector took
-29-41 ms a run: 3-4 young collections, no middle or full one.
+29-41 ms a run: 3-4 young collections, no middle or full one. The daemon's CPU per change
+moves more than these between runs on this machine, so the collector's own time is the
+figure to go by.
 
 Reference counting frees what the bridge allocates as soon as it is dropped; the collector
 only finds cycles (an exception and its traceback, for one), and these now wait for up to

@@ -213,9 +213,9 @@ static int take(Open *t, const unsigned char *p, Py_ssize_t n, const Limits *lim
         PyObject *entry[2] = {PyLong_FromUnsignedLongLong(start),
                               PyBytes_FromStringAndSize((const char *)m, size)};
         PyObject *pair = tuple_of(2, entry);
-        /* An int and bytes make no cycle: the collector need not see the pair. Tracked, a
-           backlog's pairs were most of what its young collections walked (the collector's
-           own time, services/common/collector.py). */
+        /* An int and bytes make no cycle: the collector need not see the pair. Tracked,
+           every pair of a backlog was walked by the young collections (the collector's own
+           time, services/common/collector.py). */
         if (pair != NULL)
             PyObject_GC_UnTrack(pair);
         if (append_new(t->entries, pair) < 0)
