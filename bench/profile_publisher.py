@@ -1,17 +1,21 @@
 """The publisher thread's hot path without a server: spool -> decode -> records.
 
     python bench/profile_publisher.py [--rows 200000] [--txn-size 1000] [--repeat 3]
-                                      [--workload insert|oltp] [--format slotbridge|debezium]
+                                      [--workload insert|oltp|wide]
+                                      [--format slotbridge|debezium]
                                       [--spill] [--profile] [--top 20]
 
 Builds the pgoutput payloads ``bench/bridge_bench.py`` makes the server send (``insert``:
 inserts into ``id bigint pk, a int, b text, c numeric, d timestamptz``; ``oltp``: pgbench's
 TPC-B-like transactions, three single-row updates and an insert over its four tables,
-``--txn-size`` ignored), puts each transaction in a ``Spool`` (``--spill``: an 8 MB memory
-limit, so a big transaction goes to disk as in the daemon), and runs ``Publisher._publish``
-over them with a sink that only counts: everything the publisher thread does per row but
-talk to Kafka. Prints rows/s and the CPU time per source transaction (best of
-``--repeat``); ``--profile`` prints the top functions by cumulative and own time.
+``--txn-size`` ignored; ``wide``: ``bench/workloads.py``'s 40-column row with jsonb,
+arrays, bytea and a 6 kB text, each transaction half inserts and half updates that leave
+the text unchanged, so it is sent as an unchanged TOAST value), puts each transaction in a
+``Spool`` (``--spill``: an 8 MB memory limit, so a big transaction goes to disk as in the
+daemon), and runs ``Publisher._publish`` over them with a sink that only counts: everything
+the publisher thread does per row but talk to Kafka. Prints rows/s and the CPU time per
+source transaction (best of ``--repeat``); ``--profile`` prints the top functions by
+cumulative and own time.
 
 ``--loop`` runs the publisher thread's whole loop instead (``Publisher._loop``, in this
 thread): every transaction queued first, then taken off the ``TxnQueue`` one by one into
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import pstats
 import struct
 import sys
@@ -64,6 +69,20 @@ OLTP_TABLES: dict[str, Columns] = {
 }
 
 
+# bench/workloads.py's wide table (WIDE_OID), its columns in the same order.
+WIDE_OID = OID + 10
+WIDE_COLUMNS: Columns = (
+    ("id", 20, 1),
+    *((f"n{i}", 23, 0) for i in range(8)),
+    *((f"s{i}", 25, 0) for i in range(8)),
+    *((f"m{i}", 1700, 0) for i in range(6)),
+    *((f"ts{i}", 1184, 0) for i in range(6)),
+    *(("attrs", 3802, 0), ("meta", 3802, 0), ("tags", 1009, 0), ("codes", 1007, 0)),
+    *(("blob", 17, 0), ("flag", 16, 0), ("day", 1082, 0), ("amount", 701, 0)),
+    *(("ref", 2950, 0), ("doc", 25, 0)),
+)
+
+
 def _relation(oid: int = OID, name: str = "bench", columns: Columns = COLUMNS) -> bytes:
     cols = b"".join(
         struct.pack("!B", key) + column.encode() + b"\0" + struct.pack("!Ii", type_oid, -1)
@@ -73,10 +92,14 @@ def _relation(oid: int = OID, name: str = "bench", columns: Columns = COLUMNS) -
     return head + struct.pack("!H", len(columns)) + cols
 
 
-def _change(kind: bytes, oid: int, values: list[str]) -> bytes:
-    """An Insert, or an Update sending no old row (REPLICA IDENTITY DEFAULT, key unchanged)."""
+def _change(kind: bytes, oid: int, values: list[str | None]) -> bytes:
+    """An Insert, or an Update sending no old row (REPLICA IDENTITY DEFAULT, key unchanged);
+    None is a TOASTed value the update left unchanged."""
     out = [kind, struct.pack("!I", oid), b"N", struct.pack("!H", len(values))]
     for value in values:
+        if value is None:
+            out.append(b"u")
+            continue
         raw = value.encode()
         out.append(b"t" + struct.pack("!I", len(raw)) + raw)
     return b"".join(out)
@@ -112,6 +135,52 @@ def _oltp(i: int) -> list[bytes]:
             [str(i), str(tid), str(bid), str(aid), str(delta), "2024-01-02 03:04:05.123456", ""],
         ),
     ]
+
+
+def _wide_row(g: int, doc: str | None) -> list[str | None]:
+    """Row ``g`` as bench/workloads.py's wide row prints it (the same kinds of text)."""
+    digest = hashlib.md5(str(g).encode()).hexdigest()
+    return [
+        str(g),
+        *(str(g * (i + 3) % 100_000) for i in range(8)),
+        *(f"value {g} of s{i}" for i in range(8)),
+        *(f"{g * (i + 1) * 1.0625:.4f}" for i in range(6)),
+        *(
+            f"2024-01-{1 + (g + i) // 1440 % 28:02d} {(g + i) // 60 % 24:02d}:"
+            f"{(g + i) % 60:02d}:00+00"
+            for i in range(6)
+        ),
+        f'{{"id": {g}, "name": "item {g}", "price": {g * 0.5}, "labels": ["a", "b", {g % 7}],'
+        f' "nested": {{"x": {g % 13}}}}}',
+        f'{{"rev": {g % 5}, "source": "bench"}}',
+        f"{{red,green,tag{g % 11}}}",
+        f"{{{g % 3},{g % 5},{g % 7}}}",
+        "\\x" + digest,
+        "t" if g % 2 == 0 else "f",
+        f"2024-{1 + g % 12:02d}-{1 + g % 28:02d}",
+        str(g * 1.5),
+        f"{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:]}",
+        doc,
+    ]
+
+
+def _wide(first: int, count: int) -> list[bytes]:
+    """A wide transaction: ``count // 2`` rows inserted from ``first`` on, as many stored
+    rows updated, their 6 kB text left alone."""
+    half = count // 2
+    inserts = [
+        _change(
+            b"I",
+            WIDE_OID,
+            _wide_row(
+                g,
+                "".join(hashlib.md5(str(g * 1000 + k).encode()).hexdigest() for k in range(1, 191)),
+            ),
+        )
+        for g in range(first, first + half)
+    ]
+    updates = [_change(b"U", WIDE_OID, _wide_row(-g, None)) for g in range(first, first + half)]
+    return inserts + updates
 
 
 class _CountingSink:
@@ -157,6 +226,8 @@ def _tables(workload: str) -> dict[int, tuple[str, Columns]]:
     """The workload's tables by oid: name and columns."""
     if workload == "oltp":
         return {OID + 1 + n: table for n, table in enumerate(OLTP_TABLES.items())}
+    if workload == "wide":
+        return {WIDE_OID: ("wide", WIDE_COLUMNS)}
     return {OID: ("bench", COLUMNS)}
 
 
@@ -169,6 +240,8 @@ def _transactions(
     ]
     if workload == "oltp":
         changes = [_oltp(n) for n in range(rows // 4)]
+    elif workload == "wide":
+        changes = [_wide(first + 1, txn_size) for first in range(0, rows, txn_size)]
     else:
         changes = [
             [_insert(i + 1) for i in range(first, min(first + txn_size, rows))]
@@ -264,7 +337,7 @@ def main() -> None:
         action="store_true",
         help="8 MB spool memory limit (the daemon's default), else all in memory",
     )
-    parser.add_argument("--workload", choices=("insert", "oltp"), default="insert")
+    parser.add_argument("--workload", choices=("insert", "oltp", "wide"), default="insert")
     parser.add_argument("--format", choices=("slotbridge", "debezium"), default="slotbridge")
     parser.add_argument(
         "--loop",

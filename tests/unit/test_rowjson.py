@@ -300,6 +300,19 @@ def test_wide_rows_and_long_values() -> None:
     assert built(info.plan, values) == python_path(info, values)
 
 
+def test_texts_escaped_at_every_place_in_a_word() -> None:
+    # Text is scanned eight bytes at a time: each byte JSON escapes (and non-ASCII, which the
+    # in-place read decodes) at every offset of texts that end inside, on and past a word.
+    info = info_of(relation((20, 25)))
+    assert info.plan is not None
+    for special in ['"', "\\", *CONTROL, "\x7f", "é", "😀"]:
+        for length in (7, 8, 9, 16, 23, 24, 25):
+            for at in range(length):
+                text = ("abcdefghijklmnopqrstuvwxyz" * 2)[:at] + special + "z" * (length - at - 1)
+                values = ["1", text]
+                assert built(info.plan, values) == python_path(info, values), (special, at)
+
+
 def test_what_the_builder_refuses() -> None:
     info = info_of(relation((20, 16)))
     assert info.plan is not None
