@@ -530,11 +530,28 @@ static long long floor_div(long long a, long long b) {
     return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
-/* A signed integer in decimal. */
+/* A signed integer in decimal. Digits are written by hand here and below: snprintf's format
+   parsing was 8% of the publisher thread in the Debezium format's `wide` workload (six
+   timestamptz columns a row). */
 static int put_int(Buf *b, long long v) {
     char digits[24];
-    int n = snprintf(digits, sizeof(digits), "%lld", v);
-    return buf_put(b, digits, n);
+    int at = sizeof(digits);
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        digits[--at] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u != 0);
+    if (v < 0)
+        digits[--at] = '-';
+    return buf_put(b, digits + at, (Py_ssize_t)sizeof(digits) - at);
+}
+
+/* v (0 <= v < 10^width) as width digits, zero-padded, at out. */
+static void write_padded(char *out, long long v, int width) {
+    for (int i = width - 1; i >= 0; i--) {
+        out[i] = (char)('0' + v % 10);
+        v /= 10;
+    }
 }
 
 /* timestamptz 'YYYY-MM-DD HH:MM:SS[.f]+HH[:MM[:SS]]' moved to UTC, as the JSON string
@@ -566,12 +583,17 @@ static int put_zoned_timestamp(Buf *b, const char *s, Py_ssize_t n, int width) {
     if (year < 1 || year > 9999)
         return 0;
     long long frac = of_day % 1000000, secs = of_day / 1000000;
-    char out[40];
-    int len = snprintf(out, sizeof(out), "\"%04lld-%02lld-%02lldT%02lld:%02lld:%02lld", year, month,
-                       day, secs / 3600, secs / 60 % 60, secs % 60);
+    char out[40] = "\"YYYY-MM-DDTHH:MM:SS";
+    int len = 20;
+    write_padded(out + 1, year, 4);
+    write_padded(out + 6, month, 2);
+    write_padded(out + 9, day, 2);
+    write_padded(out + 12, secs / 3600, 2);
+    write_padded(out + 15, secs / 60 % 60, 2);
+    write_padded(out + 18, secs % 60, 2);
     if (width > 0 || frac != 0) {
-        char digits[8];
-        snprintf(digits, sizeof(digits), "%06lld", frac);
+        char digits[6];
+        write_padded(digits, frac, 6);
         int keep = width;
         if (keep == 0) /* the minimal fraction */
             for (keep = 6; digits[keep - 1] == '0'; keep--)
