@@ -89,9 +89,10 @@ static void buf_free(Buf *b) {
 static const char HEX[] = "0123456789abcdef";
 
 /* Text is scanned eight bytes at a time: nearly every byte of a long text needs nothing done
-   to it, and a byte at a time such a text was most of a wide row's cost (a 40-column row with
-   6 kB of text: 6.4 us a change in `bench/profile_publisher.py --workload wide`, 3.2 us
-   eight at a time). memcpy is the portable unaligned load (the compiler makes it one load). */
+   to it, and a byte at a time such a text was half of a wide change's cost to the publisher
+   (a 40-column row with 6 kB of text: 6.4 us a change in `bench/profile_publisher.py
+   --workload wide`, 3.2 us eight at a time). memcpy is the portable unaligned load (the
+   compiler makes it one load). */
 #define BYTES_1 0x0101010101010101ULL
 #define BYTES_80 0x8080808080808080ULL
 
