@@ -165,8 +165,8 @@ def _wide_row(g: int, doc: str | None) -> list[str | None]:
 
 
 def _wide(first: int, count: int) -> list[bytes]:
-    """A wide transaction: ``count // 2`` rows inserted from ``first`` on, as many stored
-    rows updated, their 6 kB text left alone."""
+    """A wide transaction of ``count`` changes: rows inserted from ``first`` on (the odd
+    one out among them), and stored rows updated, their 6 kB text left alone."""
     half = count // 2
     inserts = [
         _change(
@@ -177,7 +177,7 @@ def _wide(first: int, count: int) -> list[bytes]:
                 "".join(hashlib.md5(str(g * 1000 + k).encode()).hexdigest() for k in range(1, 191)),
             ),
         )
-        for g in range(first, first + half)
+        for g in range(first, first + count - half)
     ]
     updates = [_change(b"U", WIDE_OID, _wide_row(-g, None)) for g in range(first, first + half)]
     return inserts + updates
@@ -241,7 +241,9 @@ def _transactions(
     if workload == "oltp":
         changes = [_oltp(n) for n in range(rows // 4)]
     elif workload == "wide":
-        changes = [_wide(first + 1, txn_size) for first in range(0, rows, txn_size)]
+        changes = [
+            _wide(first + 1, min(txn_size, rows - first)) for first in range(0, rows, txn_size)
+        ]
     else:
         changes = [
             [_insert(i + 1) for i in range(first, min(first + txn_size, rows))]
