@@ -146,38 +146,42 @@ static int put_string(Buf *b, const char *s, Py_ssize_t n, int t_for_blank, cons
     char *out = b->data + b->len;
     *out++ = '"';
     for (Py_ssize_t i = 0; i < n;) {
+        /* Whole plain words at once, then the word that stopped them a byte at a time (in a
+           timestamp, whose first blank becomes T, one byte at a time up to that blank). */
+        Py_ssize_t end = i + 1;
         if (!t_for_blank) {
             Py_ssize_t plain = plain_words(s + i, n - i);
             memcpy(out, s + i, plain);
             out += plain;
             i += plain;
-            if (i == n)
-                break;
+            end = n - i > 8 ? i + 8 : n;
         }
-        unsigned char c = (unsigned char)s[i++];
-        if (c >= 0x20 && c != '"' && c != '\\') {
-            if (c == ' ' && t_for_blank) {
-                c = 'T';
-                t_for_blank = 0;
+        for (; i < end; i++) {
+            unsigned char c = (unsigned char)s[i];
+            if (c >= 0x20 && c != '"' && c != '\\') {
+                if (c == ' ' && t_for_blank) {
+                    c = 'T';
+                    t_for_blank = 0;
+                }
+                *out++ = (char)c;
+                continue;
             }
-            *out++ = (char)c;
-            continue;
-        }
-        *out++ = '\\';
-        switch (c) {
-        case '"': *out++ = '"'; break;
-        case '\\': *out++ = '\\'; break;
-        case '\b': *out++ = 'b'; break;
-        case '\t': *out++ = 't'; break;
-        case '\n': *out++ = 'n'; break;
-        case '\f': *out++ = 'f'; break;
-        case '\r': *out++ = 'r'; break;
-        default:
-            *out++ = 'u';
-            *out++ = '0';
-            *out++ = '0';
-            *out++ = HEX[c >> 4];
-            *out++ = HEX[c & 15];
+            *out++ = '\\';
+            switch (c) {
+            case '"': *out++ = '"'; break;
+            case '\\': *out++ = '\\'; break;
+            case '\b': *out++ = 'b'; break;
+            case '\t': *out++ = 't'; break;
+            case '\n': *out++ = 'n'; break;
+            case '\f': *out++ = 'f'; break;
+            case '\r': *out++ = 'r'; break;
+            default:
+                *out++ = 'u';
+                *out++ = '0';
+                *out++ = '0';
+                *out++ = HEX[c >> 4];
+                *out++ = HEX[c & 15];
+            }
         }
     }
     while (*suffix)
@@ -531,20 +535,35 @@ static long long floor_div(long long a, long long b) {
     return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
+/* A non-negative integer (an LSN, a position in the transaction, a time) in decimal,
+   digits[start:]: printed once, written into as many records and places as take it; also
+   the digits of a value's integer (put_int). */
+typedef struct {
+    char digits[24];
+    int start;
+} Number;
+
+static void set_number(Number *number, unsigned long long v) {
+    int at = (int)sizeof(number->digits);
+    do {
+        number->digits[--at] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    number->start = at;
+}
+
+static int put_number(Buf *b, const Number *number) {
+    return buf_put(b, number->digits + number->start,
+                   (Py_ssize_t)sizeof(number->digits) - number->start);
+}
+
 /* A signed integer in decimal. Digits are written by hand here and below: snprintf's format
    parsing was 8% of the publisher thread in the Debezium format's `wide` workload (six
    timestamptz columns a row). */
 static int put_int(Buf *b, long long v) {
-    char digits[24];
-    int at = sizeof(digits);
-    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-    do {
-        digits[--at] = (char)('0' + u % 10);
-        u /= 10;
-    } while (u != 0);
-    if (v < 0)
-        digits[--at] = '-';
-    return buf_put(b, digits + at, (Py_ssize_t)sizeof(digits) - at);
+    Number number;
+    set_number(&number, v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v);
+    return (v < 0 && buf_byte(b, '-') < 0) ? -1 : put_number(b, &number);
 }
 
 /* v (0 <= v < 10^width) as width digits, zero-padded, at out. */
@@ -838,27 +857,6 @@ static int put_value(RowPlan *self, Buf *b, Py_ssize_t i, const Col *col) {
                              : (PyErr_SetString(PyExc_TypeError, "dumps must return bytes"), -1);
     Py_DECREF(json);
     return rc;
-}
-
-/* A non-negative integer (an LSN, a position in the transaction, a time) in decimal,
-   digits[start:]: printed once, written into as many records and places as take it. */
-typedef struct {
-    char digits[24];
-    int start;
-} Number;
-
-static void set_number(Number *number, unsigned long long v) {
-    int at = (int)sizeof(number->digits);
-    do {
-        number->digits[--at] = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
-    number->start = at;
-}
-
-static int put_number(Buf *b, const Number *number) {
-    return buf_put(b, number->digits + number->start,
-                   (Py_ssize_t)sizeof(number->digits) - number->start);
 }
 
 /* The row's JSON object appended to b: every column of cols, or with key_only its key
