@@ -285,6 +285,7 @@ class BatchProcessor:
                     .agg(
                         F.count("*").alias("n"),
                         F.max(typing.any_toast).alias("toast"),
+                        F.sum(typing.row_bytes).alias("bytes"),
                         F.max(is_repeated()).alias("repeats"),
                         *_key_bounds(schema),
                     )
@@ -312,6 +313,7 @@ class BatchProcessor:
                     bool(split[True]["repeats"]),
                     _key_range(split[True]),
                     good_n,
+                    int(split[True]["bytes"]),
                     timings,
                 )
         finally:
@@ -327,6 +329,7 @@ class BatchProcessor:
         repeats: bool,
         key_range: tuple[int, int] | None,
         changes: int,
+        row_bytes: int,
         timings: BatchTimings,
     ) -> None:
         writer = self.writers.get(schema.name)
@@ -351,6 +354,7 @@ class BatchProcessor:
                 newest_lsn=survey.newest_lsn,
                 key_range=key_range,
                 changes=changes,
+                row_bytes=row_bytes,
                 repeats=repeats,
             ),
             timings,

@@ -47,6 +47,9 @@ class BatchFacts:
     newest_lsn: int
     # How many of the batch's changes are this table's (``of_batch_keys``).
     changes: int
+    # About the bytes the table's typed rows of the batch take in memory, TOAST values
+    # not filled in yet (``parse.RowTyping.row_bytes``).
+    row_bytes: int
     # Whether a change comes twice in the batch (``is_repeated``): only then do the ends
     # within the batch need a window of their own (``history._ends_in_batch``).
     repeats: bool

@@ -133,8 +133,9 @@ class CurrentStateWriter:
         and deletes of stored rows): the MERGE has no insert clause. With one, Delta joins
         the batch to the table as an outer join whose outer side is the batch, so Spark
         cannot send the small batch to every task and sorts the whole table through a
-        shuffle instead; without one the join is inner and the batch is sent (50,000
-        updates of a 10M-row table: 11 s -> 7.7 s here)."""
+        shuffle instead; without one the join is inner and the batch can be sent, which
+        it is when its size allows (``fits_a_broadcast``; 50,000 updates of a 10M-row
+        table: 11 s -> 7.7 s here)."""
         target = self._memory.target(self.paths.current, table, current_struct(table))
         if self.paths.current in self._memory.unwritten or held is Held.NONE:
             # What the MERGE would insert into a table without these keys, without its join.
@@ -142,11 +143,14 @@ class CurrentStateWriter:
             align(live, target).write.format("delta").mode("append").save(self.paths.current)
         else:
             in_range = in_key_range(table, facts.key_range, "t.")
+            source = align(latest, target, (s.OP,))
+            if held is Held.ALL and fits_a_broadcast(facts):
+                source = F.broadcast(source)
             merge = (
                 DeltaTable.forPath(self.spark, self.paths.current)
                 .alias("t")
                 .merge(
-                    align(latest, target, (s.OP,)).alias("s"),
+                    source.alias("s"),
                     f"{key_match(table.key_columns)} AND {in_range}",
                 )
                 .whenMatchedDelete(condition=f"s.{quote(s.OP)} = 'd' AND {newer('s', 't')}")
@@ -212,6 +216,26 @@ def newest_deletes(
         .groupBy(*keys)
         .agg(F.max(F.struct(*position_order())).alias(DELETED_AT))
     )
+
+
+# The most bytes of a batch's changes to one table (``BatchFacts.row_bytes``) that its
+# current state's MERGE sends to every task. Four tables are written at once on two cores
+# (``batch._TABLES_PER_CORE``), and each broadcast is held in the driver's memory twice
+# while it is built (the rows, then their hash table): at most 256 MB of a 1 GB driver.
+BROADCAST_SOURCE_BYTES = 32 * 1024 * 1024
+
+
+def fits_a_broadcast(facts: BatchFacts) -> bool:
+    """Whether the MERGE's source is small enough to send to every task.
+
+    The MERGE of a batch that only updates and deletes stored keys joins the table's files
+    with the batch. Spark sends a side of a join to every task only under 10 MB by its own
+    estimate, so a batch of 200,000 updates of a narrow table took the other way: all 10M
+    rows of the files it touched sorted through a shuffle (docs/spark-consumers.md). The
+    batch's real size is known (``BatchFacts.row_bytes``), except where TOAST values are
+    filled in from the stored rows, which can make a row of a few bytes a row of kilobytes.
+    """
+    return not facts.has_toast_markers and facts.row_bytes <= BROADCAST_SOURCE_BYTES
 
 
 def _newest(

@@ -22,7 +22,7 @@ first problems found (dead letter).
 from __future__ import annotations
 
 from functools import reduce
-from operator import or_
+from operator import add, or_
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -43,6 +43,7 @@ from pyspark.sql.types import (
 from services.contract.records import OPS, TOAST_PLACEHOLDER, ChangeValue
 from spark_consumers import schema as s
 from spark_consumers.contract import spark_schema
+from spark_consumers.tables import quote
 
 # A change record as the consumer parses it: all of it but the parts of ``source`` it
 # does not read.
@@ -173,6 +174,29 @@ def _datetime(raw: Column, data_type: DataType) -> Column:
         .when(raw == "-infinity", minus_infinity)
         .otherwise(text.try_cast(data_type))
     )
+
+
+# The words of a typed row besides one per column and one per column's TOAST flag: the
+# null bits and the change's op, position, LSN, transaction, commit time and schema version.
+_ROW_WORDS = 8
+
+
+def _row_bytes(table: s.TableSchema) -> Column:
+    """About the bytes a typed row of ``table`` takes in Spark's memory (an UnsafeRow: a
+    word a field, then the variable-length values): its words and the length of each text,
+    binary or array value (an array by its text form)."""
+    variable = [
+        F.coalesce(F.octet_length(_bytes_of(F.col(quote(c.name)), c.spark_type)), F.lit(0))
+        for c in table.columns
+        if isinstance(c.spark_type, StringType | BinaryType | ArrayType)
+    ]
+    fixed = F.lit(8 * (2 * len(table.columns) + _ROW_WORDS))
+    return reduce(add, variable, fixed)
+
+
+def _bytes_of(value: Column, data_type: DataType) -> Column:
+    """A text or binary value as it is; an array as its text form."""
+    return value.cast("string") if isinstance(data_type, ArrayType) else value
 
 
 def _depth_and_leaf(data_type: DataType) -> tuple[int, DataType]:
@@ -341,6 +365,7 @@ class RowTyping:
         ]
         # Whether a typed row holds an unchanged-TOAST marker (its value is filled in later).
         self.any_toast = reduce(or_, [F.col(toast_flag(i)) for i, _ in columns], F.lit(False))
+        self.row_bytes = _row_bytes(table)
         # The envelope's problems hide the row's: a record that is no change has no columns.
         self._reason = F.coalesce(
             F.nullif(F.col("_envelope_reason"), F.lit("")),

@@ -14,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,11 @@ from pyspark.sql.types import (
 from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
 from spark_consumers.batch import BatchProcessor
+from spark_consumers.changes import BatchFacts
+from spark_consumers.current import BROADCAST_SOURCE_BYTES, fits_a_broadcast
 from spark_consumers.housekeeping import Housekeeper, fold_history_ends
 from spark_consumers.job import session_conf
+from spark_consumers.parse import RowTyping, envelopes
 from spark_consumers.schema import SchemaRegistry
 from spark_consumers.settings import ConsumerSettings
 from spark_consumers.status import Status
@@ -270,6 +274,49 @@ def test_types_upserts_deletes_history_and_replay(spark: SparkSession, tmp_path:
     assert last is not None and last["operation"] == "WRITE"
     ends = spark.read.format("delta").load(paths.history_ends)
     assert [tuple(r) for r in ends.collect()] == [(1, 200, 1, 300)]
+
+
+def test_a_typed_row_counts_a_word_a_field_and_its_values_bytes(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The size the current state's MERGE decides by (``BatchFacts.row_bytes``): a word
+    for each column, each TOAST flag and the eight fields of a change, then the bytes of
+    its texts, binaries and arrays (an array as its text)."""
+    columns = (
+        SynthColumn("id", "bigint", 20, key=True),
+        SynthColumn("name", "text", 25),
+        SynthColumn("tags", "text[]", 1009),
+        SynthColumn("blob", "bytea", 17),
+    )
+    t = SynthTable("p", "public", "t", columns)
+    h = Harness(spark, tmp_path, t)
+    full = {"id": 1, "name": "hello", "tags": ["a", "bc"], "blob": "AAEC"}  # 3 bytes
+    empty = {"id": 2, "name": None, "tags": None, "blob": None}
+    frame = h.frame([*t.change("c", full, 100, 1), *t.change("c", empty, 100, 2)])
+    schema = h.registry.merged("public.t")
+    typing = RowTyping(schema, tuple(sorted(h.registry.versions["public.t"])))
+    typed = typing.apply(envelopes(frame, "p"))
+    sizes = sorted(r[0] for r in typed.select(typing.row_bytes).collect())
+    words = 8 * (2 * 4 + 8)
+    assert sizes == [words, words + len("hello") + len("[a, bc]") + 3]
+
+
+def test_only_a_batch_without_toast_values_within_the_bound_is_sent_to_every_task() -> None:
+    """A placeholder is filled in from the stored row, which can make a row of a few bytes
+    one of kilobytes: such a batch's size is not known, and is never broadcast."""
+    facts = BatchFacts(
+        truncates=(),
+        has_deletes=False,
+        has_toast_markers=False,
+        oldest_lsn=1,
+        newest_lsn=2,
+        changes=200_000,
+        row_bytes=28_000_000,
+        repeats=False,
+    )
+    assert fits_a_broadcast(facts)
+    assert not fits_a_broadcast(replace(facts, has_toast_markers=True))
+    assert not fits_a_broadcast(replace(facts, row_bytes=BROADCAST_SOURCE_BYTES + 1))
 
 
 def test_a_change_twice_in_one_batch_is_stored_once_with_its_end(
