@@ -280,8 +280,8 @@ def test_a_typed_row_counts_a_word_a_field_and_its_values_bytes(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """The size the current state's MERGE decides by (``BatchFacts.row_bytes``): a word
-    for each column, each TOAST flag and the eight fields of a change, then the bytes of
-    its texts, binaries and arrays (an array as its text)."""
+    for each column, each TOAST flag, the null bits and the seven fields of a change, then
+    the bytes of its texts, binaries and arrays (an array as its text)."""
     columns = (
         SynthColumn("id", "bigint", 20, key=True),
         SynthColumn("name", "text", 25),
