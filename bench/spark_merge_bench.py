@@ -490,11 +490,13 @@ def _merge_line(name: str, m: dict[str, int]) -> str:
     )
 
 
-def print_batches(label: str, run: Run) -> None:
+def print_batches(label: str, run: Run, table_prefix: str = TABLE + " ") -> None:
+    """Each batch's changes, times and phases; ``table_prefix`` is left out of the phases'
+    names."""
     print(f"{label}: {run.wall_s:.1f} s wall, {run.cpu_s:.1f} s JVM CPU")
     for b in run.batches:
         phases = " | ".join(
-            f"{name.removeprefix(TABLE + ' ')} {sec:.1f} ({b.timings.jobs.get(name, 0)} jobs)"
+            f"{name.removeprefix(table_prefix)} {sec:.1f} ({b.timings.jobs.get(name, 0)} jobs)"
             for name, sec in b.timings.phases.items()
         )
         print(
@@ -622,13 +624,19 @@ def main() -> None:
             print(f"kept: {root}", file=sys.stderr)
         else:
             shutil.rmtree(root, ignore_errors=True)
+    report_verification(
+        problems,
+        "current state = live keys with their last values (a keyless table has none), "
+        "history = one row per change, parquet = every record, no dead letters",
+    )
+
+
+def report_verification(problems: list[str], held: str) -> None:
+    """What the verification found wrong, and exit non-zero; else what it found to hold."""
     if problems:
         print("VERIFICATION FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
         raise SystemExit(1)
-    print(
-        "verified: current state = live keys with their last values (a keyless table has "
-        "none), history = one row per change, parquet = every record, no dead letters"
-    )
+    print(f"verified: {held}")
 
 
 def warm_up(args: argparse.Namespace, shapes: list[str], root: Path, run_id: str) -> SparkSession:
