@@ -185,17 +185,10 @@ def with_neighbours(rows: DataFrame, table: s.TableSchema) -> DataFrame:
     """
     if not table.key_columns:
         return rows.withColumn(NEXT_CHANGE, F.lit(None).cast(POINT))
-    keys = [F.col(quote(k)) for k in table.key_columns]
-    by_key = Window.partitionBy(*keys, F.col(s.OP) == "t", F.col(REASON).isNull()).orderBy(
-        *position_order()
-    )
-    # Shuffled by the key alone rather than by the window's partitions: the cached copy
-    # keeps that placement, so each later step that groups or joins the batch by key (the
-    # look for stored versions, the ends' window of a batch with repeats, the TOAST
-    # fill-in) finds the rows where it needs them instead of shuffling them again.
-    return rows.repartition(*keys).withColumn(
-        NEXT_CHANGE, F.lead(F.struct(*position_order())).over(by_key)
-    )
+    by_key = Window.partitionBy(
+        *[F.col(quote(k)) for k in table.key_columns], F.col(s.OP) == "t", F.col(REASON).isNull()
+    ).orderBy(*position_order())
+    return rows.withColumn(NEXT_CHANGE, F.lead(F.struct(*position_order())).over(by_key))
 
 
 def is_repeated() -> Column:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
-import io
 import json
 import os
 import time
@@ -26,7 +25,7 @@ import pytest
 from delta.tables import DeltaTable
 from deltalake import DeltaTable as DeltaLakeTable
 from deltalake import QueryBuilder
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
@@ -44,7 +43,7 @@ from pyspark.sql.types import (
 from services.contract.records import TOAST_PLACEHOLDER
 from slotbridge_dev.synthetic import Record, SynthColumn, SynthTable
 from spark_consumers.batch import BatchProcessor
-from spark_consumers.changes import BatchFacts, with_neighbours
+from spark_consumers.changes import BatchFacts
 from spark_consumers.current import BROADCAST_SOURCE_BYTES, fits_a_broadcast
 from spark_consumers.housekeeping import Housekeeper, fold_history_ends
 from spark_consumers.job import session_conf
@@ -300,32 +299,6 @@ def test_a_typed_row_counts_a_word_a_field_and_its_values_bytes(
     sizes = sorted(r[0] for r in typed.select(typing.row_bytes).collect())
     words = 8 * (2 * 4 + 8)
     assert sizes == [words, words + len("hello") + len("[a, bc]") + 3]
-
-
-def test_the_batch_is_cached_by_key_so_grouping_it_by_key_moves_no_row(
-    spark: SparkSession, tmp_path: Path
-) -> None:
-    """The look for stored versions groups the batch by key and joins it with the stored
-    rows, the ends of a batch with repeats and the TOAST fill-in run windows by key: on the
-    cached rows of ``with_neighbours`` none of them shuffles the batch again."""
-    t = SynthTable("p", "public", "t", COLUMNS[:4])
-    h = Harness(spark, tmp_path, t)
-    records = [r for key in range(6) for r in t.change("u", row(key % 3), 100 + key, 1)]
-    schema = h.registry.merged("public.t")
-    typing = RowTyping(schema, tuple(sorted(h.registry.versions["public.t"])))
-    typed = with_neighbours(typing.apply(envelopes(h.frame(records), "p")), schema).persist()
-    try:
-        firsts = typed.where(F.col("_cdc_op") != "t").groupBy("id").agg(F.min("_cdc_commit_lsn"))
-        by_key = Window.partitionBy("id", F.col("_cdc_op") == "t").orderBy("_cdc_commit_lsn")
-        ends = typed.withColumn("_previous", F.lag("_cdc_commit_lsn").over(by_key))
-        for query in (firsts, ends):
-            with contextlib.redirect_stdout(io.StringIO()) as plan:
-                query.explain()
-            # Exchanges the planner adds for a step; the cached rows' own is REPARTITION_BY_COL.
-            assert "ENSURE_REQUIREMENTS" not in plan.getvalue(), plan.getvalue()
-        assert sorted(r[0] for r in firsts.collect()) == [0, 1, 2]
-    finally:
-        typed.unpersist()
 
 
 def test_only_a_batch_without_toast_values_within_the_bound_is_sent_to_every_task() -> None:
