@@ -2,9 +2,12 @@
 
     .venv/bin/python bench/spark_merge_bench.py --bootstrap HOST:PORT
         [--shapes mix,insert,update,delete,wide] [--changes 400000] [--batch 200000]
-        [--seed-rows 10000000]
+        [--seed-rows 10000000] [--repeat 1]
 
-A shape may be named more than once (``--shapes mix,mix,mix``): each run has its own topic.
+``--repeat N`` runs the shapes N times in turn (``mix,insert,mix,insert,...``: a shape's
+runs meet the JVM in the same state) and the summary gives each shape's median of its
+runs beside them, the figure the goals of #34 are stated in. A shape may also be named
+more than once (``--shapes mix,mix,mix``). Every run has its own topic.
 
 Per shape it publishes ``--changes`` synthetic changes in the bridge's format, then times,
 in one Spark session and on the same Kafka records with the same records per trigger
@@ -74,6 +77,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -581,6 +585,9 @@ def main() -> None:
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--shapes", default=",".join(SHAPES[:5]), help="comma-separated")
     parser.add_argument("--changes", type=int, default=400_000)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of the shapes, in turn; medians printed"
+    )
     parser.add_argument("--batch", type=int, default=200_000, help="max records per batch")
     parser.add_argument("--seed-rows", type=int, default=10_000_000, help="update shape")
     parser.add_argument(
@@ -603,7 +610,9 @@ def main() -> None:
         "--keep", action="store_true", help="keep the tables and files (their folder is printed)"
     )
     args = parser.parse_args()
-    shapes = args.shapes.split(",")
+    if args.repeat < 1:
+        parser.error("--repeat takes 1 or more")
+    shapes = args.shapes.split(",") * args.repeat
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
@@ -671,7 +680,23 @@ def run(args: argparse.Namespace, shapes: list[str], root: Path) -> list[str]:
     print("\nshape    changes/s  ratio to plain append")
     for f in results:
         print(f"{f.shape:<8} {f.changes_s:>9,.0f}  {f.ratio:.3f}")
+    print_medians(results)
     return problems
+
+
+def print_medians(results: list[Figures]) -> None:
+    """Each shape's median changes/s and ratio, for the shapes that ran more than once."""
+    runs: dict[str, list[Figures]] = {}
+    for f in results:
+        runs.setdefault(f.shape, []).append(f)
+    repeated = {shape: of for shape, of in runs.items() if len(of) > 1}
+    if not repeated:
+        return
+    print("\nshape    runs  median changes/s  median ratio")
+    for shape, of in repeated.items():
+        rate = statistics.median(f.changes_s for f in of)
+        ratio = statistics.median(f.ratio for f in of)
+        print(f"{shape:<8} {len(of):>4}  {rate:>16,.0f}  {ratio:.3f}")
 
 
 if __name__ == "__main__":

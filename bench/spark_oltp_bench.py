@@ -20,9 +20,9 @@ Per repeat, on the local stack (started and stopped by the bench unless it was r
    CPU seconds and each batch's phases.
 
 It prints both rates and the consumer's as a share of the bridge's (#34's goal: at least
-1). The JVM first consumes a smaller run of the same mix untimed (``--warm-up-rows``, in
-four batches), so the timed catch-up does not pay the JVM's class loading and first
-compilations.
+1), and with ``--repeat`` above 1 the median of each column. The JVM first consumes a
+smaller run of the same mix untimed (``--warm-up-rows``, in four batches), so the timed
+catch-up does not pay the JVM's class loading and first compilations.
 
 The consumer starts from the change stream: the rows pgbench's initialisation wrote
 (``-s 10``, 1M accounts) were never published, so its current-state tables hold only the
@@ -41,6 +41,7 @@ balance PostgreSQL has.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -213,6 +214,14 @@ def main() -> None:
     print("\nrun  bridge changes/s  consumer changes/s  consumer / bridge")
     for i, (bridge, rate) in enumerate(figures, 1):
         print(f"{i:<4} {bridge:>16,.0f}  {rate:>18,.0f}  {rate / bridge:.3f}")
+    if len(figures) > 1:
+        # The median of each column apart: the median run's bridge and consumer may differ.
+        bridges, rates = [b for b, _ in figures], [r for _, r in figures]
+        shares = [r / b for b, r in figures]
+        print(
+            f"{'med':<4} {statistics.median(bridges):>16,.0f}  "
+            f"{statistics.median(rates):>18,.0f}  {statistics.median(shares):.3f}"
+        )
     report_verification(
         problems,
         "every change once in the history, pgbench_history's rows all in the current state, "
