@@ -230,6 +230,105 @@ def _flat(nested: Column, depth: int) -> Column:
     return nested
 
 
+# The columns of the typing's steps for source column ``i`` (see ``RowTyping``).
+def _variant(i: int) -> str:
+    return f"_variant_{i}"
+
+
+def _text(i: int) -> str:
+    return f"_text_{i}"
+
+
+def _items(i: int) -> str:
+    return f"_items_{i}"
+
+
+def _typed(i: int) -> str:
+    return f"_typed_{i}"
+
+
+def _image(table: s.TableSchema, op: Column, e: Column) -> Column:
+    """The record's row image as the table's columns, each a variant, by exact name: a
+    column the image lacks is null, one holding JSON null a variant null. An image that is
+    JSON null or no object does not convert (nor one naming a column twice, which the
+    parse leaves null): the record is refused with a reason."""
+    names = [c.name for c in table.columns]
+    names += [key for key in table.key_columns if key not in names]
+    columns_of_image = StructType([StructField(name, VariantType()) for name in names])
+    return F.when(op == "d", e["before"]).otherwise(e["after"]).try_cast(columns_of_image)
+
+
+def _extraction_steps(table: s.TableSchema) -> list[dict[str, Column]]:
+    """The steps that take each column out of the image: its variant (and whether each key
+    column is missing), its text form, and an array's elements as texts."""
+    columns = list(enumerate(table.columns))
+    return [
+        {
+            **{_variant(i): F.col("_image")[c.name] for i, c in columns},
+            **{
+                f"_no_key_{n}": F.col("_image")[key].isNull()
+                for n, key in enumerate(table.key_columns)
+            },
+        },
+        {_text(i): F.try_variant_get(F.col(_variant(i)), "$", "string") for i, _ in columns},
+        {
+            _items(i): F.from_json(F.col(_text(i)), _texts_of(c.spark_type))
+            for i, c in columns
+            if isinstance(c.spark_type, ArrayType) and not c.is_json
+        },
+    ]
+
+
+def _conversion_step(table: s.TableSchema, op: Column, e: Column) -> dict[str, Column]:
+    """Each column's typed value (null where it does not convert) and whether it holds
+    the unchanged-TOAST marker."""
+    # The image's json/jsonb columns holding JSON null, which parse as SQL NULL.
+    json_nulls = F.when(op == "d", e["json_nulls"]["before"]).otherwise(e["json_nulls"]["after"])
+    converted: dict[str, Column] = {}
+    for i, column in enumerate(table.columns):
+        raw = F.col(_text(i))
+        if column.is_json:
+            converted[_typed(i)] = F.when(
+                F.array_contains(json_nulls, F.lit(column.name)), F.lit("null")
+            ).when(raw.isNotNull(), F.to_json(F.col(_variant(i))))
+        elif isinstance(column.spark_type, ArrayType):
+            converted[_typed(i)] = _convert_nested(F.col(_items(i)), column.spark_type)
+        else:
+            converted[_typed(i)] = _scalar(raw, column.spark_type)
+        converted[toast_flag(i)] = (
+            F.coalesce(raw == F.lit(TOAST_PLACEHOLDER), F.lit(False))
+            if can_be_toasted(column.spark_type)
+            else F.lit(False)
+        )
+    return converted
+
+
+def _not_converted(i: int, column: s.Column) -> Column:
+    """Whether column ``i`` held a value its type could not take (an array: an element
+    lost, or nesting other than declared). NaN and infinities pass in a decimal column,
+    which stores them as null."""
+    raw, value = F.col(_text(i)), F.col(_typed(i))
+    if column.is_json:
+        return F.lit(False)
+    if isinstance(column.spark_type, ArrayType):
+        depth, leaf = _depth_and_leaf(column.spark_type)
+        texts, kept = _flat(F.col(_items(i)), depth), _flat(value, depth)
+        present = F.size(F.filter(texts, lambda x: x.isNotNull()))
+        lost = F.coalesce(present != F.size(F.filter(kept, lambda x: x.isNotNull())), F.lit(True))
+        failed = raw.isNotNull() & (texts.isNull() | lost)
+        if isinstance(leaf, StringType):
+            # A deeper value's inner arrays would pass as text elements: compare the
+            # nesting itself (an empty array has none to compare).
+            shape = F.expr(f"schema_of_variant(`{_variant(i)}`)")
+            levels = (F.length(shape) - F.length(F.replace(shape, F.lit("ARRAY<")))) / 6
+            failed = failed | (raw.isNotNull() & (F.size(texts) > 0) & (levels != depth))
+        return failed
+    failed = raw.isNotNull() & value.isNull()
+    if isinstance(column.spark_type, DecimalType):
+        failed = failed & ~raw.isin(*_NON_NUMBERS)
+    return failed
+
+
 class RowTyping:
     """How one table's envelopes become typed rows: source columns, TOAST flags, metadata,
     reason (``apply``). Built once per table schema and set of known versions, applied to
@@ -257,83 +356,20 @@ class RowTyping:
         self.known_versions = known_versions
         e = F.col("e")
         op = e["op"]
-        columns = list(enumerate(table.columns))
-        # The image as the table's columns, by exact name: a column the image lacks is
-        # null, one holding JSON null a variant null. An image that is JSON null or no
-        # object does not convert (nor one naming a column twice, which the parse leaves
-        # null): the record is refused with a reason.
-        names = [c.name for c in table.columns]
-        names += [key for key in table.key_columns if key not in names]
-        columns_of_image = StructType([StructField(name, VariantType()) for name in names])
-        image = F.when(op == "d", e["before"]).otherwise(e["after"]).try_cast(columns_of_image)
-        variant, text, items, typed = (
-            "_variant_{}".format,
-            "_text_{}".format,
-            "_items_{}".format,
-            "_typed_{}".format,
-        )
-        self._source = [*(F.col(c) for c in COORDINATES), e, F.col(TABLE), image.alias("_image")]
-        self._steps: list[dict[str, Column]] = [
-            {
-                **{variant(i): F.col("_image")[c.name] for i, c in columns},
-                **{
-                    f"_no_key_{n}": F.col("_image")[key].isNull()
-                    for n, key in enumerate(table.key_columns)
-                },
-            },
-            {text(i): F.try_variant_get(F.col(variant(i)), "$", "string") for i, _ in columns},
-            {
-                items(i): F.from_json(F.col(text(i)), _texts_of(c.spark_type))
-                for i, c in columns
-                if isinstance(c.spark_type, ArrayType) and not c.is_json
-            },
+        self._source = [
+            *(F.col(c) for c in COORDINATES),
+            e,
+            F.col(TABLE),
+            _image(table, op, e).alias("_image"),
         ]
-        converted: dict[str, Column] = {}
-        # The image's json/jsonb columns holding JSON null, which parse as SQL NULL.
-        json_nulls = F.when(op == "d", e["json_nulls"]["before"]).otherwise(
-            e["json_nulls"]["after"]
-        )
-        for i, column in columns:
-            raw = F.col(text(i))
-            if column.is_json:
-                converted[typed(i)] = F.when(
-                    F.array_contains(json_nulls, F.lit(column.name)), F.lit("null")
-                ).when(raw.isNotNull(), F.to_json(F.col(variant(i))))
-            elif isinstance(column.spark_type, ArrayType):
-                converted[typed(i)] = _convert_nested(F.col(items(i)), column.spark_type)
-            else:
-                converted[typed(i)] = _scalar(raw, column.spark_type)
-            converted[toast_flag(i)] = (
-                F.coalesce(raw == F.lit(TOAST_PLACEHOLDER), F.lit(False))
-                if can_be_toasted(column.spark_type)
-                else F.lit(False)
-            )
-        self._steps.append(converted)
+        self._steps = [*_extraction_steps(table), _conversion_step(table, op, e)]
         values: list[Column] = []
         checks: list[tuple[Column, str]] = []
-        for i, column in columns:
-            raw, value, marker = F.col(text(i)), F.col(typed(i)), F.col(toast_flag(i))
-            if column.is_json:
-                failed = F.lit(False)
-            elif isinstance(column.spark_type, ArrayType):
-                depth, leaf = _depth_and_leaf(column.spark_type)
-                texts, kept = _flat(F.col(items(i)), depth), _flat(value, depth)
-                present = F.size(F.filter(texts, lambda x: x.isNotNull()))
-                lost = F.coalesce(
-                    present != F.size(F.filter(kept, lambda x: x.isNotNull())), F.lit(True)
-                )
-                failed = raw.isNotNull() & (texts.isNull() | lost)
-                if isinstance(leaf, StringType):
-                    # A deeper value's inner arrays would pass as text elements: compare the
-                    # nesting itself (an empty array has none to compare).
-                    shape = F.expr(f"schema_of_variant(`{variant(i)}`)")
-                    levels = (F.length(shape) - F.length(F.replace(shape, F.lit("ARRAY<")))) / 6
-                    failed = failed | (raw.isNotNull() & (F.size(texts) > 0) & (levels != depth))
-            else:
-                failed = raw.isNotNull() & value.isNull()
-                if isinstance(column.spark_type, DecimalType):
-                    failed = failed & ~raw.isin(*_NON_NUMBERS)
+        for i, column in enumerate(table.columns):
+            value, failed = F.col(_typed(i)), _not_converted(i, column)
             if can_be_toasted(column.spark_type):
+                # An unchanged-TOAST marker is no value, and no failure: filled in later.
+                marker = F.col(toast_flag(i))
                 values.append(F.when(~marker, value).alias(column.name))
                 failed = ~marker & failed
             else:
@@ -352,7 +388,7 @@ class RowTyping:
         self._typed = [
             *(F.col(c) for c in COORDINATES),
             *values,
-            *[F.col(toast_flag(i)) for i, _ in columns],
+            *[F.col(toast_flag(i)) for i in range(len(table.columns))],
             op.alias(s.OP),
             e["source"]["commit_lsn"].alias(s.COMMIT_LSN),
             e["transaction"]["total_order"].alias(s.TOTAL_ORDER),
@@ -364,7 +400,9 @@ class RowTyping:
             _reasons(checks).alias("_row_reasons"),
         ]
         # Whether a typed row holds an unchanged-TOAST marker (its value is filled in later).
-        self.any_toast = reduce(or_, [F.col(toast_flag(i)) for i, _ in columns], F.lit(False))
+        self.any_toast = reduce(
+            or_, [F.col(toast_flag(i)) for i in range(len(table.columns))], F.lit(False)
+        )
         self.row_bytes = _row_bytes(table)
         # The envelope's problems hide the row's: a record that is no change has no columns.
         self._reason = F.coalesce(

@@ -210,18 +210,32 @@ class RelationCatalog:
             raise RoutingRefused(refusal)
         return tuple(names.index(c) for c in self.routing.key_of(shape))
 
+    def _check_masking(
+        self, rel: m.Relation, type_names: tuple[str, ...], key_idx: tuple[int, ...]
+    ) -> None:
+        """Refuse a version whose columns the masking settings cannot transform. Checked
+        per version, so a column added mid-stream stops the bridge before any record of it
+        is built."""
+        if self.masking is None:
+            return
+        refusal = self.masking.refusal(
+            rel.namespace,
+            rel.name,
+            [
+                PublishedColumn(c.name, t, i in key_idx)
+                for i, (c, t) in enumerate(zip(rel.columns, type_names, strict=True))
+            ],
+        )
+        if refusal is not None:
+            raise MaskingRefused(refusal)
+
     def _build(
         self, rel: m.Relation, version: int, masks: tuple[ColumnMask | None, ...]
     ) -> RelationInfo:
         facts = self.lookup(rel.oid)
         names = tuple(c.name for c in rel.columns)
-        flagged = tuple(i for i, c in enumerate(rel.columns) if c.is_key)
-        key_idx = flagged
-        if rel.replica_identity == "f" and facts is not None and facts.primary_key:
-            # With REPLICA IDENTITY FULL every column is flagged; the primary key is the
-            # key consumers expect (and the one Debezium uses).
-            key_idx = tuple(i for i, n in enumerate(names) if n in facts.primary_key)
         routing = self._routing_of(rel.namespace, rel.name)
+        key_idx = _identity_key(rel, facts)
         if routing is not None:
             key_idx = self._routed_key(rel, facts, key_idx)
         type_names = tuple(
@@ -230,59 +244,26 @@ class RelationCatalog:
             else TYPE_NAMES.get(c.type_oid, "text")
             for c in rel.columns
         )
-        if self.masking is not None:
-            # Checked per version, so a column added mid-stream stops the bridge before
-            # any record of it is built.
-            refusal = self.masking.refusal(
-                rel.namespace,
-                rel.name,
-                [
-                    PublishedColumn(c.name, t, i in key_idx)
-                    for i, (c, t) in enumerate(zip(rel.columns, type_names, strict=True))
-                ],
-            )
-            if refusal is not None:
-                raise MaskingRefused(refusal)
-        columns = []
-        for i, (c, type_name, mask) in enumerate(zip(rel.columns, type_names, masks, strict=True)):
-            fact = facts.columns.get(c.name) if facts is not None else None
-            if mask is not None and mask.drops:
-                continue
-            column: dict[str, Any] = {
-                "name": c.name,
-                "type": type_name,
-                "type_oid": c.type_oid,
-                "type_modifier": c.type_modifier,
-                "nullable": fact.nullable if fact else True,
-                "key": c.is_key if rel.replica_identity != "f" else i in key_idx,
-            }
-            if fact is not None and fact.dimensions > 1:
-                column["dimensions"] = fact.dimensions
-            if mask is not None:
-                # Consumers type the column by what the transform outputs; the source
-                # type stays for the version's identity (and the curious).
-                column["transform"] = {
-                    "kind": mask.kind,
-                    "spec": mask.spec,
-                    "source_type": type_name,
-                    "source_type_oid": c.type_oid,
-                    "source_type_modifier": c.type_modifier,
-                }
-                column.pop("dimensions", None)
-                column.update(
-                    type=OUTPUT_TYPE,
-                    type_oid=OUTPUT_TYPE_OID,
-                    type_modifier=-1,
-                    nullable=column["nullable"] or mask.nulls,
-                )
-            columns.append(column)
+        self._check_masking(rel, type_names, key_idx)
         record = {
             "schema": rel.namespace,
             "table": rel.name,
             "version": version,
             "relation_oid": rel.oid,
             "replica_identity": rel.replica_identity,
-            "columns": columns,
+            "columns": [
+                _schema_column(
+                    c,
+                    type_name,
+                    facts.columns.get(c.name) if facts is not None else None,
+                    c.is_key if rel.replica_identity != "f" else i in key_idx,
+                    mask,
+                )
+                for i, (c, type_name, mask) in enumerate(
+                    zip(rel.columns, type_names, masks, strict=True)
+                )
+                if mask is None or not mask.drops
+            ],
             "key_columns": [names[i] for i in key_idx],
             "ts_ms": int(time.time() * 1000),
         }
@@ -320,6 +301,52 @@ class RelationCatalog:
         else:
             info.plan = row_plan(info)
         return info
+
+
+def _identity_key(rel: m.Relation, facts: TableFacts | None) -> tuple[int, ...]:
+    """The key columns of a version by its replica identity: the columns the Relation
+    message flags, or, with REPLICA IDENTITY FULL (which flags every column), the primary
+    key: the key consumers expect, and the one Debezium uses."""
+    if rel.replica_identity == "f" and facts is not None and facts.primary_key:
+        return tuple(i for i, c in enumerate(rel.columns) if c.name in facts.primary_key)
+    return tuple(i for i, c in enumerate(rel.columns) if c.is_key)
+
+
+def _schema_column(
+    column: m.Column,
+    type_name: str,
+    fact: ColumnFacts | None,
+    is_key: bool,
+    mask: ColumnMask | None,
+) -> dict[str, Any]:
+    """One column of a version's schema record; a transformed column is typed by what its
+    transform outputs."""
+    described: dict[str, Any] = {
+        "name": column.name,
+        "type": type_name,
+        "type_oid": column.type_oid,
+        "type_modifier": column.type_modifier,
+        "nullable": fact.nullable if fact else True,
+        "key": is_key,
+    }
+    if mask is not None:
+        # The source type stays for the version's identity (and the curious).
+        described["transform"] = {
+            "kind": mask.kind,
+            "spec": mask.spec,
+            "source_type": type_name,
+            "source_type_oid": column.type_oid,
+            "source_type_modifier": column.type_modifier,
+        }
+        described.update(
+            type=OUTPUT_TYPE,
+            type_oid=OUTPUT_TYPE_OID,
+            type_modifier=-1,
+            nullable=described["nullable"] or mask.nulls,
+        )
+    elif fact is not None and fact.dimensions > 1:
+        described["dimensions"] = fact.dimensions
+    return described
 
 
 # How the compiled builder writes each converter's values; any other converter is called
