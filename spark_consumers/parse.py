@@ -231,20 +231,10 @@ def _flat(nested: Column, depth: int) -> Column:
 
 
 # The columns of the typing's steps for source column ``i`` (see ``RowTyping``).
-def _variant(i: int) -> str:
-    return f"_variant_{i}"
-
-
-def _text(i: int) -> str:
-    return f"_text_{i}"
-
-
-def _items(i: int) -> str:
-    return f"_items_{i}"
-
-
-def _typed(i: int) -> str:
-    return f"_typed_{i}"
+_variant = "_variant_{}".format
+_text = "_text_{}".format
+_items = "_items_{}".format
+_typed = "_typed_{}".format
 
 
 def _image(table: s.TableSchema, op: Column, e: Column) -> Column:
