@@ -199,6 +199,23 @@ def test_event_builder_records_hold_to_the_contract() -> None:
     assert [v["op"] for v in snapshot] == ["r", "r"] and snapshot[0]["source"]["txId"] is None
 
 
+def test_a_schema_record_names_an_array_columns_declared_dimensions() -> None:
+    """Spark types an array column by its levels, which only the catalogue knows (the
+    Relation message and ``format_type`` hide them): a column declared with more than one
+    carries them, every other column nothing."""
+    info = RelationCatalog(PREFIX, _FACTS.get).apply(_RELATIONS[0])
+    dimensions = {c["name"]: c.get("dimensions") for c in info.schema_record["columns"]}
+    assert dimensions == {
+        "id": None,
+        "num": None,
+        "t": None,
+        "doc": None,
+        "grid": 2,
+        "at": None,
+        "raw": None,
+    }
+
+
 @pytest.mark.parametrize("schemas", [True, False], ids=["schemas", "payloads"])
 def test_debezium_format_holds_to_the_contract(schemas: bool) -> None:
     """Its change and transaction records are Debezium's Connect JSON
