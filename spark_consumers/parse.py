@@ -353,13 +353,14 @@ class RowTyping:
             _image(table, op, e).alias("_image"),
         ]
         self._steps = [*_extraction_steps(table), _conversion_step(table, op, e)]
+        flags = [F.col(toast_flag(i)) for i in range(len(table.columns))]
         values: list[Column] = []
         checks: list[tuple[Column, str]] = []
         for i, column in enumerate(table.columns):
             value, failed = F.col(_typed(i)), _not_converted(i, column)
             if can_be_toasted(column.spark_type):
                 # An unchanged-TOAST marker is no value, and no failure: filled in later.
-                marker = F.col(toast_flag(i))
+                marker = flags[i]
                 values.append(F.when(~marker, value).alias(column.name))
                 failed = ~marker & failed
             else:
@@ -378,7 +379,7 @@ class RowTyping:
         self._typed = [
             *(F.col(c) for c in COORDINATES),
             *values,
-            *[F.col(toast_flag(i)) for i in range(len(table.columns))],
+            *flags,
             op.alias(s.OP),
             e["source"]["commit_lsn"].alias(s.COMMIT_LSN),
             e["transaction"]["total_order"].alias(s.TOTAL_ORDER),
@@ -390,9 +391,7 @@ class RowTyping:
             _reasons(checks).alias("_row_reasons"),
         ]
         # Whether a typed row holds an unchanged-TOAST marker (its value is filled in later).
-        self.any_toast = reduce(
-            or_, [F.col(toast_flag(i)) for i in range(len(table.columns))], F.lit(False)
-        )
+        self.any_toast = reduce(or_, flags, F.lit(False))
         self.row_bytes = _row_bytes(table)
         # The envelope's problems hide the row's: a record that is no change has no columns.
         self._reason = F.coalesce(
