@@ -356,11 +356,11 @@ def test_a_fenced_producer_named_by_a_call_that_fails_without_saying_why(stack: 
             "<method 'flush' of 'cimpl.Producer' objects> returned NULL without setting an "
             "exception"
         )
-        assert isinstance(sink._classify(bare), FencedError)
+        assert isinstance(sink.diagnosis.classify(bare), FencedError)
         # Its record's delivery report, the purge: a bridge once stopped with that as a
         # plain SinkError, taken for an outage, instead of the takeover.
         purged = KafkaError(KafkaError._PURGE_QUEUE)
-        assert isinstance(sink._classify(purged, "Kafka delivery failed: "), FencedError)
+        assert isinstance(sink.diagnosis.classify(purged, "Kafka delivery failed: "), FencedError)
 
 
 def test_the_fence_check_answers_after_the_broker_restarts(stack: Stack) -> None:

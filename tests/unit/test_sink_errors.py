@@ -16,7 +16,8 @@ def test_a_callback_system_error_is_explained_by_its_cause() -> None:
             raise fatal
         except KafkaException as exc:
             raise SystemError(
-                "<function KafkaSink._delivered at 0x1> returned a result with an exception set"
+                "<function OpenTransaction.delivered at 0x1> returned a result with an exception "
+                "set"
             ) from exc
     except SystemError as wrapped:
         text = explain(wrapped)

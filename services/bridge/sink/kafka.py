@@ -7,8 +7,8 @@ partitioned Java-compatibly (murmur2) so Kafka Streams/Connect consumers co-part
 What Kafka acknowledged must be in the log, or exactly-once is a claim, not a fact: every
 broker before 4.5 can lose a producer's first request to a partition (KAFKA-15591), so the
 first record to each partition is sent alone (``FirstWrites``). The topics themselves, and
-their ids checked before every commit, are ``topics.Topics``'; what each Kafka error
-means to the operator is ``errors.refusal``'s.
+their ids checked before every commit, are ``topics.Topics``'; which error caused a failure
+is ``diagnosis.Diagnosis``'s, and what it means to the operator ``errors.refusal``'s.
 """
 
 from __future__ import annotations
@@ -24,13 +24,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from services.bridge.settings import BridgeSettings
 from services.bridge.sink.ack_wait import REPORT_AFTER_S, AckWait
 from services.bridge.sink.broker_stats import BrokerLatency, broker_latencies, brokers_of
-from services.bridge.sink.errors import (
-    NOT_ABOUT_TOPICS,
-    PURGED,
-    ProducerStranded,
-    SinkError,
-    refusal,
-)
+from services.bridge.sink.diagnosis import Diagnosis, OpenTransaction
+from services.bridge.sink.errors import ProducerStranded, SinkError
 from services.bridge.sink.partitioner import partition_for
 from services.bridge.sink.stranded import Stranding
 from services.bridge.sink.topics import Topics
@@ -287,26 +282,23 @@ class KafkaSink:
         self._stranding = Stranding()
         # on_latencies: each broker's round trip and queue time, every _STATS_MS (a metric).
         self._on_latencies = on_latencies
+        self._txn = OpenTransaction()
         self._producer = Producer(
             {
                 **producer_config(settings, self.topics.record_limit),
                 # A Python callback per record costs a sixth of the hot path; failures are what
                 # we need to hear of. A flush that leaves nothing queued and reported no failure
                 # proves every record of the transaction was delivered.
-                "on_delivery": self._delivered,
+                "on_delivery": self._txn.delivered,
                 "delivery.report.only.error": True,
                 "statistics.interval.ms": _STATS_MS,
                 "stats_cb": self._statistics,
             }
         )
+        # What any call that failed means: its cause (``diagnosis``), one line.
+        self.diagnosis = Diagnosis(self._producer, settings, self.topics, self._txn)
         self._batches = BatchSender(self._producer, self._wait_for_room)
         self._first = FirstWrites()
-        self._failure: KafkaError | None = None
-        self._failed_record: tuple[str, int] | None = None  # topic, bytes
-        self._in_txn = False
-        self._began = 0.0  # monotonic time the open transaction began
-        # Whether the open transaction is prove_not_fenced's: it holds no change to publish.
-        self._probing = False
         # A commit_transaction or abort_transaction that timed out: librdkafka refuses every
         # other transactional call (_CONFLICT) until this one is called again and finishes.
         self._unfinished: str | None = None
@@ -329,15 +321,14 @@ class KafkaSink:
 
     def begin(self) -> None:
         self._check_not_stranded()
-        self._failure = None
+        self._txn.failure = None
         self._first.renew_if_old()
         self._finish_unfinished()
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
-            raise self._classify(exc) from None
-        self._in_txn = True
-        self._began = time.monotonic()
+            raise self.diagnosis.classify(exc) from None
+        self._txn.open, self._txn.began = True, time.monotonic()
 
     def produce(
         self,
@@ -347,8 +338,8 @@ class KafkaSink:
         headers: Headers | None = None,
     ) -> None:
         self._hand_over()  # what waits for a run goes first: order per partition holds
-        if self._failure is not None:
-            raise self._classify(self._failure, "Kafka delivery failed: ")
+        if self._txn.failure is not None:
+            raise self.diagnosis.delivery_failed()
         try:
             if topic in self._first.settled:
                 partition, first = -1, False  # librdkafka's murmur2 partitioner
@@ -364,7 +355,7 @@ class KafkaSink:
         except (KafkaException, SystemError) as exc:
             # SystemError: confluent-kafka raises it when it serves a delivery report
             # while a fatal producer error is pending.
-            raise self._classify(exc, record=(topic, len(value or b""))) from None
+            raise self.diagnosis.classify(exc, record=(topic, len(value or b""))) from None
 
     def produce_all(self, records: Iterable[Record], compacted: Container[str]) -> int:
         """``produce`` each record, creating topics it does not know yet (``compacted``:
@@ -378,7 +369,7 @@ class KafkaSink:
             try:
                 kept, other = self._batches.take(pending, self._first.settled)
             except (KafkaException, SystemError) as exc:
-                raise self._classify(exc, record=self._batches.refused) from None
+                raise self.diagnosis.classify(exc, record=self._batches.refused) from None
             count += kept
             if other is None and self._batches.waiting < _CHUNK:
                 return count  # records ended: what waits goes at the next hand-over
@@ -394,17 +385,17 @@ class KafkaSink:
         """The waiting runs to librdkafka; a record it refuses ends the transaction."""
         if not self._batches.waiting:
             return
-        refused = self._batches.flush() if self._failure is None else None
-        if refused is None and self._failure is None:
+        refused = self._batches.flush() if self._txn.failure is None else None
+        if refused is None and self._txn.failure is None:
             return
         self._batches.drop()
         # librdkafka takes no record once one of the transaction's failed (_STATE): the
         # first failure's delivery report says why.
-        if self._failure is not None:
-            raise self._classify(self._failure, "Kafka delivery failed: ")
+        if self._txn.failure is not None:
+            raise self.diagnosis.delivery_failed()
         assert refused is not None
         topic, size, code = refused
-        raise self._classify(KafkaException(KafkaError(code)), record=(topic, size))
+        raise self.diagnosis.classify(KafkaException(KafkaError(code)), record=(topic, size))
 
     def _deliver_all(self) -> None:
         """Wait until every record produced so far is acknowledged, or raise. librdkafka
@@ -418,10 +409,10 @@ class KafkaSink:
             while True:
                 left = deadline - time.monotonic()
                 undelivered = self._producer.flush(max(0.0, min(_FLUSH_CHECK_S, left)))
-                if self._failure is not None:
-                    failed = self._failure
-                    raise self._transaction_failed(failed) or self._classify(
-                        failed, "Kafka delivery failed: "
+                if self._txn.failure is not None:
+                    raise (
+                        self.diagnosis.transaction_failed(self._txn.failure)
+                        or self.diagnosis.delivery_failed()
                     )
                 if not undelivered:
                     return
@@ -452,12 +443,12 @@ class KafkaSink:
         except (KafkaException, SystemError) as exc:
             err = cause(exc)
             known = (
-                self._transaction_failed(err)
+                self.diagnosis.transaction_failed(err)
                 if isinstance(err, KafkaError) and err.txn_requires_abort()
                 else None
             )
-            raise known or self._classify(exc) from None
-        self._in_txn = False
+            raise known or self.diagnosis.classify(exc) from None
+        self._txn.open = False
         return time.monotonic() - started
 
     def topic_ids(self) -> dict[str, str]:
@@ -467,9 +458,9 @@ class KafkaSink:
     def abort(self) -> None:
         """Abort the open transaction if there is one; errors here are only logged."""
         self._batches.drop()
-        if not self._in_txn:
+        if not self._txn.open:
             return
-        self._in_txn = False
+        self._txn.open = False
         self._first.forget()
         if self._stranded():
             log_event(
@@ -527,7 +518,7 @@ class KafkaSink:
             try:
                 self._end_transaction(self._unfinished, timeout_s)
             except (KafkaException, SystemError) as exc:
-                raise self._classify(exc) from None
+                raise self.diagnosis.classify(exc) from None
 
     def prove_not_fenced(self) -> None:
         """Write one record into a transaction and abort it; FencedError if a newer bridge
@@ -545,18 +536,18 @@ class KafkaSink:
         long as it was watched after a broker restart and a planned failover.
         """
         self.begin()
-        self._probing = True
+        self._txn.probing = True
         try:
             self.produce(self._settings.progress_topic, self._fence_probe_key, None)
             self._deliver_all()
         except (KafkaException, SystemError, SinkError) as exc:
             # SystemError: a delivery report served while the fatal error is pending.
-            failed = exc if isinstance(exc, SinkError) else self._classify(exc)
+            failed = exc if isinstance(exc, SinkError) else self.diagnosis.classify(exc)
             self.abort()
             raise failed from None
         finally:
-            self._probing = False
-        self._in_txn = False
+            self._txn.probing = False
+        self._txn.open = False
         try:
             # Not ``abort``, which forgets the partitions proven written (``FirstWrites``):
             # this record was acknowledged, so its partition is proven too.
@@ -564,7 +555,7 @@ class KafkaSink:
                 "abort_transaction", self._settings.kafka_transaction_timeout_ms / 1000
             )
         except (KafkaException, SystemError) as exc:
-            raise self._classify(exc) from None
+            raise self.diagnosis.classify(exc) from None
 
     def close(self) -> None:
         """Abort what is open and let go; never raises, so the error that ended the session
@@ -613,106 +604,3 @@ class KafkaSink:
                 "all without bootstrapping again (librdkafka#5301); a new session starts a "
                 "new producer, which aborts this one's transaction"
             )
-
-    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
-        # After one record fails, the producer purges those queued behind it and may
-        # report them first: the purge is the consequence, the other error the cause.
-        if err is not None and (self._failure is None or self._failure.code() in PURGED):
-            self._failure = err
-            self._failed_record = (msg.topic(), len(msg.value() or b""))
-
-    def _transaction_failed(self, err: KafkaError) -> SinkError | None:
-        """Why the open transaction failed, where ``err`` says only that it did: once one of
-        its records fails, librdkafka purges those queued behind it, takes no more
-        (``_STATE``) and fails the commit. The failed record's own delivery report says why.
-        None when nothing says more than ``err``."""
-        self._producer.flush(self._settings.kafka_transaction_timeout_ms / 1000)  # the reports
-        failure = self._failure
-        if failure is not None and failure.code() not in PURGED:
-            return self._classify(failure, "Kafka delivery failed: ")
-        why = self._transaction_error()
-        if why is not None and why.code() != err.code():
-            return self._classify(why)
-        return None
-
-    def _fatal_error(self) -> KafkaError | None:
-        """The producer's fatal error, where a call failed without naming any: confluent-kafka
-        can raise a bare SystemError ("returned NULL without setting an exception"), most
-        likely when an exception a callback raised during the call was cleared before the
-        call returned (a fenced bridge's fence check failed that way under CPU load, and
-        its one line said "Kafka: <method 'flush' ...>" instead of who took the slot
-        over). None outside a transaction (asking would start one) and when the producer
-        holds no fatal error."""
-        if not self._in_txn:
-            return None
-        err = self._begin_answer()
-        return err if err is not None and err.fatal() else None
-
-    def _transaction_error(self) -> KafkaError | None:
-        """The error the open transaction failed with where no record's report has it (a
-        partition the coordinator would not add to it: TOPIC_AUTHORIZATION_FAILED)."""
-        err = self._begin_answer()
-        return err if err is not None and err.txn_requires_abort() else None
-
-    def _begin_answer(self) -> KafkaError | None:
-        """What begin_transaction answers within the open transaction, where it starts
-        nothing: a fatal producer its fatal error, a failed transaction its error, any
-        other _STATE."""
-        try:
-            self._producer.begin_transaction()
-        except (KafkaException, SystemError) as exc:
-            err = cause(exc)
-            return err if isinstance(err, KafkaError) else None
-        return None
-
-    def _classify(
-        self,
-        exc: KafkaException | KafkaError | SystemError,
-        what: str = "Kafka: ",
-        record: tuple[str, int] | None = None,
-    ) -> SinkError:
-        timeout_ms = self._settings.kafka_transaction_timeout_ms
-        age = time.monotonic() - self._began
-        if self._in_txn and age * 1000 > timeout_ms:
-            # The coordinator aborts a transaction open past its timeout and fences the
-            # producer: the error then reads "fenced", but nobody else took over.
-            # The brokers may also not have answered at all (down, cut off): then nobody
-            # has aborted it yet, and the coordinator will once it can.
-            if self._probing:
-                return SinkError(
-                    f"the check for a newer bridge held its Kafka transaction open {age:.0f}s, "
-                    f"past kafka_transaction_timeout_ms ({timeout_ms} ms), so the broker "
-                    "aborts it; it held one record, which the brokers acknowledged slowly or "
-                    "not at all: the earlier warnings say why"
-                )
-            return SinkError(
-                f"the Kafka transaction was open {age:.0f}s, past kafka_transaction_timeout_ms "
-                f"({timeout_ms} ms), so the broker aborts it; a new session publishes what it "
-                "held again. If the brokers acknowledged slowly or not at all, the earlier "
-                "warnings say why; if they are healthy, raise kafka_transaction_timeout_ms (at "
-                "most the brokers' transaction.max.timeout.ms) for batches this large"
-            )
-        # A fenced producer's error often comes as a bare SystemError, or only as its
-        # record's purge (_PURGE_QUEUE, the consequence): the producer's fatal error is the
-        # cause, or the bridge would reconnect and fence the bridge that fenced it, in turn.
-        err = cause(exc)
-        if isinstance(err, SystemError) or (isinstance(err, KafkaError) and err.code() in PURGED):
-            err = self._fatal_error() or err
-        if isinstance(err, KafkaError) and err.code() not in NOT_ABOUT_TOPICS:
-            # A topic deleted under a transaction fails it in more ways than one (a
-            # partition that cannot join it, a purged queue, an abort the broker refuses):
-            # TopicReplaced if a topic's id changed. A check that fails leaves the error be.
-            self.topics.check_ids_briefly()
-        if (
-            isinstance(err, KafkaError)
-            and err.code() == KafkaError._STATE
-            and self._in_txn
-            and err is not self._failure
-        ):
-            known = self._transaction_failed(err)
-            if known is not None:
-                return known
-        topic, size = record or self._failed_record or ("?", 0)
-        # A topic this session made ready had its limit fitted (Topics.ensure).
-        fitted = topic in self.topics.ready
-        return refusal(err, self._settings, what, (topic, size), self.topics.record_limit, fitted)
