@@ -57,7 +57,7 @@ log = logging.getLogger("slotbridge.consume")
 # idled through those parts; with two, another table's tasks fill them: on local[2] at
 # 2,000 changes/s of the pgbench mix the freshness p99 went from 38-40 s to 26-31 s, for
 # about a tenth more JVM CPU a change as batches got smaller (bench/spark_freshness_bench.py;
-# docs/spark-consumers.md).
+# docs/spark-performance.md).
 _TABLES_PER_CORE = 2
 
 

@@ -231,7 +231,7 @@ def fits_a_broadcast(facts: BatchFacts) -> bool:
     The MERGE of a batch that only updates and deletes stored keys joins the table's files
     with the batch. Spark sends a side of a join to every task only under 10 MB by its own
     estimate, so a batch of 200,000 updates of a narrow table took the other way: all 10M
-    rows of the files it touched sorted through a shuffle (docs/spark-consumers.md). The
+    rows of the files it touched sorted through a shuffle (docs/spark-performance.md). The
     batch's real size is known (``BatchFacts.row_bytes``), except where TOAST values are
     filled in from the stored rows, which can make a row of a few bytes a row of kilobytes.
     """

@@ -122,7 +122,7 @@ def session_conf(settings: ConsumerSettings) -> dict[str, str]:
         # of its join: unbounded, a 10M-row current state became two files of 5M rows at
         # its first MERGE of random updates, and a later batch of 4 updates copied all 10M
         # rows (5.4 s). With files of at most 1M rows that batch copied 3M (2.5-2.7 s;
-        # spark_merge_bench --shapes update, docs/spark-consumers.md).
+        # spark_merge_bench --shapes update, docs/spark-performance.md).
         "spark.sql.files.maxRecordsPerFile": str(settings.max_rows_per_file),
         # Housekeeping's OPTIMIZE rewrites every file under this size, binned up to 1 GB,
         # and keeps to the bound above: with Delta's default (1 GB) each run rewrote a
@@ -160,7 +160,7 @@ def partition_conf(partitions: int) -> dict[str, str]:
     partitions. As many as Spark has cores: on local[2], 2 partitions against 4 (twice
     the cores, the earlier default) took 8% less time and JVM CPU on batches of 5,000
     changes and 4% less on batches of 200,000 (``spark_merge_bench``, alternated runs,
-    docs/spark-consumers.md)."""
+    docs/spark-performance.md)."""
     value = str(partitions)
     return {
         "spark.sql.shuffle.partitions": value,
