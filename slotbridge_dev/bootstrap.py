@@ -195,6 +195,49 @@ def _check_c_toolchain() -> None:
         )
 
 
+# The JDKs the Java parts run on: the broker (Kafka 4) and Maven need 17 or later, and
+# Spark 4.0's Hadoop 3.4.1 asks for Subject.getSubject, which JDK 24 and later refuse
+# (docs/spark-performance.md, "Java 25").
+JAVA_MAJORS = range(17, 24)
+
+
+def java_major(version_text: str) -> int | None:
+    """The major version in ``java -version``'s output (``openjdk version "17.0.15"``,
+    ``java version "1.8.0_402"``, ``openjdk version "21"``), None if it names none."""
+    for line in version_text.splitlines():
+        if " version " not in line or '"' not in line:
+            continue
+        number = line.split('"')[1]
+        parts = number.split(".")
+        head = parts[1] if parts[0] == "1" and len(parts) > 1 else parts[0]
+        digits = head.split("-")[0].split("+")[0]
+        return int(digits) if digits.isdigit() else None
+    return None
+
+
+def _check_java() -> None:
+    """Say at once what a new machine lacks, rather than at the first broker or Spark
+    session of the tests: ``java`` on PATH (the broker's) and, when ``JAVA_HOME`` is set,
+    its ``bin/java`` (Spark's), each of a version in ``JAVA_MAJORS``."""
+    on_path = shutil.which("java")
+    if on_path is None:
+        sys.exit(
+            "bootstrap: java is missing; install a JDK 17 or 21 (the broker and Spark run on it)"
+        )
+    home = os.environ.get("JAVA_HOME")
+    for java in [on_path, *([str(Path(home) / "bin" / "java")] if home else [])]:
+        try:
+            shown = subprocess.run([java, "-version"], capture_output=True, text=True, check=False)
+        except OSError as exc:
+            sys.exit(f"bootstrap: cannot run {java} ({exc}); check JAVA_HOME and PATH")
+        major = java_major(shown.stderr + shown.stdout)
+        if major not in JAVA_MAJORS:
+            sys.exit(
+                f"bootstrap: {java} is Java {major or 'of an unknown version'}; the broker and "
+                "Spark need a JDK 17 to 23 (17 or 21): put one first on PATH and in JAVA_HOME"
+            )
+
+
 def ensure_venv() -> None:
     # The C extensions are built by the editable install: a changed source reinstalls too.
     sources = [ROOT / "pyproject.toml", ROOT / "setup.py", *sorted(ROOT.glob("services/**/*.[ch]"))]
@@ -417,6 +460,7 @@ def main() -> None:
     if args.print_cache:
         print(cache)
         return
+    _check_java()
     ensure_venv()
     ensure_dev_path()
     ensure_postgres(cache)
